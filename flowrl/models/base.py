@@ -1,0 +1,191 @@
+"""What every model family provides to the sampler and the losses: the Policy adapter.
+
+A policy wraps the components of a diffusers pipeline (transformer, VAE, text encoders, scheduler
+sigmas) and exposes exactly what flowrl's hand-written denoising loop needs. The loop itself lives
+in :mod:`flowrl.sampling`, never inside a pipeline ``__call__``.
+
+Latents are always handled in the VAE's 4-D layout ``[N, C, h, w]``; model-specific packing
+(FLUX's 2x2 patch sequence) happens inside :meth:`Policy.velocity`, so trajectories, losses and
+rewards never see it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, fields, replace
+from typing import Iterator, Protocol, Sequence, runtime_checkable
+
+import torch
+
+# Target modules follow the diffusers DreamBooth-LoRA training scripts for each family.
+SD3_LORA_TARGETS: tuple[str, ...] = (
+    "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+)
+FLUX_LORA_TARGETS: tuple[str, ...] = SD3_LORA_TARGETS + (
+    "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
+    "proj_mlp", "proj_out",
+)
+
+
+@dataclass
+class TextCond:
+    """Text conditioning of a batch of prompts, computed once and indexed per trajectory row."""
+
+    prompt_embeds: torch.Tensor  # [B, L, D]
+    pooled_prompt_embeds: torch.Tensor  # [B, P]
+    negative_prompt_embeds: torch.Tensor | None = None  # [B, L, D], for classifier-free guidance
+    negative_pooled_prompt_embeds: torch.Tensor | None = None  # [B, P]
+    text_ids: torch.Tensor | None = None  # [L, 3] FLUX text position ids (shared by the batch)
+
+    def select(self, index: torch.Tensor | Sequence[int]) -> "TextCond":
+        """Rows ``index`` of every batched field; ``text_ids`` is shared and kept as is."""
+        index = torch.as_tensor(index, dtype=torch.long, device=self.prompt_embeds.device)
+        batched = {
+            f.name: getattr(self, f.name)[index]
+            for f in fields(self)
+            if f.name != "text_ids" and getattr(self, f.name) is not None
+        }
+        return replace(self, **batched)
+
+    @property
+    def has_negative(self) -> bool:
+        return self.negative_prompt_embeds is not None
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """The adapter the sampler and losses talk to (one implementation per model family)."""
+
+    transformer: torch.nn.Module
+    height: int
+    width: int
+
+    def encode(self, prompts: list[str], *, negative: bool = True) -> TextCond: ...
+
+    def init_noise(self, n: int, generator=None) -> torch.Tensor: ...  # [n, C, h, w]
+
+    def sigmas(self, num_steps: int) -> torch.Tensor: ...  # [num_steps + 1], ends at 0
+
+    def velocity(self, x: torch.Tensor, sigma, cond: TextCond, guidance_scale: float) -> torch.Tensor: ...
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor: ...  # [N, 3, H, W] in [0, 1]
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]: ...
+
+    def reference(self) -> contextlib.AbstractContextManager: ...
+
+
+class PolicyBase:
+    """Behaviour shared by the SD3 and FLUX adapters: LoRA, reference switch, VAE decoding."""
+
+    def __init__(self, pipeline, *, height: int, width: int):
+        self.pipeline = pipeline
+        self.transformer = pipeline.transformer
+        self.vae = pipeline.vae
+        self.height, self.width = height, width
+        self.has_lora = False
+
+    # --- placement -----------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return next(self.transformer.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.transformer.parameters()).dtype
+
+    def to(self, device) -> "PolicyBase":
+        self.pipeline.to(device)
+        return self
+
+    # --- LoRA ----------------------------------------------------------------------------
+    def add_lora(self, *, rank: int = 32, alpha: float = 64.0, target_modules: Sequence[str] | None = None,
+                 dropout: float = 0.0, init_seed: int | None = None) -> None:
+        """Freeze the base transformer and attach a trainable peft LoRA (kept in float32)."""
+        from peft import LoraConfig
+
+        self.transformer.requires_grad_(False)
+        self.vae.requires_grad_(False)
+        for encoder in self.text_encoders():
+            encoder.requires_grad_(False)
+        config = LoraConfig(
+            r=rank,
+            lora_alpha=alpha,
+            lora_dropout=dropout,
+            init_lora_weights="gaussian",
+            target_modules=list(target_modules or self.default_lora_targets()),
+        )
+        fork = torch.random.fork_rng(devices=[]) if init_seed is not None else contextlib.nullcontext()
+        with fork:
+            if init_seed is not None:
+                torch.manual_seed(init_seed)
+            self.transformer.add_adapter(config)
+        for param in self.trainable_parameters():
+            param.data = param.data.float()
+        self.has_lora = True
+
+    def default_lora_targets(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.transformer.parameters() if p.requires_grad]
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[None]:
+        """The frozen base model: the LoRA adapter switched off for the duration of the block."""
+        if not self.has_lora:
+            yield
+            return
+        self.transformer.disable_adapters()
+        try:
+            yield
+        finally:
+            self.transformer.enable_adapters()
+
+    def text_encoders(self) -> list[torch.nn.Module]:
+        names = ("text_encoder", "text_encoder_2", "text_encoder_3")
+        return [m for m in (getattr(self.pipeline, n, None) for n in names) if m is not None]
+
+    # --- latents <-> images ---------------------------------------------------------------
+    def init_noise(self, n: int, generator=None) -> torch.Tensor:
+        """Initial noise ``[n, C, h, w]`` drawn exactly as the diffusers pipeline draws it."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        return randn_tensor(self.latent_shape(n), generator=generator, device=self.device, dtype=self.dtype)
+
+    def latent_shape(self, n: int) -> tuple[int, int, int, int]:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Clean latents ``[N, C, h, w]`` -> images ``[N, 3, H, W]`` in [0, 1] (float32)."""
+        config = self.vae.config
+        scaled = latents.to(self.vae.dtype) / config.scaling_factor + (config.shift_factor or 0.0)
+        images = self.vae.decode(scaled, return_dict=False)[0]
+        return (images.float() / 2 + 0.5).clamp(0, 1)
+
+
+def load_pipeline(pipeline_class, model: str, *, torch_dtype: torch.dtype, device="cpu", **kwargs):
+    """Load a diffusers pipeline by hub id or local directory, with a one-line error when missing."""
+    try:
+        pipeline = pipeline_class.from_pretrained(model, torch_dtype=torch_dtype, **kwargs)
+    except (OSError, ValueError) as error:  # diffusers raises OSError for missing repos/files
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise FileNotFoundError(
+            f"could not load {pipeline_class.__name__} from {model!r}: {first_line} "
+            "(pass a local path or a hub id you can reach; set HF_HUB_OFFLINE=0 to download)"
+        ) from error
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline.to(device)
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    """'float32' | 'fp32' | 'bfloat16' | 'bf16' | 'float16' | 'fp16' -> torch dtype."""
+    if isinstance(name, torch.dtype):
+        return name
+    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+    dtype = getattr(torch, aliases.get(name, name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}; use float32, bfloat16 or float16")
+    return dtype

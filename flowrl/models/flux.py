@@ -1,0 +1,114 @@
+"""FLUX.1 policy adapter.
+
+FLUX differs from SD3 in three ways, all hidden here: latents are packed into a sequence of 2x2
+patches with position ids; the time shift is dynamic, ``mu`` growing linearly with the image
+sequence length; and FLUX.1-dev is guidance-distilled, so the guidance scale is an embedding fed to
+the transformer (one pass, no unconditional branch).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+
+from flowrl.models.base import FLUX_LORA_TARGETS, PolicyBase, TextCond, load_pipeline, resolve_dtype
+
+
+def flux_mu(image_seq_len: int, config) -> float:
+    """Dynamic shift: linear in the packed sequence length between the scheduler's two anchors."""
+    base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
+    base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
+    slope = (max_shift - base_shift) / (max_len - base_len)
+    return image_seq_len * slope + base_shift - slope * base_len
+
+
+class FluxPolicy(PolicyBase):
+    family = "flux"
+
+    def __init__(self, pipeline, *, height: int | None = None, width: int | None = None,
+                 max_sequence_length: int = 512):
+        default = pipeline.default_sample_size * pipeline.vae_scale_factor
+        super().__init__(pipeline, height=height or default, width=width or default)
+        self.max_sequence_length = max_sequence_length
+
+    @classmethod
+    def from_pretrained(cls, model: str = "black-forest-labs/FLUX.1-dev", *,
+                        torch_dtype="bfloat16", device="cpu", height=None, width=None, **kwargs):
+        from diffusers import FluxPipeline
+
+        pipeline = load_pipeline(FluxPipeline, model, torch_dtype=resolve_dtype(torch_dtype), device=device, **kwargs)
+        return cls(pipeline, height=height, width=width)
+
+    def default_lora_targets(self) -> tuple[str, ...]:
+        return FLUX_LORA_TARGETS
+
+    def latent_shape(self, n: int) -> tuple[int, int, int, int]:
+        scale = self.pipeline.vae_scale_factor * 2  # the VAE factor, then 2x2 packing
+        channels = self.transformer.config.in_channels // 4
+        return (n, channels, 2 * (self.height // scale), 2 * (self.width // scale))
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str], *, negative: bool = False) -> TextCond:
+        """FLUX.1-dev needs no negative prompt; ``negative=True`` adds one for true-CFG variants."""
+        embeds, pooled, text_ids = self.pipeline.encode_prompt(
+            prompt=prompts, prompt_2=None, device=self.device, max_sequence_length=self.max_sequence_length,
+        )
+        cond = TextCond(embeds, pooled, text_ids=text_ids)
+        if negative:
+            neg_embeds, neg_pooled, _ = self.pipeline.encode_prompt(
+                prompt=[""] * len(prompts), prompt_2=None, device=self.device,
+                max_sequence_length=self.max_sequence_length,
+            )
+            cond.negative_prompt_embeds, cond.negative_pooled_prompt_embeds = neg_embeds, neg_pooled
+        return cond
+
+    def image_seq_len(self) -> int:
+        _, _, h, w = self.latent_shape(1)
+        return (h // 2) * (w // 2)
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """Linear sigmas 1 -> 1/n, shifted by the resolution-dependent ``mu``; ``[n + 1]`` ending at 0."""
+        scheduler = copy.deepcopy(self.pipeline.scheduler)
+        mu = flux_mu(self.image_seq_len(), scheduler.config)
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu, device="cpu")
+        return scheduler.sigmas.float()
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, C, h, w] -> [B, (h/2)(w/2), 4C] patch sequence."""
+        b, c, h, w = x.shape
+        x = x.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+        return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+    def unpack(self, x: torch.Tensor, h: int, w: int) -> torch.Tensor:
+        """Inverse of :meth:`pack`: [B, (h/2)(w/2), 4C] -> [B, C, h, w]."""
+        b, _, packed_channels = x.shape
+        x = x.reshape(b, h // 2, w // 2, packed_channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+        return x.reshape(b, packed_channels // 4, h, w)
+
+    def image_ids(self, h: int, w: int) -> torch.Tensor:
+        """[(h/2)(w/2), 3] position ids of the packed patches (row, column in channels 1, 2)."""
+        ids = torch.zeros(h // 2, w // 2, 3)
+        ids[..., 1] = torch.arange(h // 2)[:, None]
+        ids[..., 2] = torch.arange(w // 2)[None, :]
+        return ids.reshape(-1, 3).to(device=self.device, dtype=self.dtype)
+
+    def velocity(self, x: torch.Tensor, sigma, cond: TextCond, guidance_scale: float,
+                 true_cfg_scale: float = 1.0) -> torch.Tensor:
+        """v(x, sigma) ``[B, C, h, w]``; ``guidance_scale`` drives the distilled-guidance embedding."""
+        batch, _, h, w = x.shape
+        timestep = (torch.as_tensor(sigma, dtype=torch.float32, device=x.device) * 1000).expand(batch)
+        timestep = timestep.to(self.dtype) / 1000
+        guidance = None
+        if self.transformer.config.guidance_embeds:
+            guidance = torch.full((batch,), float(guidance_scale), device=x.device, dtype=torch.float32)
+        common = dict(hidden_states=self.pack(x.to(self.dtype)), timestep=timestep, guidance=guidance,
+                      img_ids=self.image_ids(h, w), txt_ids=cond.text_ids, return_dict=False)
+        out = self.transformer(encoder_hidden_states=cond.prompt_embeds,
+                               pooled_projections=cond.pooled_prompt_embeds, **common)[0]
+        if true_cfg_scale > 1:
+            negative = self.transformer(encoder_hidden_states=cond.negative_prompt_embeds,
+                                        pooled_projections=cond.negative_pooled_prompt_embeds, **common)[0]
+            out = negative + true_cfg_scale * (out - negative)
+        return self.unpack(out, h, w)

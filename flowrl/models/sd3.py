@@ -1,0 +1,78 @@
+"""Stable Diffusion 3 / 3.5 policy adapter.
+
+SD3 uses a static time shift (3.0 for SD3.5-M/L) baked into its FlowMatchEulerDiscreteScheduler,
+classifier-free guidance by batching the unconditional and conditional passes, and three text
+encoders (CLIP-L, CLIP-G, T5) whose embeddings we compute once per prompt batch with the
+pipeline's own ``encode_prompt``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from flowrl.models.base import SD3_LORA_TARGETS, PolicyBase, TextCond, load_pipeline, resolve_dtype
+
+
+class SD3Policy(PolicyBase):
+    family = "sd3"
+
+    def __init__(self, pipeline, *, height: int | None = None, width: int | None = None,
+                 max_sequence_length: int = 256):
+        default = pipeline.default_sample_size * pipeline.vae_scale_factor
+        super().__init__(pipeline, height=height or default, width=width or default)
+        self.max_sequence_length = max_sequence_length
+
+    @classmethod
+    def from_pretrained(cls, model: str = "stabilityai/stable-diffusion-3.5-medium", *,
+                        torch_dtype="bfloat16", device="cpu", height=None, width=None, **kwargs):
+        from diffusers import StableDiffusion3Pipeline
+
+        pipeline = load_pipeline(StableDiffusion3Pipeline, model, torch_dtype=resolve_dtype(torch_dtype),
+                                 device=device, **kwargs)
+        return cls(pipeline, height=height, width=width)
+
+    def default_lora_targets(self) -> tuple[str, ...]:
+        return SD3_LORA_TARGETS
+
+    def latent_shape(self, n: int) -> tuple[int, int, int, int]:
+        scale = self.pipeline.vae_scale_factor
+        return (n, self.transformer.config.in_channels, self.height // scale, self.width // scale)
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str], *, negative: bool = True) -> TextCond:
+        embeds, negative_embeds, pooled, negative_pooled = self.pipeline.encode_prompt(
+            prompt=prompts, prompt_2=None, prompt_3=None, device=self.device,
+            do_classifier_free_guidance=negative, negative_prompt=[""] * len(prompts) if negative else None,
+            max_sequence_length=self.max_sequence_length,
+        )
+        return TextCond(embeds, pooled, negative_embeds, negative_pooled)
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """The scheduler's own shifted sigmas, ``[num_steps + 1]`` ending at 0."""
+        scheduler = copy.deepcopy(self.pipeline.scheduler)
+        scheduler.set_timesteps(num_steps, device="cpu")
+        return scheduler.sigmas.float()
+
+    def velocity(self, x: torch.Tensor, sigma, cond: TextCond, guidance_scale: float) -> torch.Tensor:
+        """v(x, sigma) ``[B, C, h, w]``; with ``guidance_scale > 1`` the CFG mix v_u + w (v_c - v_u)."""
+        batch = x.shape[0]
+        timestep = (torch.as_tensor(sigma, dtype=torch.float32, device=x.device) * 1000).expand(batch)
+        x = x.to(self.dtype)
+        if guidance_scale > 1:
+            if not cond.has_negative:
+                raise ValueError("guidance_scale > 1 needs negative embeddings: encode(prompts, negative=True)")
+            out = self.transformer(
+                hidden_states=torch.cat([x, x]),
+                timestep=torch.cat([timestep, timestep]),
+                encoder_hidden_states=torch.cat([cond.negative_prompt_embeds, cond.prompt_embeds]),
+                pooled_projections=torch.cat([cond.negative_pooled_prompt_embeds, cond.pooled_prompt_embeds]),
+                return_dict=False,
+            )[0]
+            uncond, text = out.chunk(2)
+            return uncond + guidance_scale * (text - uncond)
+        return self.transformer(
+            hidden_states=x, timestep=timestep, encoder_hidden_states=cond.prompt_embeds,
+            pooled_projections=cond.pooled_prompt_embeds, return_dict=False,
+        )[0]

@@ -1,0 +1,143 @@
+"""The denoising loop, written out: N = prompts x group_size trajectories -> :class:`Trajectory`.
+
+Steps inside the plan's SDE window are stochastic (``kind``: sde or cps) and stored with their
+log-probabilities; every other step is a deterministic Euler (ODE) step. Tree rollouts split each
+row into ``branch_factor`` children right before every branch step: children share the parent's
+computed prefix (computed once) and differ from that step on because each child draws its own
+noise.
+
+Randomness is per row: the initial noise of a row comes from a generator seeded with the row's
+seed, exactly as diffusers draws it from a list of generators, so an ODE rollout reproduces the
+diffusers pipeline; the noise of step ``i`` comes from ``derive_seed(row_seed, i + 1)``; a child
+row's seed is ``derive_seed(parent_seed, branch_step, child)``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from flowrl.models.base import Policy, TextCond
+from flowrl.sampling.plan import StepPlan
+from flowrl.sampling.seeding import derive_seed, generators
+from flowrl.sampling.steps import StepKind, sde_step
+from flowrl.sampling.trajectory import Trajectory
+
+
+def root_seeds(seed: int, first_row: int, count: int) -> list[int]:
+    """Seeds of root rows ``first_row .. first_row + count - 1`` of a run (global row indices)."""
+    return [derive_seed(seed, row) for row in range(first_row, first_row + count)]
+
+
+@torch.no_grad()
+def rollout(
+    policy: Policy,
+    prompts: Sequence[str],
+    *,
+    group_size: int,
+    num_steps: int,
+    guidance_scale: float,
+    noise_level: float,
+    seeds: Sequence[int],
+    kind: StepKind = "sde",
+    plan: StepPlan | None = None,
+    same_noise_in_group: bool = False,
+    metadata: Sequence[dict] | None = None,
+    cond: TextCond | None = None,
+    decode: bool = True,
+    decode_batch_size: int = 16,
+) -> Trajectory:
+    """Sample ``len(prompts) * group_size`` trajectories; only the plan's SDE steps are stored.
+
+    ``seeds`` holds one seed per root row (``len(prompts) * group_size // plan.leaves_per_root``).
+    With ``same_noise_in_group`` every row of a group starts from the first row's initial noise.
+    """
+    plan = plan or StepPlan(num_steps)
+    if plan.num_steps != num_steps:
+        raise ValueError(f"plan has {plan.num_steps} steps but num_steps={num_steps}")
+    if group_size % plan.leaves_per_root:
+        raise ValueError(f"group_size {group_size} is not a multiple of the tree's {plan.leaves_per_root} leaves")
+    roots_per_group = group_size // plan.leaves_per_root
+    num_prompts = len(prompts)
+    if len(seeds) != num_prompts * roots_per_group:
+        raise ValueError(f"need {num_prompts * roots_per_group} root seeds, got {len(seeds)}")
+
+    # 1. Text conditioning once per prompt; rows index into it.
+    if cond is None:
+        cond = policy.encode(list(prompts))
+    device = policy.device
+    prompt_ids = torch.arange(num_prompts).repeat_interleave(roots_per_group)  # [R]
+    row_seeds = torch.tensor([int(s) for s in seeds], dtype=torch.long)  # [R]
+    init_seeds = row_seeds.clone()
+    if same_noise_in_group:
+        init_seeds = row_seeds[::roots_per_group].repeat_interleave(roots_per_group)
+
+    # 2. Initial noise, drawn per row like diffusers does with a list of generators.
+    x = policy.init_noise(len(row_seeds), generator=generators(init_seeds.tolist()))  # [R, C, h, w]
+    sigmas = policy.sigmas(num_steps)  # [num_steps + 1]
+
+    lineage = torch.arange(len(row_seeds))  # [rows] id of the tree edge each row is on
+    next_lineage = len(row_seeds)
+    parent = torch.full((len(row_seeds),), -1, dtype=torch.long)
+    stored_latents: list[torch.Tensor] = []  # K+1 x [rows, C, h, w]
+    stored_log_probs: list[torch.Tensor] = []  # K x [rows]
+    stored_edges: list[torch.Tensor] = []  # K x [rows]
+
+    # 3. The loop.
+    for i in range(num_steps):
+        if i in plan.branch_steps:
+            k = plan.branch_factor
+            rows = len(row_seeds)
+            child = torch.arange(k).repeat(rows)  # [rows * k]
+            x = x.repeat_interleave(k, dim=0)
+            prompt_ids = prompt_ids.repeat_interleave(k)
+            row_seeds = torch.tensor([derive_seed(s, i, c) for s, c in zip(row_seeds.repeat_interleave(k).tolist(),
+                                                                              child.tolist())])
+            stored_latents = [t.repeat_interleave(k, dim=0) for t in stored_latents]
+            stored_log_probs = [t.repeat_interleave(k) for t in stored_log_probs]
+            stored_edges = [t.repeat_interleave(k) for t in stored_edges]
+            parent = torch.where(parent >= 0, parent * k, parent).repeat_interleave(k)
+            first_child = torch.arange(rows) * k
+            parent = torch.where(child > 0, first_child.repeat_interleave(k), parent)
+            lineage = torch.arange(next_lineage, next_lineage + rows * k)
+            next_lineage += rows * k
+
+        velocity = policy.velocity(x, sigmas[i], cond.select(prompt_ids), guidance_scale)
+        if i in plan.sde_steps:
+            if not stored_latents:
+                stored_latents.append(x)
+            step_generators = generators([derive_seed(s, i + 1) for s in row_seeds.tolist()], device=x.device)
+            out = sde_step(velocity, x, sigmas[i], sigmas[i + 1], noise_level=noise_level, kind=kind,
+                           generator=step_generators)
+            stored_latents.append(out.prev_sample)
+            stored_log_probs.append(out.log_prob)
+            stored_edges.append(lineage.clone())
+        else:
+            out = sde_step(velocity, x, sigmas[i], sigmas[i + 1], noise_level=0.0, kind="ode")
+        x = out.prev_sample
+
+    # 4. Decode the clean latents in chunks (the VAE is the memory peak at high resolution).
+    images = None
+    if decode:
+        images = torch.cat([policy.decode(chunk) for chunk in x.split(decode_batch_size)])
+
+    window = torch.tensor(list(plan.sde_steps), dtype=torch.long)
+    window_sigmas = sigmas[plan.sde_steps.start: plan.sde_steps.stop + 1]
+    return Trajectory(
+        latents=torch.stack(stored_latents, dim=1),
+        log_probs=torch.stack(stored_log_probs, dim=1).float(),
+        sigmas=window_sigmas,
+        timesteps=window_sigmas[:-1] * 1000,
+        step_indices=window,
+        final_latents=x,
+        prompt_ids=prompt_ids.to(device),
+        group_ids=prompt_ids.to(device).clone(),
+        seeds=row_seeds,
+        edge_ids=torch.stack(stored_edges, dim=1),
+        parent=parent,
+        prompts=list(prompts),
+        metadata=list(metadata) if metadata is not None else [],
+        images=images,
+        cond=cond,
+    )

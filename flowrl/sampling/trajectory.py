@@ -1,0 +1,72 @@
+"""The one container that moves between stages: rollout -> rewards -> advantages -> loss.
+
+Rows are trajectories. Groups are explicit ids (never implicit reshapes), and the same key names
+are used from sampler to loss. Only the stochastic (SDE) steps are stored: ``K`` below is the
+number of stored steps, ``latents[:, k]`` is the input of stored step ``k`` and
+``latents[:, k + 1]`` its output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Trajectory:
+    latents: torch.Tensor  # [N, K+1, C, H, W] states around the stored steps
+    log_probs: torch.Tensor  # [N, K] float32 log-density of each stored transition
+    sigmas: torch.Tensor  # [K+1] float32 noise levels of the stored states
+    timesteps: torch.Tensor  # [K] float32 model timesteps (sigma * 1000) of the stored steps
+    step_indices: torch.Tensor  # [K] long, position of each stored step in the full schedule
+    final_latents: torch.Tensor  # [N, C, H, W] the clean latent x0 at the end of the rollout
+    prompt_ids: torch.Tensor  # [N] long, index into ``prompts``
+    group_ids: torch.Tensor  # [N] long, rows with equal id are compared against each other
+    seeds: torch.Tensor  # [N] int64, per-row seed that determined its noise
+    edge_ids: torch.Tensor  # [N, K] long, equal ids mark the same tree edge shared across rows
+    parent: torch.Tensor  # [N] long, row this row branched from at its last branch point, or -1
+    prompts: list[str]  # [P] the distinct prompts of the batch
+    metadata: list[dict] = field(default_factory=list)  # [P] per-prompt metadata
+    images: torch.Tensor | None = None  # [N, 3, H, W] in [0, 1], decoded final_latents
+    cond: Any = None  # text conditioning of ``prompts`` (policy-specific), reused by the loss
+    rewards: dict[str, torch.Tensor] = field(default_factory=dict)  # {name: [N]}
+    advantages: torch.Tensor | None = None  # [N, K]
+
+    @property
+    def num_rows(self) -> int:
+        return self.latents.shape[0]
+
+    @property
+    def num_stored_steps(self) -> int:
+        return self.log_probs.shape[1]
+
+    @property
+    def row_prompts(self) -> list[str]:
+        return [self.prompts[i] for i in self.prompt_ids.tolist()]
+
+    @property
+    def row_metadata(self) -> list[dict]:
+        if not self.metadata:
+            return [{} for _ in range(self.num_rows)]
+        return [self.metadata[i] for i in self.prompt_ids.tolist()]
+
+    def first_visit_mask(self) -> torch.Tensor:
+        """[N, K] bool: True on the first row that carries each tree edge, so each edge trains once."""
+        mask = torch.zeros_like(self.edge_ids, dtype=torch.bool)
+        for k in range(self.edge_ids.shape[1]):
+            column = self.edge_ids[:, k]
+            _, inverse = torch.unique(column, return_inverse=True)
+            first = torch.full((int(inverse.max()) + 1,), column.numel(), dtype=torch.long)
+            first = first.scatter_reduce(0, inverse, torch.arange(column.numel()), reduce="amin")
+            mask[first, k] = True
+        return mask
+
+    def to(self, device) -> "Trajectory":
+        """Move every tensor field (not ``cond``) to ``device``."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                setattr(self, f.name, value.to(device))
+        return self
