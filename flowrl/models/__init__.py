@@ -1,0 +1,44 @@
+"""Model families behind one Policy adapter: SD3/SD3.5 and FLUX.1 (plus offline tiny variants).
+
+``build_policy`` takes flat arguments; ``path="tiny"`` builds the offline tiny pipeline of the
+family (tests, smoke runs), anything else is a hub id or a local diffusers directory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flowrl.models.base import Policy, PolicyBase, TextCond, load_pipeline, resolve_dtype
+
+FAMILIES = ("sd3", "flux")
+
+
+def build_policy(family: str, path: str, *, dtype: str = "float32", device="cpu", height: int | None = None,
+                 width: int | None = None, max_sequence_length: int | None = None, seed: int = 0) -> PolicyBase:
+    """Load the pipeline of ``family`` from ``path`` and wrap it in its policy adapter."""
+    from flowrl.models.flux import FluxPolicy
+    from flowrl.models.sd3 import SD3Policy
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; choose one of {FAMILIES}")
+    policy_class = SD3Policy if family == "sd3" else FluxPolicy
+    extra = {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
+    if path == "tiny":
+        from flowrl.models import tiny
+
+        pipeline = tiny.tiny_sd3_pipeline(seed) if family == "sd3" else tiny.tiny_flux_pipeline(seed)
+        height, width = height or tiny.TINY_SD3_RESOLUTION, width or tiny.TINY_SD3_RESOLUTION
+        extra.setdefault("max_sequence_length", tiny.TINY_T5_MAX_LENGTH)
+        if resolve_dtype(dtype) != torch.float32:
+            pipeline = pipeline.to(dtype=resolve_dtype(dtype))
+        pipeline = pipeline.to(device)
+        pipeline.set_progress_bar_config(disable=True)
+    else:
+        import diffusers
+
+        pipeline_class = getattr(diffusers, policy_class.pipeline_class_name)
+        pipeline = load_pipeline(pipeline_class, path, torch_dtype=resolve_dtype(dtype), device=device)
+    return policy_class(pipeline, height=height, width=width, **extra)
+
+
+__all__ = ["FAMILIES", "Policy", "PolicyBase", "TextCond", "build_policy", "resolve_dtype"]

@@ -13,7 +13,7 @@ import copy
 import numpy as np
 import torch
 
-from flowrl.models.base import FLUX_LORA_TARGETS, PolicyBase, TextCond, load_pipeline, resolve_dtype
+from flowrl.models.base import FLUX_LORA_TARGETS, PolicyBase, TextCond
 
 
 def flux_mu(image_seq_len: int, config) -> float:
@@ -26,20 +26,13 @@ def flux_mu(image_seq_len: int, config) -> float:
 
 class FluxPolicy(PolicyBase):
     family = "flux"
+    pipeline_class_name = "FluxPipeline"
 
     def __init__(self, pipeline, *, height: int | None = None, width: int | None = None,
                  max_sequence_length: int = 512):
         default = pipeline.default_sample_size * pipeline.vae_scale_factor
         super().__init__(pipeline, height=height or default, width=width or default)
         self.max_sequence_length = max_sequence_length
-
-    @classmethod
-    def from_pretrained(cls, model: str = "black-forest-labs/FLUX.1-dev", *,
-                        torch_dtype="bfloat16", device="cpu", height=None, width=None, **kwargs):
-        from diffusers import FluxPipeline
-
-        pipeline = load_pipeline(FluxPipeline, model, torch_dtype=resolve_dtype(torch_dtype), device=device, **kwargs)
-        return cls(pipeline, height=height, width=width)
 
     def default_lora_targets(self) -> tuple[str, ...]:
         return FLUX_LORA_TARGETS

@@ -12,26 +12,18 @@ import copy
 
 import torch
 
-from flowrl.models.base import SD3_LORA_TARGETS, PolicyBase, TextCond, load_pipeline, resolve_dtype
+from flowrl.models.base import SD3_LORA_TARGETS, PolicyBase, TextCond
 
 
 class SD3Policy(PolicyBase):
     family = "sd3"
+    pipeline_class_name = "StableDiffusion3Pipeline"
 
     def __init__(self, pipeline, *, height: int | None = None, width: int | None = None,
                  max_sequence_length: int = 256):
         default = pipeline.default_sample_size * pipeline.vae_scale_factor
         super().__init__(pipeline, height=height or default, width=width or default)
         self.max_sequence_length = max_sequence_length
-
-    @classmethod
-    def from_pretrained(cls, model: str = "stabilityai/stable-diffusion-3.5-medium", *,
-                        torch_dtype="bfloat16", device="cpu", height=None, width=None, **kwargs):
-        from diffusers import StableDiffusion3Pipeline
-
-        pipeline = load_pipeline(StableDiffusion3Pipeline, model, torch_dtype=resolve_dtype(torch_dtype),
-                                 device=device, **kwargs)
-        return cls(pipeline, height=height, width=width)
 
     def default_lora_targets(self) -> tuple[str, ...]:
         return SD3_LORA_TARGETS

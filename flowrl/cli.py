@@ -1,0 +1,75 @@
+"""The ``flowrl`` command line: train, sample, eval, export-lora.
+
+Every subcommand takes a YAML config plus ``a.b=value`` overrides. Errors a user can fix (bad
+config keys, missing files, impossible options) are printed as one line, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_CONFIG = "configs/smoke/sd3_tiny.yaml"
+
+
+def _config_args(parser: argparse.ArgumentParser, *, optional_config: bool = False) -> None:
+    parser.add_argument("config", nargs="?" if optional_config else None,
+                        help="YAML config file" + (" (default: the embedded toy config)" if optional_config else ""))
+    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. sampling.num_steps=4")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flowrl", description="RL alignment for flow-matching text-to-image models.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    train = commands.add_parser("train", help="train a LoRA with an RL recipe (GRPO, NFT, TMPO, ...)")
+    _config_args(train, optional_config=True)
+
+    sample = commands.add_parser("sample", help="render an image grid for a list of prompts")
+    _config_args(sample)
+    sample.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    sample.add_argument("--prompts-file", help="a .txt or .jsonl prompt file")
+    sample.add_argument("--num-per-prompt", type=int, default=4, help="images per prompt (one grid row each)")
+    sample.add_argument("--out", default=None, help="output PNG (default: RUN_DIR/samples.png)")
+    sample.add_argument("--lora", default=None, help="LoRA weights to apply (.safetensors or peft dir)")
+    sample.add_argument("--sde", action="store_true", help="sample with the configured SDE instead of the ODE")
+
+    evaluate = commands.add_parser("eval", help="score a model or checkpoint: rewards, diversity, FID")
+    _config_args(evaluate)
+
+    export = commands.add_parser("export-lora", help="export a checkpoint's LoRA for diffusers or ComfyUI")
+    export.add_argument("checkpoint", help="checkpoint directory")
+    export.add_argument("out", help="output directory")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    from flowrl.config import ConfigError
+
+    try:
+        if args.command == "sample":
+            from flowrl.commands.sample import run_sample
+
+            out = run_sample(args)
+            print(f"wrote {out}")
+            return 0
+        if args.command == "train":
+            from flowrl.commands.train import run_train
+
+            run_train(args.config or DEFAULT_CONFIG, args.overrides)
+            return 0
+        raise NotImplementedError(f"'flowrl {args.command}' is not available in this release yet")
+    except (ConfigError, FileNotFoundError, NotImplementedError, ValueError) as error:
+        if os.environ.get("FLOWRL_DEBUG"):
+            raise
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(f"flowrl {args.command}: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

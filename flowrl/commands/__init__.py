@@ -1,0 +1,1 @@
+"""Implementations of the command-line subcommands, imported lazily by flowrl.cli."""

@@ -1,0 +1,48 @@
+"""``flowrl sample CONFIG``: render a grid (one row per prompt) with the configured model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def run_sample(args) -> Path:
+    from torchvision.utils import save_image
+
+    from flowrl.config import Config, load_config
+    from flowrl.data import load_prompts
+    from flowrl.models import build_policy
+    from flowrl.models.lora_io import load_lora_into
+    from flowrl.sampling import StepPlan, rollout, root_seeds
+
+    cfg = load_config(Config, args.config, args.overrides)
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        prompts += load_prompts(args.prompts_file).prompts
+    if not prompts:
+        raise ValueError("no prompts: pass --prompt TEXT (repeatable) or --prompts-file FILE")
+    device = resolve_device(cfg.device)
+    model = cfg.model
+    policy = build_policy(model.family, model.path, dtype=model.dtype, device=device, height=model.height,
+                          width=model.width, max_sequence_length=model.max_sequence_length, seed=cfg.seed)
+    if args.lora:
+        load_lora_into(policy, args.lora)
+    steps = cfg.sampling.num_steps
+    plan = StepPlan(steps) if args.sde else StepPlan(steps, sde_start=steps - 1, sde_size=1)
+    noise = cfg.sampling.noise_level if args.sde else 0.0
+    n = args.num_per_prompt
+    traj = rollout(policy, prompts, group_size=n, num_steps=steps, guidance_scale=cfg.sampling.guidance_scale,
+                   noise_level=noise, kind=cfg.sampling.kind, plan=plan,
+                   seeds=root_seeds(cfg.seed, 0, len(prompts) * n))
+    out = Path(args.out or Path(cfg.run_dir) / "samples.png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_image(traj.images, out, nrow=n, padding=2)
+    (out.with_suffix(".txt")).write_text("\n".join(prompts) + "\n", encoding="utf-8")
+    return out

@@ -1,0 +1,171 @@
+"""The typed configuration of a flowrl run. YAML files map onto these dataclasses one to one.
+
+Every field carries a one-line doc (the string below it). Unknown keys, wrong types and
+impossible combinations are rejected at load time with a one-line :class:`ConfigError` that names
+the dotted key. Components never receive this object: recipes unpack it into flat arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from flowrl.config.loader import check
+
+
+@dataclass
+class ModelConfig:
+    family: Literal["sd3", "flux"] = "sd3"
+    """Model family; picks the policy adapter (SD3/SD3.5 or FLUX.1)."""
+    path: str = "tiny"
+    """Hub id or local pipeline directory; 'tiny' builds the offline tiny pipeline of the family."""
+    dtype: str = "float32"
+    """Weights dtype: float32, bfloat16 or float16 (LoRA weights always stay float32)."""
+    height: int | None = None
+    """Image height in pixels (default: the model's native size)."""
+    width: int | None = None
+    """Image width in pixels (default: the model's native size)."""
+    max_sequence_length: int | None = None
+    """T5 token budget (default: 256 for SD3, 512 for FLUX)."""
+    gradient_checkpointing: bool = False
+    """Recompute transformer activations in the backward pass to save memory."""
+
+    def validate(self):
+        check(self.dtype in ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16"), "dtype",
+              f"unknown dtype {self.dtype!r}; use float32, bfloat16 or float16")
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 32
+    """LoRA rank r."""
+    alpha: float = 64.0
+    """LoRA alpha; the update is scaled by alpha / r."""
+    target_modules: list[str] | None = None
+    """Module name suffixes to adapt (default: the family's diffusers-training-script set)."""
+    dropout: float = 0.0
+    """LoRA dropout."""
+    init_from: str | None = None
+    """Start from an existing LoRA: a diffusers .safetensors file or a peft directory."""
+
+    def validate(self):
+        check(self.rank >= 1, "rank", "must be >= 1")
+
+
+@dataclass
+class WindowConfig:
+    size: int | None = None
+    """SDE window length k; None trains a full-SDE rollout (every step stochastic and stored)."""
+    mode: Literal["random", "sliding", "fixed"] = "random"
+    """Window placement: random start per iteration (Flow-GRPO-Fast) or sliding (MixGRPO)."""
+    start_range: list[int] | None = None
+    """Inclusive [low, high] range of window starts (default: every valid start)."""
+    shift_every: int = 1
+    """Sliding mode: move the window one step every this many iterations."""
+
+
+@dataclass
+class TreeConfig:
+    branch_steps: list[int] = field(default_factory=list)
+    """Steps before which every trajectory splits (empty: no tree)."""
+    branch_factor: int = 2
+    """Children per branch point; w branch steps give branch_factor**w leaves per root."""
+
+
+@dataclass
+class SamplingConfig:
+    num_steps: int = 10
+    """Denoising steps per rollout."""
+    guidance_scale: float = 4.5
+    """CFG scale for SD3; the distilled-guidance embedding value for FLUX."""
+    noise_level: float = 0.7
+    """SDE noise level a (0.7 for SD3, 0.9 for FLUX in Flow-GRPO)."""
+    kind: Literal["sde", "cps"] = "sde"
+    """Stochastic step inside the window: Flow-GRPO SDE or coefficient-preserving sampling."""
+    group_size: int = 24
+    """Trajectories per prompt (the GRPO group)."""
+    prompts_per_batch: int = 2
+    """Distinct prompts per rollout batch on each process."""
+    same_noise_in_group: bool = False
+    """Start every trajectory of a group from the same initial noise."""
+    window: WindowConfig = field(default_factory=WindowConfig)
+    """SDE window (Flow-GRPO-Fast / MixGRPO)."""
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    """Tree rollouts (BranchGRPO / TreeGRPO / TMPO)."""
+
+    def validate(self):
+        check(self.num_steps >= 1, "num_steps", "must be >= 1")
+        check(self.group_size >= 1, "group_size", "must be >= 1")
+        check(self.noise_level >= 0, "noise_level", "must be >= 0")
+        size = self.window.size
+        if size is not None:
+            check(1 <= size <= self.num_steps, "window.size",
+                  f"window of {size} steps does not fit in sampling.num_steps={self.num_steps}")
+            if self.window.start_range is not None:
+                low, high = (self.window.start_range + [None, None])[:2]
+                check(len(self.window.start_range) == 2 and 0 <= low <= high <= self.num_steps - size,
+                      "window.start_range",
+                      f"must be [low, high] with 0 <= low <= high <= {self.num_steps - size}")
+        tree = self.tree
+        if tree.branch_steps:
+            check(tree.branch_factor >= 2, "tree.branch_factor", "must be >= 2 for a tree")
+            check(all(0 <= s < self.num_steps for s in tree.branch_steps), "tree.branch_steps",
+                  f"every branch step must lie in [0, {self.num_steps})")
+            check(len(set(tree.branch_steps)) == len(tree.branch_steps), "tree.branch_steps",
+                  "branch steps must be distinct")
+            leaves = tree.branch_factor ** len(tree.branch_steps)
+            check(self.group_size % leaves == 0, "group_size",
+                  f"must be a multiple of the tree's {leaves} leaves per root")
+            check(size is None or self.window.mode == "fixed", "tree.branch_steps",
+                  "a tree needs a full-SDE rollout or a fixed window containing every branch step")
+
+
+@dataclass
+class DataConfig:
+    prompts: str = "assets/prompts/general.txt"
+    """Prompt file: .txt (one per line) or .jsonl ({"prompt": ..., "metadata": {...}})."""
+    test_prompts: str | None = None
+    """Held-out prompt file; default: a deterministic split of `prompts`."""
+    test_fraction: float = 0.1
+    """Fraction held out when test_prompts is not given."""
+    eval_prompts: list[str] = field(default_factory=list)
+    """Fixed prompts rendered into image grids during training (default: first test prompts)."""
+
+    def validate(self):
+        check(0 <= self.test_fraction < 1, "test_fraction", "must be in [0, 1)")
+
+
+@dataclass
+class RewardSpec:
+    name: str = "brightness"
+    """Short reward name (see `flowrl rewards`) or a dotted path 'package.module:Class'."""
+    weight: float = 1.0
+    """Weight in the combined reward."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Flat keyword arguments for the reward's constructor (device, batch_size, model path, ...)."""
+
+
+@dataclass
+class Config:
+    seed: int = 0
+    """Seed of everything: prompts order, noise, LoRA init."""
+    device: str = "auto"
+    """'auto' (CUDA when available), 'cpu' or 'cuda'."""
+    run_dir: str = "runs/default"
+    """Where logs, checkpoints, grids and the resolved config go."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Base model and its loading."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """The trainable adapter."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Rollouts."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt sets."""
+    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
+    """Rewards, combined by weight."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Recipe-specific settings the recipe validates itself."""
+
+    def validate(self):
+        check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device",
+              "use auto, cpu, cuda or cuda:N")

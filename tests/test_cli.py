@@ -1,0 +1,40 @@
+"""The command line: help lists the subcommands, sample writes a grid, errors are one line."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+def _flowrl(*args, cwd=REPO):
+    return subprocess.run([sys.executable, "-m", "flowrl", *args], cwd=cwd, env=ENV, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_help_lists_the_planned_subcommands():
+    out = _flowrl("--help")
+    assert out.returncode == 0
+    for command in ("train", "sample", "eval", "export-lora"):
+        assert command in out.stdout
+
+
+def test_sample_writes_a_grid(tmp_path):
+    out_file = tmp_path / "grid.png"
+    result = _flowrl("sample", "configs/smoke/sd3_tiny.yaml", "sampling.num_steps=2", "--prompt", "a cat",
+                     "--prompt", "a dog", "--num-per-prompt", "3", "--out", str(out_file))
+    assert result.returncode == 0, result.stderr
+    image = Image.open(out_file)
+    # 2 rows x 3 columns of 64 px images with 2 px padding
+    assert image.size == (3 * 64 + 4 * 2, 2 * 64 + 3 * 2)
+
+
+def test_bad_override_is_a_one_line_error():
+    result = _flowrl("sample", "configs/smoke/sd3_tiny.yaml", "sampling.num_stepz=2", "--prompt", "x")
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0
+    assert "sampling.num_stepz" in result.stderr and "Traceback" not in result.stderr
