@@ -4,8 +4,8 @@ from flowrl.config.loader import ConfigError, check, from_dict, load_config, sav
 
 __all__ = ["ConfigError", "check", "from_dict", "load_config", "save_config", "to_dict"]
 from flowrl.config.schema import (  # noqa: E402
-    Config, DataConfig, LoraConfig, ModelConfig, RewardSpec, SamplingConfig, TreeConfig, WindowConfig,
+    Config, DataConfig, LogConfig, LoraConfig, ModelConfig, RewardSpec, SamplingConfig, TrainConfig, TreeConfig, WindowConfig,
 )
 
-__all__ += ["Config", "DataConfig", "LoraConfig", "ModelConfig", "RewardSpec", "SamplingConfig", "TreeConfig",
+__all__ += ["Config", "DataConfig", "LogConfig", "TrainConfig", "LoraConfig", "ModelConfig", "RewardSpec", "SamplingConfig", "TreeConfig",
             "WindowConfig"]

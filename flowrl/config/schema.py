@@ -146,6 +146,93 @@ class RewardSpec:
 
 
 @dataclass
+class TrainConfig:
+    epochs: int = 100
+    """Outer iterations: sample, score, compute advantages, optimise."""
+    batches_per_epoch: int = 1
+    """Rollout batches per epoch on each process (scoring of one overlaps sampling of the next)."""
+    inner_epochs: int = 1
+    """Passes over the epoch's stored transitions."""
+    optimizer_steps_per_epoch: int = 1
+    """Optimizer steps per inner pass; transitions are split into this many shuffled chunks."""
+    micro_batch_size: int = 4
+    """Trajectories per forward/backward (gradient accumulation fills the rest)."""
+    learning_rate: float = 3e-4
+    """AdamW learning rate."""
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 1e-4
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm (0 disables)."""
+    loss: str = "grpo-clip"
+    """Policy loss (registry name)."""
+    clip_range: float = 1e-4
+    """PPO ratio clip epsilon (1e-4 full SDE, 1e-5 window/CPS in Flow-GRPO)."""
+    clip_range_high: float | None = None
+    """Upper clip epsilon if different from the lower one (asymmetric clipping)."""
+    advantage: Literal["grpo", "mean"] = "grpo"
+    """Advantage estimator (registry name)."""
+    std_scope: Literal["global", "group"] = "global"
+    """Normalise advantages by the batch std (Flow-GRPO default) or each group's own std."""
+    advantage_clip: float = 5.0
+    """Clip advantages to +-this value."""
+    combine: str = "weighted"
+    """How several rewards become one advantage (registry name)."""
+    beta: float = 0.04
+    """KL coefficient to the reference model (adapter off); 0 disables the reference pass."""
+    cfg: bool = True
+    """Classifier-free guidance in sampling and training (SD3); off trains the conditional model alone."""
+    skip_last_step: bool = True
+    """Do not train the last, near-clean step."""
+    timestep_fraction: float = 1.0
+    """Train this fraction of the stored steps, drawn per epoch."""
+    ema: bool = True
+    """Keep an EMA of the LoRA weights for eval and export."""
+    ema_decay: float = 0.9
+    """EMA decay per optimizer step."""
+    mixed_precision: Literal["no", "fp16", "bf16"] = "bf16"
+    """Autocast precision on GPU (CPU always runs float32)."""
+    async_rewards: bool = True
+    """Score batch i in a worker thread while batch i+1 is sampled."""
+    reward_errors: Literal["raise", "nan"] = "raise"
+    """A reward that raises stops the run, or marks the batch NaN (excluded) and continues."""
+    checkpoint_every: int = 10
+    """Save a checkpoint every this many epochs (and at the end)."""
+    keep_checkpoints: int = 3
+    """Checkpoints kept on disk."""
+    resume: str | None = None
+    """'latest' or a checkpoint directory to continue from."""
+    export_lora: bool = True
+    """Export the final (EMA) LoRA in diffusers format to RUN_DIR/lora at the end."""
+
+    def validate(self):
+        for key in ("epochs", "batches_per_epoch", "inner_epochs", "optimizer_steps_per_epoch", "micro_batch_size"):
+            check(getattr(self, key) >= 1, key, "must be >= 1")
+        check(self.learning_rate > 0, "learning_rate", "must be > 0")
+        check(len(self.adam_betas) == 2, "adam_betas", "must be [beta1, beta2]")
+        check(0 < self.timestep_fraction <= 1, "timestep_fraction", "must be in (0, 1]")
+        check(self.beta >= 0, "beta", "must be >= 0")
+        check(0 <= self.ema_decay < 1, "ema_decay", "must be in [0, 1)")
+
+
+@dataclass
+class LogConfig:
+    backend: Literal["none", "tensorboard", "wandb"] = "none"
+    """Tracker besides the always-written metrics.jsonl."""
+    project: str = "flowrl"
+    """Tracker project name."""
+    eval_every: int = 10
+    """Render the fixed eval prompts into an image grid every this many epochs (0: never)."""
+    eval_images_per_prompt: int = 4
+    """Images per eval prompt in each grid."""
+    progress: bool = True
+    """Show a progress bar with reward, loss and time per stage."""
+
+
+@dataclass
 class Config:
     seed: int = 0
     """Seed of everything: prompts order, noise, LoRA init."""
@@ -163,9 +250,18 @@ class Config:
     """Prompt sets."""
     rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
     """Rewards, combined by weight."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimisation."""
+    log: LogConfig = field(default_factory=LogConfig)
+    """Logging, eval grids, progress."""
+    recipe: Literal["grpo"] = "grpo"
+    """Training loop shape."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Recipe-specific settings the recipe validates itself."""
 
     def validate(self):
+        check(len({r.name for r in self.rewards}) == len(self.rewards), "rewards", "each reward may appear once")
+        check(self.sampling.group_size >= 2 or self.train.advantage == "mean", "sampling.group_size",
+              "group advantages need at least 2 trajectories per prompt")
         check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device",
               "use auto, cpu, cuda or cuda:N")

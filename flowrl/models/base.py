@@ -48,6 +48,17 @@ class TextCond:
         }
         return replace(self, **batched)
 
+    @staticmethod
+    def cat(conds: Sequence["TextCond"]) -> "TextCond":
+        """Concatenate the batches of several conditionings (``text_ids`` taken from the first)."""
+        first = conds[0]
+        joined = {
+            f.name: torch.cat([getattr(c, f.name) for c in conds])
+            for f in fields(first)
+            if f.name != "text_ids" and getattr(first, f.name) is not None
+        }
+        return replace(first, **joined)
+
     @property
     def has_negative(self) -> bool:
         return self.negative_prompt_embeds is not None
@@ -85,6 +96,12 @@ class PolicyBase:
         self.vae = pipeline.vae
         self.height, self.width = height, width
         self.has_lora = False
+        self.forward_module = None  # e.g. the DDP-wrapped transformer; None calls the transformer itself
+
+    def run_transformer(self, **kwargs):
+        """One transformer forward through the (possibly distributed) wrapper; returns the sample."""
+        module = self.forward_module if self.forward_module is not None else self.transformer
+        return module(return_dict=False, **kwargs)[0]
 
     # --- placement -----------------------------------------------------------------------
     @property
@@ -131,17 +148,30 @@ class PolicyBase:
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.transformer.parameters() if p.requires_grad]
 
+    def named_trainable_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.transformer.named_parameters() if p.requires_grad]
+
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
         """The frozen base model: the LoRA adapter switched off for the duration of the block."""
         if not self.has_lora:
             yield
             return
-        self.transformer.disable_adapters()
+        with self.local_forward():
+            self.transformer.disable_adapters()
+            try:
+                yield
+            finally:
+                self.transformer.enable_adapters()
+
+    @contextlib.contextmanager
+    def local_forward(self) -> Iterator[None]:
+        """Bypass the distributed wrapper: gradient-free passes (rollouts, reference) need no syncing."""
+        wrapper, self.forward_module = self.forward_module, None
         try:
             yield
         finally:
-            self.transformer.enable_adapters()
+            self.forward_module = wrapper
 
     def text_encoders(self) -> list[torch.nn.Module]:
         names = ("text_encoder", "text_encoder_2", "text_encoder_3")

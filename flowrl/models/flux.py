@@ -97,11 +97,11 @@ class FluxPolicy(PolicyBase):
         if self.transformer.config.guidance_embeds:
             guidance = torch.full((batch,), float(guidance_scale), device=x.device, dtype=torch.float32)
         common = dict(hidden_states=self.pack(x.to(self.dtype)), timestep=timestep, guidance=guidance,
-                      img_ids=self.image_ids(h, w), txt_ids=cond.text_ids, return_dict=False)
-        out = self.transformer(encoder_hidden_states=cond.prompt_embeds,
-                               pooled_projections=cond.pooled_prompt_embeds, **common)[0]
+                      img_ids=self.image_ids(h, w), txt_ids=cond.text_ids)
+        out = self.run_transformer(encoder_hidden_states=cond.prompt_embeds,
+                                   pooled_projections=cond.pooled_prompt_embeds, **common)
         if true_cfg_scale > 1:
-            negative = self.transformer(encoder_hidden_states=cond.negative_prompt_embeds,
-                                        pooled_projections=cond.negative_pooled_prompt_embeds, **common)[0]
+            negative = self.run_transformer(encoder_hidden_states=cond.negative_prompt_embeds,
+                                            pooled_projections=cond.negative_pooled_prompt_embeds, **common)
             out = negative + true_cfg_scale * (out - negative)
         return self.unpack(out, h, w)

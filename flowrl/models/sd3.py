@@ -55,16 +55,15 @@ class SD3Policy(PolicyBase):
         if guidance_scale > 1:
             if not cond.has_negative:
                 raise ValueError("guidance_scale > 1 needs negative embeddings: encode(prompts, negative=True)")
-            out = self.transformer(
+            out = self.run_transformer(
                 hidden_states=torch.cat([x, x]),
                 timestep=torch.cat([timestep, timestep]),
                 encoder_hidden_states=torch.cat([cond.negative_prompt_embeds, cond.prompt_embeds]),
                 pooled_projections=torch.cat([cond.negative_pooled_prompt_embeds, cond.pooled_prompt_embeds]),
-                return_dict=False,
-            )[0]
+            )
             uncond, text = out.chunk(2)
             return uncond + guidance_scale * (text - uncond)
-        return self.transformer(
+        return self.run_transformer(
             hidden_states=x, timestep=timestep, encoder_hidden_states=cond.prompt_embeds,
-            pooled_projections=cond.pooled_prompt_embeds, return_dict=False,
-        )[0]
+            pooled_projections=cond.pooled_prompt_embeds,
+        )

@@ -4,9 +4,9 @@ from flowrl.sampling.plan import StepPlan, window_start
 from flowrl.sampling.rollout import rollout, root_seeds
 from flowrl.sampling.seeding import derive_seed
 from flowrl.sampling.steps import STEP_KINDS, StepOutput, gaussian_log_prob, sde_step, transition
-from flowrl.sampling.trajectory import Trajectory
+from flowrl.sampling.trajectory import Trajectory, concat_trajectories
 
 __all__ = [
-    "STEP_KINDS", "StepOutput", "StepPlan", "Trajectory", "derive_seed", "gaussian_log_prob",
+    "STEP_KINDS", "StepOutput", "StepPlan", "Trajectory", "concat_trajectories", "derive_seed", "gaussian_log_prob",
     "rollout", "root_seeds", "sde_step", "transition", "window_start",
 ]

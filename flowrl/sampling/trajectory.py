@@ -70,3 +70,50 @@ class Trajectory:
             if isinstance(value, torch.Tensor):
                 setattr(self, f.name, value.to(device))
         return self
+
+
+def concat_trajectories(parts: list[Trajectory]) -> Trajectory:
+    """Join rollout batches into one trajectory set; prompt, edge and parent ids are re-offset.
+
+    Group ids are kept as they are: the caller assigns them globally unique per prompt.
+    """
+    from flowrl.models.base import TextCond
+
+    if len(parts) == 1:
+        return parts[0]
+    prompt_offset = edge_offset = row_offset = 0
+    prompt_ids, edge_ids, parents = [], [], []
+    for part in parts:
+        prompt_ids.append(part.prompt_ids + prompt_offset)
+        edge_ids.append(part.edge_ids + edge_offset)
+        parents.append(torch.where(part.parent >= 0, part.parent + row_offset, part.parent))
+        prompt_offset += len(part.prompts)
+        edge_offset += int(part.edge_ids.max()) + 1
+        row_offset += part.num_rows
+    first = parts[0]
+    images = None if first.images is None else torch.cat([p.images for p in parts])
+    return Trajectory(
+        latents=torch.cat([p.latents for p in parts]),
+        log_probs=torch.cat([p.log_probs for p in parts]),
+        sigmas=first.sigmas,
+        timesteps=first.timesteps,
+        step_indices=first.step_indices,
+        final_latents=torch.cat([p.final_latents for p in parts]),
+        prompt_ids=torch.cat(prompt_ids),
+        group_ids=torch.cat([p.group_ids for p in parts]),
+        seeds=torch.cat([p.seeds for p in parts]),
+        edge_ids=torch.cat(edge_ids),
+        parent=torch.cat(parents),
+        prompts=[prompt for p in parts for prompt in p.prompts],
+        metadata=[m for p in parts for m in (p.metadata or [{} for _ in p.prompts])],
+        images=images,
+        cond=TextCond.cat([p.cond for p in parts]) if first.cond is not None else None,
+        rewards=_concat_rewards(parts),
+    )
+
+
+def _concat_rewards(parts: list[Trajectory]) -> dict[str, torch.Tensor]:
+    """Join per-batch reward dicts; a key missing from a batch (its reward failed) becomes NaN there."""
+    keys = list(dict.fromkeys(k for p in parts for k in p.rewards))
+    nan = lambda p: torch.full((p.num_rows,), float("nan"))  # noqa: E731
+    return {k: torch.cat([p.rewards[k].float() if k in p.rewards else nan(p) for p in parts]) for k in keys}

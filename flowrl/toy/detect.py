@@ -7,7 +7,7 @@ this module instead.
 
 Pipeline, all vectorised over the batch:
 1. background = per-channel median of the 1-pixel border ring;
-2. colour unmixing: a pixel x belongs to palette colour k if it lies on the
+2. colour unmixing (on a [1,2,1]-smoothed copy, to cut noise): a pixel x belongs to palette colour k if it lies on the
    segment from the background B towards P_k at least half way
    (x ~ B + a (P_k - B), a >= 0.5) with a small residual.  Anti-aliased or
    blurred edges are mixtures of object and background, so they fall on that
@@ -35,8 +35,8 @@ COLOR_NAMES = tuple(COLORS)
 BG_PALETTE = np.array(list(BACKGROUNDS.values()), np.float32) / 255.0  # [B, 3]
 BG_NAMES = tuple(BACKGROUNDS)
 
-# Shape prototypes in (H4, S3) feature space, the fraction of its bbox each shape
-# fills, and the offset of its centroid below the bbox centre (x side).
+# Shape prototypes in (H4, S3) feature space; the fraction of its bbox each shape
+# fills; the offset of its area centroid below its bbox centre (in sides).
 PROTOTYPES: dict[str, tuple[float, float]] = {
     "circle": (0.0, 0.0),
     "square": (-1.0, 0.0),
@@ -49,10 +49,10 @@ _PROTO = np.array(list(PROTOTYPES.values()), np.float64)  # [S, 2]
 _PROTO_NAMES = tuple(PROTOTYPES)
 _H4_SCALE, _S3_SCALE = 60.0, 48.0  # ideal square / triangle -> unit features
 
+IMAGE_TOLERANCE = 1e-4  # slack on [0, 1] for decoder rounding (same as flowrl.rewards_api)
 MIN_ALPHA = 0.5  # a pixel is foreground once it is at least half object colour
 MAX_RESIDUAL = 0.22  # off-segment distance allowed (RGB in [0, 1]); soft for blurry models
 MIN_AREA_FRAC = 0.006  # smaller components are noise (6 px at 32x32, 25 px at 64x64)
-SMOOTH = True  # denoise before unmixing, see smooth()
 FLOOR = 0.1  # fringe pixels below this alpha are treated as noise
 FRINGE = 2  # pixels of anti-aliased / blurred edge added to each component's moments
 MAX_ELONGATION = 1.8  # sqrt of the covariance eigenvalue ratio; triangle is 1.15
@@ -76,22 +76,24 @@ class Detection:
 
 
 def check_images(images: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """Validate a reward batch -> (float32 [N, H, W, 3], finite [N] bool).
+    """Validate a reward batch -> (float32 [N, H, W, 3] in [0, 1], finite [N] bool).
 
-    Raises ValueError for a non-tensor, a shape other than [N, 3, H, W] or finite
-    values outside [0, 1].  Images holding NaN/inf are flagged (scored NaN).
+    One-line ValueError for a non-float tensor, a shape other than [N, 3, H, W]
+    or finite values outside [0, 1] (+- IMAGE_TOLERANCE, as flowrl.rewards_api).
+    Images holding NaN/inf pass, flagged not finite (rewards score them NaN).
     """
-    if not isinstance(images, torch.Tensor):
-        raise ValueError(f"images must be a torch.Tensor [N,3,H,W], got {type(images).__name__}")
+    if not isinstance(images, torch.Tensor) or not images.is_floating_point():
+        kind = f"{images.dtype} tensor" if isinstance(images, torch.Tensor) else type(images).__name__
+        raise ValueError(f"images must be a float tensor [N,3,H,W] in [0,1], got {kind}")
     if images.ndim != 4 or images.shape[1] != 3 or images.shape[2] < 8 or images.shape[3] < 8:
         raise ValueError(f"images must have shape [N,3,H,W] with H,W >= 8, got {tuple(images.shape)}")
     x = images.detach().to("cpu", torch.float32)
-    finite = torch.isfinite(x).flatten(1).all(dim=1)
+    finite = torch.isfinite(x).flatten(1).all(dim=1)  # [N]
     vals = x[torch.isfinite(x)]
-    if vals.numel() and (vals.min() < -1e-6 or vals.max() > 1 + 1e-6):
+    if vals.numel() and (vals.min() < -IMAGE_TOLERANCE or vals.max() > 1 + IMAGE_TOLERANCE):
         raise ValueError(f"image values must lie in [0,1], got [{vals.min():.4g}, {vals.max():.4g}]")
-    arr = torch.nan_to_num(x, nan=0.0).clamp(0, 1).permute(0, 2, 3, 1).numpy()
-    return np.ascontiguousarray(arr), finite.numpy()
+    arr = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0).clamp(0, 1).permute(0, 2, 3, 1)
+    return np.ascontiguousarray(arr.numpy()), finite.numpy()
 
 
 def _as_hwc(image) -> np.ndarray:
@@ -126,11 +128,11 @@ def background_index(bg: np.ndarray) -> np.ndarray:
     return np.argmin(((bg[:, None, :] - BG_PALETTE[None]) ** 2).sum(-1), axis=1)
 
 
-def classify_pixels(x: np.ndarray, bg: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Unmix every pixel against every palette colour.
+def unmix(x: np.ndarray, bg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Fit every pixel as B + a (P_k - B) for every palette colour k.
 
-    [N,H,W,3], [N,3] -> (class int8 [N,H,W] with -1 = background,
-    alpha [N,H,W,K] mixing weight of colour k, residual [N,H,W,K] off-segment distance).
+    [N,H,W,3], [N,3] -> (alpha [N,H,W,K] mixing weight, resid [N,H,W,K]
+    distance to the segment, inf where P_k is too close to B to be seen).
     """
     d = x - bg[:, None, None, :]  # [N, H, W, 3]
     v = PALETTE[None] - bg[:, None, :]  # [N, K, 3]
@@ -140,12 +142,26 @@ def classify_pixels(x: np.ndarray, bg: np.ndarray) -> tuple[np.ndarray, np.ndarr
     a = np.clip(alpha, 0.0, 1.5)
     dd = (d * d).sum(-1, keepdims=True)  # [N, H, W, 1]
     resid = np.sqrt(np.maximum(dd - 2 * a * dv + a * a * vv, 0.0))
-    ok = (alpha >= MIN_ALPHA) & (vv > 0.15 ** 2)  # colour too close to bg: undetectable
-    r_ok = np.where(ok, resid, np.inf)
-    k = np.argmin(r_ok, axis=-1)
-    best = np.take_along_axis(r_ok, k[..., None], -1)[..., 0]
-    cls = np.where(best <= MAX_RESIDUAL, k, -1).astype(np.int8)
-    return cls, alpha, resid
+    return alpha, np.where(vv > 0.15**2, resid, np.inf)
+
+
+def classify_pixels(x: np.ndarray, bg: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Palette class per pixel: [N,H,W,3], [N,3] -> (cls, soft, alpha).
+
+    soft  int8 [N,H,W]: colour whose segment fits best among those with
+          alpha >= FLOOR, -1 if none fits within MAX_RESIDUAL (owns faint edges);
+    cls   int8 [N,H,W]: soft where that colour's alpha >= MIN_ALPHA, else -1.
+          Choosing the colour before thresholding alpha matters: a faint blue
+          edge is closer to half-way towards purple than towards blue.
+    alpha float [N,H,W,K] from `unmix`.
+    """
+    alpha, resid = unmix(x, bg)
+    r = np.where(alpha >= FLOOR, resid, np.inf)
+    k = np.argmin(r, axis=-1)[..., None]  # [N, H, W, 1]
+    fits = np.take_along_axis(r, k, -1)[..., 0] <= MAX_RESIDUAL
+    soft = np.where(fits, k[..., 0], -1).astype(np.int8)
+    strong = np.take_along_axis(alpha, k, -1)[..., 0] >= MIN_ALPHA
+    return np.where(fits & strong, soft, -1).astype(np.int8), soft, alpha
 
 
 _SHIFTS = [(-1, -1), (-1, 0), (-1, 1), (0, -1), (0, 1), (1, -1), (1, 0), (1, 1)]
@@ -185,15 +201,19 @@ def label_components(cls: np.ndarray) -> np.ndarray:
     return np.where(fg, lab, -1)
 
 
-def _grow(lab: np.ndarray, steps: int) -> np.ndarray:
-    """Give background pixels within `steps` (8-neighbourhood) the label of a nearby component."""
+def _grow(lab: np.ndarray, cls: np.ndarray, soft: np.ndarray, steps: int) -> np.ndarray:
+    """Hand each background pixel within `steps` (8-neighbourhood) of a component
+    to that component if the pixel's faint colour (`soft`) is the component's."""
+    flat_cls = cls.reshape(-1)
     own = lab.copy()
     for _ in range(steps):
         grown = own.copy()
         for dy, dx in _SHIFTS:
             dst = (slice(None), _sl(dy), _sl(dx))
-            src = (slice(None), _sl(-dy), _sl(-dx))
-            grown[dst] = np.where((grown[dst] < 0) & (own[src] >= 0), own[src], grown[dst])
+            src = own[(slice(None), _sl(-dy), _sl(-dx))]
+            take = (grown[dst] < 0) & (src >= 0)
+            take &= soft[dst] == flat_cls[np.maximum(src, 0)]
+            grown[dst] = np.where(take, src, grown[dst])
         own = grown
     return own
 
@@ -210,21 +230,22 @@ def detect_arrays(x: np.ndarray) -> tuple[list[list[Detection]], np.ndarray]:
     """Detect objects in float [N,H,W,3] images in [0,1] -> (per-image detections, backgrounds [N,3])."""
     n, h, w, _ = x.shape
     bg = estimate_background(x)
-    cls, alpha, resid = classify_pixels(smooth(x) if SMOOTH else x, bg)
+    cls, soft, _ = classify_pixels(smooth(x), bg)  # decide on the denoised image
     lab = label_components(cls)  # [N, H, W]
     out: list[list[Detection]] = [[] for _ in range(n)]
     hard = lab.reshape(-1)
     roots, area = np.unique(hard[hard >= 0], return_counts=True)
     if roots.size == 0:
         return out, bg
-    own = _grow(lab, FRINGE).reshape(-1)
+    own = _grow(lab, cls, soft, FRINGE).reshape(-1)
     pix = np.flatnonzero(own >= 0)  # component pixels + their fringe
     comp = np.searchsorted(roots, own[pix])  # [P]
     k = cls.reshape(-1)[roots][comp].astype(np.int64)  # colour of each pixel's component
-    a_k = alpha.reshape(-1, alpha.shape[-1])[pix, k]
-    r_k = resid.reshape(-1, resid.shape[-1])[pix, k]
-    fringe_w = np.where(a_k >= FLOOR, np.clip(a_k, 0.0, 1.0), 0.0)
-    wt = np.where(hard[pix] >= 0, np.clip(a_k, 0.0, 1.0), np.where(r_k <= MAX_RESIDUAL, fringe_w, 0.0))
+    # soft coverage from the raw (unsmoothed) pixels; fringe pixels were admitted by _grow
+    img = pix // (h * w)
+    v = PALETTE[k] - bg[img]  # [P, 3]
+    a_k = ((x.reshape(-1, 3)[pix] - bg[img]) * v).sum(-1) / np.maximum((v * v).sum(-1), 1e-6)
+    wt = np.clip(a_k, 0.0, 1.0)
     ys, xs = (pix // w) % h + 0.5, pix % w + 0.5
     nc = roots.size
     W = np.bincount(comp, wt, nc) + 1e-9

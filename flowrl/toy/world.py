@@ -15,7 +15,7 @@ Geometry is resolution independent: a `Scene` stores normalised coordinates in
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -51,6 +51,7 @@ MAX_COUNT = 3
 
 MARGIN = 0.04  # free border around every object (keeps the border = background)
 GAP = 0.06  # minimum gap between two objects' boxes
+CELL_PAD = 0.015  # centres keep off grid lines, so position bins are recoverable from pixels
 SUPERSAMPLE = 4
 _MAX_TRIES = 2000
 
@@ -79,7 +80,7 @@ class Scene:
     background: str
     size_bin: str
     objects: tuple[Obj, ...]
-    spec: Mapping[str, Any] | None = None
+    spec: Mapping[str, Any] | None = field(default=None, compare=False, hash=False)
 
     def ground_truth(self) -> dict[str, Any]:
         """JSON-serialisable ground truth (normalised geometry, bins, names)."""
@@ -161,7 +162,8 @@ def sample_scene(spec: Mapping[str, Any], rng: np.random.Generator | int | None 
     """Fill the free attributes of `spec` (background, positions, size) at random.
 
     Each object's grid cell is drawn uniformly, then its centre uniformly inside
-    the part of that cell where it fits, so position bins are ~uniform.  Layouts
+    the part of that cell where it fits (CELL_PAD off the grid lines), so
+    position bins are ~uniform and unambiguous.  Layouts
     with overlapping objects or a relation that is not clearly satisfied
     (45 degree cone) are rejected and redrawn.  `background` / `size_bin` pin
     a free attribute (used by tests and by diversity baselines).
@@ -178,8 +180,8 @@ def sample_scene(spec: Mapping[str, Any], rng: np.random.Generator | int | None 
         for (shape, color), s, cell in zip(wanted, sizes, cells):
             lo, hi = MARGIN + s / 2, 1 - MARGIN - s / 2
             c0, r0 = (cell % GRID) / GRID, (cell // GRID) / GRID
-            xl, xh = max(lo, c0), min(hi, c0 + 1 / GRID)
-            yl, yh = max(lo, r0), min(hi, r0 + 1 / GRID)
+            xl, xh = max(lo, c0 + CELL_PAD), min(hi, c0 + 1 / GRID - CELL_PAD)
+            yl, yh = max(lo, r0 + CELL_PAD), min(hi, r0 + 1 / GRID - CELL_PAD)
             if xl >= xh or yl >= yh:
                 break
             objs.append(Obj(shape, color, float(rng.uniform(xl, xh)), float(rng.uniform(yl, yh)), float(s)))

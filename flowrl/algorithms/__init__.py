@@ -1,0 +1,1 @@
+"""Registries of plain functions: advantage estimators, policy losses, reward combiners."""

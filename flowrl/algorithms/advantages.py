@@ -1,0 +1,74 @@
+"""Advantage estimators: rewards [N] + explicit group ids [N] -> advantages [N].
+
+Every estimator is a plain function with one signature, registered by name:
+``fn(rewards, group_ids, *, std_scope, eps) -> Tensor[N]``.
+
+- ``grpo``: ``(r - mean_group) / (std + eps)``; ``std_scope="global"`` (Flow-GRPO's default)
+  divides by the std of the whole batch, ``"group"`` by each group's own std.
+- ``mean``: ``r - mean_group`` (no scaling; Dr.GRPO-style).
+
+A NaN reward means "could not score": NaN rows are left out of every statistic and get
+advantage 0 (the recipe also masks them out of the loss). Tree rollouts then lift row (leaf)
+advantages to per-step edge advantages with :func:`edge_advantages`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+AdvantageFn = Callable[..., torch.Tensor]
+
+
+def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row mean and (population) std of the finite rewards of its group -> ([N], [N])."""
+    finite = torch.isfinite(rewards)
+    values = torch.where(finite, rewards, torch.zeros_like(rewards)).double()
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    count = torch.zeros(groups, dtype=torch.float64).index_add_(0, inverse, finite.double())
+    total = torch.zeros(groups, dtype=torch.float64).index_add_(0, inverse, values)
+    mean = total / count.clamp(min=1)
+    squared = torch.zeros(groups, dtype=torch.float64).index_add_(0, inverse, finite.double() * (values - mean[inverse]) ** 2)
+    std = (squared / count.clamp(min=1)).sqrt()
+    return mean[inverse], std[inverse]
+
+
+def grpo_advantages(rewards, group_ids, *, std_scope: str = "global", eps: float = 1e-4) -> torch.Tensor:
+    mean, group_std = _group_stats(rewards, group_ids)
+    finite = torch.isfinite(rewards)
+    if std_scope == "global":
+        std = rewards[finite].double().std(unbiased=False) if finite.any() else torch.tensor(0.0, dtype=torch.float64)
+    elif std_scope == "group":
+        std = group_std
+    else:
+        raise ValueError(f"unknown std_scope {std_scope!r}; use global or group")
+    advantages = (rewards.double() - mean) / (std + eps)
+    return torch.where(finite, advantages, torch.zeros_like(advantages)).float()
+
+
+def mean_advantages(rewards, group_ids, *, std_scope: str = "global", eps: float = 1e-4) -> torch.Tensor:
+    mean, _ = _group_stats(rewards, group_ids)
+    finite = torch.isfinite(rewards)
+    return torch.where(finite, rewards.double() - mean, torch.zeros_like(mean)).float()
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {"grpo": grpo_advantages, "mean": mean_advantages}
+
+
+def edge_advantages(row_advantages: torch.Tensor, edge_ids: torch.Tensor) -> torch.Tensor:
+    """[N] leaf advantages -> [N, K]: each tree edge gets the mean advantage of the leaves below it.
+
+    Rows sharing an edge id at step k are exactly the leaves under that edge, so averaging over them
+    is the backup "an inner node's advantage is the mean of its children's" (balanced trees).
+    Without a tree every edge belongs to one row and this is a broadcast.
+    """
+    out = torch.empty(edge_ids.shape, dtype=row_advantages.dtype, device=row_advantages.device)
+    for k in range(edge_ids.shape[1]):
+        _, inverse = torch.unique(edge_ids[:, k], return_inverse=True)
+        groups = int(inverse.max()) + 1
+        total = torch.zeros(groups, dtype=row_advantages.dtype).index_add_(0, inverse, row_advantages)
+        count = torch.zeros(groups, dtype=row_advantages.dtype).index_add_(0, inverse, torch.ones_like(row_advantages))
+        out[:, k] = (total / count)[inverse]
+    return out

@@ -1,0 +1,38 @@
+"""Policy losses on stored transitions. Plain functions, registered by name, one signature:
+``fn(log_probs [B], old_log_probs [B], advantages [B], *, clip_low, clip_high) -> (loss [B], stats)``.
+
+``grpo-clip`` is PPO's pessimistic clipped surrogate with separate lower/upper ranges:
+``max(-A * rho, -A * clip(rho, 1 - clip_low, 1 + clip_high))`` with ``rho = exp(logp - logp_old)``.
+The KL regulariser between two Gaussian steps of equal std is ``||mu - mu_ref||^2 / (2 std^2)``,
+averaged over the non-batch dimensions like the log-probs.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def grpo_clip_loss(log_probs, old_log_probs, advantages, *, clip_low: float, clip_high: float):
+    ratio = torch.exp(log_probs - old_log_probs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    with torch.no_grad():
+        stats = {
+            "ratio": ratio.detach(),
+            "clipped": ((ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)).float(),
+            # k3 estimator of KL(old || new): non-negative, low variance
+            "approx_kl": (torch.exp(old_log_probs - log_probs) - 1 - (old_log_probs - log_probs)).detach(),
+        }
+    return loss, stats
+
+
+POLICY_LOSSES: dict[str, Callable] = {"grpo-clip": grpo_clip_loss}
+
+
+def gaussian_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """KL between N(mean, std^2) and N(ref_mean, std^2), averaged over non-batch dims -> [B]."""
+    dims = tuple(range(1, mean.ndim))
+    return ((mean - ref_mean) ** 2).mean(dim=dims) / (2 * std.reshape(-1) ** 2)

@@ -1,0 +1,277 @@
+"""The reward seam: the Protocol rewards implement, how configs name them, and how they are scored.
+
+Why here: core (`flowrl`) defines the contract and never imports the `rewards/` package at import
+time. Configs name a reward by a short name (`REWARD_REGISTRY`) or a dotted path
+"package.module:Class"; `build_reward` imports the module only when a run builds the reward, so
+a missing optional dependency of one reward family never breaks `import flowrl`.
+
+`score` is the single place where reward outputs are checked (shapes, dtype, keys) and where a
+failing reward either stops the run or marks its batch NaN. NaN always means "could not score",
+never zero: advantage code excludes NaN rows rather than learning from a fake score.
+`AsyncScorer` overlaps scoring batch i with sampling batch i+1 (as Flow-GRPO does).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import logging
+import math
+import re
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+
+import torch
+
+logger = logging.getLogger("flowrl.rewards")
+
+IMAGE_TOLERANCE = 1e-4  # slack on [0, 1]: decoders may overshoot by a rounding error
+
+
+@runtime_checkable
+class Reward(Protocol):
+    """A batched, gradient-free scorer.
+
+    ``reward(images [N,3,H,W] float in [0,1], prompts [N], metadata [N]) -> {key: Tensor[N]}``
+    holding ``name`` (the main score) plus optional sub-scores ``"<name>/<sub>"``.
+    NaN marks an image that could not be scored.
+    """
+
+    name: str
+
+    def __call__(self, images: torch.Tensor, prompts: list[str],
+                 metadata: list[dict]) -> dict[str, torch.Tensor]: ...
+
+
+REWARD_REGISTRY: dict[str, str] = {
+    "brightness": "rewards.simple:Brightness",
+    "jpeg_compressibility": "rewards.simple:JpegCompressibility",
+    "jpeg_incompressibility": "rewards.simple:JpegIncompressibility",
+    "color_target": "rewards.simple:ColorTarget",
+    "toyeval": "rewards.toyeval:ToyEval",
+    "toy_proxy": "rewards.toy_proxy:ToyProxy",
+}
+"""Short name -> dotted path. Strings only: nothing is imported until `build_reward`."""
+
+
+class RewardError(RuntimeError):
+    """A reward raised, or returned something that breaks the Protocol."""
+
+
+def _one_line(text: Any, limit: int = 500) -> str:
+    s = re.sub(r"\s+", " ", str(text)).strip()
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+# ----------------------------------------------------------------------------------- building
+
+def _split_path(path: str) -> tuple[str, str]:
+    """'pkg.mod:Class' or 'pkg.mod.Class' -> ('pkg.mod', 'Class')."""
+    module, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    if not module or not attr or not sep:
+        raise ValueError(f"bad reward path {path!r}; expected package.module:Class")
+    return module, attr
+
+
+def _unknown(name: str) -> ValueError:
+    known = sorted(REWARD_REGISTRY)
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return ValueError(f"unknown reward '{name}'; {hint}known: {', '.join(known)} "
+                      "(or give a dotted path package.module:Class)")
+
+
+def _check_kwargs(label: str, cls: Any, kwargs: Mapping[str, Any]) -> None:
+    """Reject bad constructor kwargs before calling, naming the reward and the kwarg."""
+    try:
+        sig = inspect.signature(cls)
+    except (TypeError, ValueError):  # no introspectable signature: let the call decide
+        return
+    params = sig.parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        accepted = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        for key in kwargs:
+            if key not in accepted:
+                close = difflib.get_close_matches(key, accepted, n=1)
+                hint = f"did you mean '{close[0]}'? " if close else ""
+                raise ValueError(f"reward '{label}' got unexpected keyword argument '{key}'; {hint}"
+                                 f"accepts: {', '.join(accepted) or '(none)'}")
+    try:
+        sig.bind(**kwargs)
+    except TypeError as err:
+        raise ValueError(f"reward '{label}': bad arguments {sorted(kwargs)}: {_one_line(err)}") from None
+
+
+def build_reward(name: str, **kwargs: Any) -> Reward:
+    """Build a reward from a short name or dotted path with flat constructor kwargs.
+
+    Every failure is a one-line ValueError naming the reward (and module or kwarg).
+    """
+    if name in REWARD_REGISTRY:
+        path = REWARD_REGISTRY[name]
+    elif ":" in name or "." in name:
+        path = name
+    else:
+        raise _unknown(name)
+    module_name, attr = _split_path(path)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # ImportError, or the module itself failing at import
+        raise ValueError(f"reward '{name}': cannot import module '{module_name}': "
+                         f"{type(err).__name__}: {_one_line(err)}") from err
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise ValueError(f"reward '{name}': module '{module_name}' has no attribute '{attr}'")
+    _check_kwargs(name, cls, kwargs)
+    try:
+        reward = cls(**kwargs)
+    except (TypeError, ValueError) as err:  # a bad kwarg value, or a signature we could not inspect
+        raise ValueError(f"reward '{name}': {type(err).__name__}: {_one_line(err)}") from err
+    if not isinstance(reward, Reward) or not isinstance(getattr(reward, "name", None), str):
+        raise ValueError(f"reward '{name}': {path} does not build a Reward (needs a str `name` and __call__)")
+    return reward
+
+
+# ------------------------------------------------------------------------------------ scoring
+
+def check_images(images: Any, prompts: Sequence[str], metadata: Sequence[Any]) -> int:
+    """Validate a scoring batch and return N. One-line ValueError otherwise.
+
+    Non-finite pixels pass (a diverged sample): rewards score those images NaN.
+    """
+    if not isinstance(images, torch.Tensor) or not images.is_floating_point():
+        kind = f"{images.dtype} tensor" if isinstance(images, torch.Tensor) else type(images).__name__
+        raise ValueError(f"images must be a float tensor [N,3,H,W] in [0,1], got {kind}")
+    if images.ndim != 4 or images.shape[1] != 3:
+        raise ValueError(f"images must have shape [N,3,H,W], got {tuple(images.shape)}")
+    n = images.shape[0]
+    if len(prompts) != n or len(metadata) != n:
+        raise ValueError(f"got {n} images but {len(prompts)} prompts and {len(metadata)} metadata")
+    if images.numel():
+        lo, hi = torch.where(torch.isfinite(images), images, 0.5).aminmax()  # ignore NaN/inf
+        if lo.item() < -IMAGE_TOLERANCE or hi.item() > 1 + IMAGE_TOLERANCE:
+            raise ValueError(f"image values must lie in [0,1], got [{lo.item():.4g}, {hi.item():.4g}]")
+    return n
+
+
+def _check_output(name: str, out: Any, n: int) -> dict[str, torch.Tensor]:
+    """Reward output -> {key: CPU float32 [N]}; RewardError if it breaks the Protocol."""
+    if not isinstance(out, Mapping):
+        raise RewardError(f"reward '{name}' returned {type(out).__name__}, expected dict[str, Tensor[N]]")
+    if name not in out:
+        raise RewardError(f"reward '{name}' returned no main key '{name}' (got {sorted(out)})")
+    checked = {}
+    for key, value in out.items():
+        if key != name and not str(key).startswith(f"{name}/"):
+            raise RewardError(f"reward '{name}' returned key {key!r}; keys must be '{name}' or '{name}/<sub>'")
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            kind = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+            raise RewardError(f"reward '{name}' key {key!r} is {kind}, expected a float Tensor[N]")
+        if value.shape != (n,):
+            raise RewardError(f"reward '{name}' key {key!r} has shape {tuple(value.shape)}, expected ({n},)")
+        checked[key] = value.detach().to("cpu", torch.float32)
+    return {name: checked.pop(name), **checked}  # main key first
+
+
+def _failure(name: str, prompts: Sequence[str], err: BaseException) -> str:
+    first = prompts[0] if prompts else ""
+    first = first if len(first) <= 80 else first[:77] + "..."
+    more = f" (+{len(prompts) - 1} more)" if len(prompts) > 1 else ""
+    return _one_line(f"reward '{name}' failed on prompt {first!r}{more}: {type(err).__name__}: {err}", 800)
+
+
+def _score_checked(rewards: Sequence[Reward], images: torch.Tensor, prompts: Sequence[str],
+                   metadata: Sequence[Any], n: int, on_error: str) -> dict[str, torch.Tensor]:
+    merged: dict[str, torch.Tensor] = {}
+    for reward in rewards:
+        name = reward.name
+        try:
+            with torch.no_grad():
+                out = reward(images, list(prompts), list(metadata))
+        except Exception as err:
+            msg = _failure(name, prompts, err)
+            if on_error == "raise":
+                raise RewardError(msg) from err
+            logger.warning("%s; scoring the batch NaN", msg)
+            merged[name] = torch.full((n,), math.nan, dtype=torch.float32)
+            continue
+        merged.update(_check_output(name, out, n))  # Protocol violations are bugs: always raise
+    return merged
+
+
+def _check_rewards(rewards: Sequence[Reward], on_error: str) -> None:
+    if on_error not in ("raise", "nan"):
+        raise ValueError(f"on_error must be 'raise' or 'nan', got {on_error!r}")
+    names = [r.name for r in rewards]
+    dupes = sorted({x for x in names if names.count(x) > 1})
+    if dupes:
+        raise ValueError(f"each reward may appear once; duplicated: {', '.join(dupes)}")
+
+
+def score(rewards: Sequence[Reward], images: torch.Tensor, prompts: Sequence[str],
+          metadata: Sequence[Any], *, on_error: str = "raise") -> dict[str, torch.Tensor]:
+    """Score one batch with every reward -> merged {key: CPU float32 [N]}.
+
+    on_error="raise": a reward that raises stops the run (RewardError, one line, naming the reward
+    and the first prompt). on_error="nan": log a warning on logger "flowrl.rewards" and score that
+    reward's main key NaN for the whole batch (its sub-scores are absent). Outputs that break the
+    Protocol (missing main key, wrong shape or dtype) raise RewardError either way.
+    """
+    _check_rewards(rewards, on_error)
+    n = check_images(images, prompts, metadata)
+    return _score_checked(rewards, images, prompts, metadata, n, on_error)
+
+
+class AsyncScorer:
+    """Score batch i in a worker thread while the caller samples batch i+1.
+
+    One worker, so results come back in submission order and rewards never run concurrently with
+    themselves (reward models need not be thread-safe). Inputs are validated at `submit` (errors
+    surface at the call site) and images are detached and cloned on their device, so in-place ops
+    by the caller afterwards cannot race the worker. asynchronous=False scores inside `submit` and
+    returns an already-finished Future: the same `.result()` interface, simpler tracebacks.
+    """
+
+    def __init__(self, rewards: Sequence[Reward], *, on_error: str = "raise",
+                 asynchronous: bool = True) -> None:
+        _check_rewards(rewards, on_error)
+        self.rewards, self.on_error, self.asynchronous = list(rewards), on_error, asynchronous
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="flowrl-reward") if asynchronous else None
+        self._closed = False
+
+    def submit(self, images: torch.Tensor, prompts: Sequence[str],
+               metadata: Sequence[Any]) -> Future:
+        """Queue one batch; `.result()` gives `score`'s dict (or raises its error)."""
+        if self._closed:
+            raise RuntimeError("AsyncScorer is closed")
+        n = check_images(images, prompts, metadata)
+        args = (self.rewards, images.detach().clone(), list(prompts), list(metadata), n, self.on_error)
+        if self._pool is not None:
+            return self._pool.submit(_score_checked, *args)
+        future: Future = Future()
+        try:
+            future.set_result(_score_checked(*args))
+        except Exception as err:
+            future.set_exception(err)
+        return future
+
+    def close(self) -> None:
+        """Wait for queued batches, then stop the worker. Idempotent."""
+        self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> "AsyncScorer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def nan_summary(rewards: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """NaN count per reward main key -> {"reward/<name>_nan": count} for logging.
+
+    Sub-scores ("<name>/<sub>") are skipped: some are legitimately NaN (not applicable).
+    """
+    return {f"reward/{k}_nan": float(torch.isnan(v).sum()) for k, v in rewards.items() if "/" not in k}
