@@ -40,8 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(evaluate)
 
     export = commands.add_parser("export-lora", help="export a checkpoint's LoRA for diffusers or ComfyUI")
-    export.add_argument("checkpoint", help="checkpoint directory")
+    export.add_argument("checkpoint", help="checkpoint directory, or a run directory (its latest checkpoint)")
     export.add_argument("out", help="output directory")
+    export.add_argument("--format", choices=("diffusers", "comfyui"), default="diffusers",
+                        help="diffusers: pytorch_lora_weights.safetensors; comfyui: with per-module .alpha tensors")
+    export.add_argument("--ema", action="store_true", help="export the EMA weights instead of the raw LoRA")
+    export.add_argument("--merge", action="store_true",
+                        help="also write OUT/transformer: the base transformer with the LoRA fused in")
     return parser
 
 
@@ -61,6 +66,12 @@ def main(argv: list[str] | None = None) -> int:
             from flowrl.commands.train import run_train
 
             run_train(args.config or DEFAULT_CONFIG, args.overrides)
+            return 0
+        if args.command == "export-lora":
+            from flowrl.commands.export import run_export
+
+            for path in run_export(args):
+                print(f"wrote {path}")
             return 0
         raise NotImplementedError(f"'flowrl {args.command}' is not available in this release yet")
     except (ConfigError, FileNotFoundError, NotImplementedError, ValueError) as error:

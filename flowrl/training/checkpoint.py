@@ -1,0 +1,262 @@
+"""Atomic checkpoints and exact resume.
+
+Layout (one directory per checkpoint, under ``RUN_DIR/checkpoints/``)::
+
+    step_000012/
+        lora.safetensors     raw LoRA tensors (``lora_state_dict`` keys, float32),
+                             metadata {"lora_config": <json of lora_config_dict>}
+        ema.safetensors      EMA tensors, same keys (only when an EMA is kept),
+                             metadata {"ema_state": <json of LoraEMA.state_dict()>}
+        optimizer.pt         optimizer.state_dict()
+        scaler.pt            GradScaler.state_dict() (only with fp16 loss scaling)
+        rng_rank{r}.pt       torch CPU/CUDA, python ``random`` and numpy RNG of process r
+        trainer_state.json   {"step", "world_size", ...the caller's trainer_state}
+        config.yaml          the resolved run config
+    latest                   text file: the name of the newest complete checkpoint
+
+Why this shape: a run killed at any moment (pre-emption, OOM, Ctrl-C) must resume bit-exactly or
+not at all. Everything is written into ``.tmp_step_000012`` and renamed to ``step_000012`` only
+once complete (a rename within one directory is atomic), then ``latest`` is replaced atomically;
+so a visible checkpoint is always complete and ``latest`` never names a half-written one. Stale
+``.tmp_*`` directories of a crashed save are removed by the next save. Loading uses safetensors
+and ``torch.load(weights_only=True)`` only, so a checkpoint cannot execute code (RNG states are
+stored as tensors and lists of ints for that reason).
+
+Multi-process: every rank writes its own RNG file, rank 0 everything else; ranks meet at
+``barrier`` (e.g. ``accelerator.wait_for_everyone``). The run directory must be shared by all
+ranks (one filesystem), as it is for single-node training.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+_NAME = re.compile(r"^step_(\d+)$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete (visible) checkpoints of a run, oldest first by step number."""
+    root = Path(run_dir) / CHECKPOINTS
+    found = [p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name)] if root.is_dir() else []
+    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+
+
+def is_checkpoint(path: Path) -> bool:
+    return path.is_dir() and (path / "lora.safetensors").is_file() and (path / "trainer_state.json").is_file()
+
+
+# --- save ------------------------------------------------------------------------------------------
+def save_checkpoint(run_dir: str | Path, step: int, *, lora_state: dict[str, torch.Tensor], lora_config: dict,
+                    optimizer, ema=None, scaler=None, trainer_state: dict | None = None, config: Any = None,
+                    rank: int = 0, world_size: int = 1, barrier: Callable[[], None] | None = None,
+                    keep_last: int | None = 3) -> Path:
+    """Write ``RUN_DIR/checkpoints/step_{step:06d}`` atomically; every rank must call this.
+
+    Returns the final checkpoint path (on every rank). ``keep_last`` complete checkpoints are kept
+    (None keeps all); the one just written and the one ``latest`` names are never pruned.
+    """
+    barrier = barrier or (lambda: None)
+    root = Path(run_dir) / CHECKPOINTS
+    name = checkpoint_name(step)
+    tmp, final = root / f".tmp_{name}", root / name
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".tmp_*"):  # left by a save that crashed
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    barrier()  # the tmp dir exists (and is clean) before any rank writes into it
+    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    if rank == 0:
+        _write_payload(tmp, step, lora_state=lora_state, lora_config=lora_config, optimizer=optimizer, ema=ema,
+                       scaler=scaler, trainer_state={"step": step, "world_size": world_size, **(trainer_state or {})},
+                       config=config)
+    barrier()  # every rank's RNG file is in place
+    if rank == 0:
+        _sync_dir_tree(tmp)
+        _publish(tmp, final)
+        _write_atomic(root / LATEST, name + "\n")
+        if keep_last is not None:
+            _prune(root, keep=keep_last, protect={name})
+    barrier()  # nobody returns before the checkpoint is visible
+    return final
+
+
+def _write_payload(tmp: Path, step: int, *, lora_state, lora_config, optimizer, ema, scaler, trainer_state,
+                   config) -> None:
+    """Rank 0's files. Each is complete before the next starts, so a crash leaves only the tmp dir."""
+    save_file(_cpu_float(lora_state), str(tmp / "lora.safetensors"),
+              metadata={"format": "pt", "lora_config": json.dumps(lora_config)})
+    if ema is not None:
+        save_file(ema.state_tensors(), str(tmp / "ema.safetensors"),
+                  metadata={"format": "pt", "ema_state": json.dumps(ema.state_dict())})
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    if scaler is not None:
+        torch.save(scaler.state_dict(), tmp / "scaler.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
+    if config is not None:
+        from flowrl.config import save_config
+
+        save_config(config, tmp / "config.yaml")  # dataclass or plain dict alike
+
+
+def _cpu_float(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the finished tmp dir into place (re-saving a step replaces the old directory)."""
+    if final.exists():
+        old = final.with_name(f".tmp_replaced_{final.name}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _sync_dir_tree(directory: Path) -> None:
+    """fsync the files so the rename cannot reach disk before their contents (power loss)."""
+    for path in directory.iterdir():
+        with open(path, "rb") as handle:
+            os.fsync(handle.fileno())
+
+
+def _prune(root: Path, *, keep: int, protect: set[str]) -> None:
+    pointer = root / LATEST
+    if pointer.is_file():
+        protect = protect | {pointer.read_text().strip()}
+    complete = list_checkpoints(root.parent)
+    for path in complete[: max(len(complete) - keep, 0)]:
+        if path.name not in protect:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# --- RNG -------------------------------------------------------------------------------------------
+def rng_state() -> dict:
+    """All RNG states of this process as tensors / ints / floats, loadable with ``weights_only=True``."""
+    version, words, gauss = random.getstate()
+    state = {"torch": torch.get_rng_state(), "python": {"version": version, "state": list(words), "gauss": gauss},
+             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    try:
+        import numpy as np
+    except ImportError:
+        return state
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached": float(cached)}
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+    cuda = state.get("cuda") or []
+    if cuda and torch.cuda.is_available():
+        n = min(len(cuda), torch.cuda.device_count())
+        if n != len(cuda):
+            logger.warning("checkpoint holds CUDA RNG states of %d devices, restoring %d", len(cuda), n)
+        for index in range(n):
+            torch.cuda.set_rng_state(cuda[index], index)
+    if "numpy" in state:
+        import numpy as np
+
+        s = state["numpy"]
+        np.random.set_state((s["kind"], s["keys"].numpy().astype("uint32"), s["pos"], s["has_gauss"], s["cached"]))
+
+
+# --- load ------------------------------------------------------------------------------------------
+def resolve_checkpoint(path_or_run_dir: str | Path, resume: str | Path = "latest") -> Path:
+    """The checkpoint directory to load.
+
+    ``resume="latest"``: ``path_or_run_dir`` itself if it is a checkpoint, else the run's newest
+    complete checkpoint (the ``latest`` pointer; if that is missing or stale, the highest step).
+    Any other ``resume`` is a checkpoint path (or a name under ``RUN_DIR/checkpoints``).
+    """
+    base = Path(path_or_run_dir)
+    if str(resume) != "latest":
+        for candidate in (Path(resume), base / CHECKPOINTS / str(resume)):
+            if is_checkpoint(candidate):
+                return candidate
+        raise FileNotFoundError(f"checkpoint not found: {resume} (expected a directory with lora.safetensors "
+                                "and trainer_state.json, or resume=latest)")
+    if is_checkpoint(base):
+        return base
+    root = base / CHECKPOINTS
+    pointer = root / LATEST
+    if pointer.is_file() and is_checkpoint(root / pointer.read_text().strip()):
+        return root / pointer.read_text().strip()
+    complete = [p for p in list_checkpoints(base) if is_checkpoint(p)]
+    if complete:
+        return complete[-1]
+    raise FileNotFoundError(f"no checkpoint to resume in {root} (start without resume=...)")
+
+
+def load_checkpoint(path_or_run_dir: str | Path, *, resume: str | Path = "latest", optimizer=None, ema=None,
+                    scaler=None, rank: int = 0, map_location="cpu") -> tuple[dict[str, torch.Tensor], dict]:
+    """Restore optimizer / EMA / scaler / this rank's RNG in place; return (LoRA tensors, trainer state).
+
+    The LoRA tensors have ``lora_state_dict`` keys, ready for peft's ``set_peft_model_state_dict``.
+    A checkpoint saved without EMA seeds a given ``ema`` from the raw LoRA weights.
+    """
+    path = resolve_checkpoint(path_or_run_dir, resume)
+    lora_state = load_file(str(path / "lora.safetensors"), device=str(map_location))
+    trainer_state = json.loads((path / "trainer_state.json").read_text())
+    if optimizer is not None:
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True))
+    if ema is not None:
+        if (path / "ema.safetensors").is_file():
+            ema.load_state_tensors(load_file(str(path / "ema.safetensors")))
+            ema.load_state_dict(json.loads(_metadata(path / "ema.safetensors").get("ema_state", "{}")))
+        else:
+            logger.warning("%s has no EMA weights; the EMA restarts from the checkpoint's LoRA", path)
+            ema.load_state_tensors(lora_state)
+    if scaler is not None and (path / "scaler.pt").is_file():
+        scaler.load_state_dict(torch.load(path / "scaler.pt", map_location="cpu", weights_only=True))
+    rng_file = path / f"rng_rank{rank}.pt"
+    if rng_file.is_file():
+        set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
+    else:  # resumed on more processes than saved: exactness is impossible anyway
+        logger.warning("%s has no RNG state for rank %d; this rank keeps its current RNG", path, rank)
+    return lora_state, trainer_state
+
+
+def read_lora_config(path: Path) -> dict:
+    """The peft config stored with a checkpoint's ``lora.safetensors``."""
+    return json.loads(_metadata(Path(path) / "lora.safetensors").get("lora_config", "{}"))
+
+
+def _metadata(file: Path) -> dict[str, str]:
+    with safe_open(str(file), framework="pt") as handle:
+        return handle.metadata() or {}
+

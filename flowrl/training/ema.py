@@ -1,0 +1,102 @@
+"""An exponential moving average of the trainable LoRA weights, for eval grids and export.
+
+RL fine-tuning is noisy from one optimizer step to the next; evaluating and exporting an EMA of
+the adapter gives smoother, usually better images. The averaging itself is diffusers'
+:class:`~diffusers.training_utils.EMAModel` (same decay schedule as the diffusers training
+scripts); this wrapper adds what a checkpoint needs: the EMA tensors keyed by parameter NAME.
+
+Key choice: :meth:`LoraEMA.state_tensors` uses the keys of
+:func:`flowrl.models.lora_io.lora_state_dict`, i.e. the transformer's parameter names with peft's
+adapter-name infix removed (``blocks.0.attn.to_q.lora_A.default.weight`` ->
+``blocks.0.attn.to_q.lora_A.weight``). So ``ema.safetensors`` and ``lora.safetensors`` of a
+checkpoint share keys, and the EMA tensors can be exported or loaded exactly like the raw LoRA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Sequence
+
+import torch
+
+
+def peft_key(name: str, adapter: str = "default") -> str:
+    """Parameter name -> ``lora_state_dict`` key: drop the ``.<adapter>`` infix after ``lora_A/B``."""
+    for part in ("lora_A", "lora_B", "lora_magnitude_vector"):
+        name = name.replace(f".{part}.{adapter}.", f".{part}.")
+        if name.endswith(f".{part}.{adapter}"):
+            name = name[: -len(f".{adapter}")]
+    return name
+
+
+class LoraEMA:
+    """EMA of named trainable parameters; call :meth:`step` after every optimizer step.
+
+    ``decay`` is the per-step decay. ``update_after_step`` steps copy the weights instead of
+    averaging them (diffusers' semantics: the EMA starts from the weights after that step).
+    ``power=None`` keeps the decay constant; a float (e.g. 2/3) enables diffusers' warmup
+    ``1 - (1 + step) ** -power``, capped at ``decay``, so early steps average over fewer updates.
+    """
+
+    def __init__(self, named_parameters: Sequence[tuple[str, torch.nn.Parameter]], decay: float = 0.9,
+                 update_after_step: int = 0, power: float | None = None, adapter: str = "default"):
+        from diffusers.training_utils import EMAModel
+
+        named_parameters = list(named_parameters)
+        if not named_parameters:
+            raise ValueError("LoraEMA needs at least one trainable parameter (attach a LoRA first)")
+        self.names = [peft_key(n, adapter) for n, _ in named_parameters]
+        if len(set(self.names)) != len(self.names):
+            raise ValueError("LoraEMA: parameter names collide after removing the adapter name")
+        self.parameters = [p for _, p in named_parameters]
+        warmup, decay = power is not None, float(decay)
+        # Without warmup, min_decay=decay pins diffusers' default (1+s)/(10+s) ramp to a constant decay.
+        self.model = EMAModel(self.parameters, decay=decay, min_decay=0.0 if warmup else decay,
+                              update_after_step=update_after_step, use_ema_warmup=warmup,
+                              power=power if warmup else 2 / 3, foreach=True)
+
+    @property
+    def optimization_step(self) -> int:
+        return self.model.optimization_step
+
+    def step(self) -> None:
+        """Fold the current weights into the average (after ``optimizer.step()``)."""
+        self.model.step(self.parameters)
+
+    # --- tensors, by name -------------------------------------------------------------
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """EMA weights as float32 CPU tensors, keyed like ``lora_state_dict`` (safetensors-ready)."""
+        return {n: s.detach().float().cpu().contiguous() for n, s in zip(self.names, self.model.shadow_params)}
+
+    @torch.no_grad()
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Inverse of :meth:`state_tensors`; every tracked name must be present with its shape."""
+        missing = [n for n in self.names if n not in tensors]
+        if missing:
+            raise ValueError(f"EMA state lacks {len(missing)} tensor(s), e.g. {missing[0]!r}")
+        for name, shadow in zip(self.names, self.model.shadow_params):
+            value = tensors[name]
+            if value.shape != shadow.shape:
+                raise ValueError(f"EMA tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(shadow.shape)}")
+            shadow.copy_(value.to(device=shadow.device, dtype=shadow.dtype))
+
+    # --- counters and hyper-parameters (JSON-safe) --------------------------------------
+    def state_dict(self) -> dict:
+        """Step counter and schedule, without tensors (those go through :meth:`state_tensors`)."""
+        state = dict(self.model.state_dict())
+        state.pop("shadow_params")
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict({k: v for k, v in state.items() if k != "shadow_params"})
+
+    # --- eval with EMA weights ------------------------------------------------------------
+    @contextlib.contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """Temporarily put the EMA weights into the live parameters; the trained ones come back after."""
+        self.model.store(self.parameters)
+        self.model.copy_to(self.parameters)
+        try:
+            yield
+        finally:
+            self.model.restore(self.parameters)
