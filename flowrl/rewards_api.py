@@ -50,6 +50,9 @@ REWARD_REGISTRY: dict[str, str] = {
     "jpeg_incompressibility": "rewards.simple:JpegIncompressibility",
     "color_target": "rewards.simple:ColorTarget",
     "toyeval": "rewards.toyeval:ToyEval",
+    "checklist": "rewards.checklist:Checklist",
+    "vlm_yes": "rewards.vlm_likelihood:VlmYes",
+    "prompt_echo": "rewards.vlm_likelihood:PromptEcho",
     "toy_proxy": "rewards.toy_proxy:ToyProxy",
 }
 """Short name -> dotted path. Strings only: nothing is imported until `build_reward`."""
