@@ -1,0 +1,1 @@
+"""Training loops, one file per loop shape (recipes are leaf code)."""

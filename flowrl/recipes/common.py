@@ -1,0 +1,123 @@
+"""Set-up and bookkeeping that every recipe shares: building the policy, rewards and prompt splits,
+the per-epoch step plan, checkpoint save/restore, eval grids and the final LoRA export.
+
+Recipes stay leaf code that reads top to bottom; what lives here is what would otherwise be
+copied verbatim into every loop.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from flowrl.config import Config, SamplingConfig, to_dict
+from flowrl.config.schema import RewardSpec
+from flowrl.data import PromptSet, load_prompts, train_test_split
+from flowrl.models import build_policy
+from flowrl.models.lora_io import load_lora_into, lora_config_dict, lora_state_dict, save_diffusers_lora
+from flowrl.rewards_api import build_reward
+from flowrl.sampling import StepPlan, rollout, root_seeds, window_start
+
+
+def build_training_policy(cfg: Config, device):
+    """The configured model with a fresh (seeded) or loaded LoRA; base weights frozen."""
+    m = cfg.model
+    policy = build_policy(m.family, m.path, dtype=m.dtype, device=device, height=m.height, width=m.width,
+                          max_sequence_length=m.max_sequence_length, seed=cfg.seed)
+    if cfg.lora.init_from:
+        load_lora_into(policy, cfg.lora.init_from)
+    else:
+        policy.add_lora(rank=cfg.lora.rank, alpha=cfg.lora.alpha, target_modules=cfg.lora.target_modules,
+                        dropout=cfg.lora.dropout, init_seed=cfg.seed)
+    if m.gradient_checkpointing:
+        policy.transformer.enable_gradient_checkpointing()
+    return policy
+
+
+def build_rewards(specs: list[RewardSpec], device) -> tuple[list, dict[str, float]]:
+    """Instantiate the configured rewards; weights are keyed by each reward's own name."""
+    rewards, weights = [], {}
+    for spec in specs:
+        kwargs = dict(spec.kwargs)
+        reward = build_reward(spec.name, **kwargs)
+        rewards.append(reward)
+        weights[reward.name] = spec.weight
+    return rewards, weights
+
+
+def load_prompt_splits(cfg: Config) -> tuple[PromptSet, PromptSet]:
+    """(train prompts, eval prompts): an explicit test file or a deterministic held-out split."""
+    prompts = load_prompts(cfg.data.prompts)
+    if cfg.data.test_prompts:
+        train, test = prompts, load_prompts(cfg.data.test_prompts)
+    elif cfg.data.test_fraction > 0 and len(prompts) >= 2:
+        train, test = train_test_split(prompts, cfg.data.test_fraction, cfg.seed)
+    else:
+        train, test = prompts, prompts
+    if cfg.data.eval_prompts:
+        return train, PromptSet(list(cfg.data.eval_prompts))
+    return train, test.subset(range(min(4, len(test))))
+
+
+def step_plan(s: SamplingConfig, epoch: int, seed: int) -> StepPlan:
+    """This epoch's plan: full SDE, a (random / sliding / fixed) window, and tree branch points."""
+    branch = dict(branch_steps=tuple(s.tree.branch_steps), branch_factor=s.tree.branch_factor if s.tree.branch_steps else 1)
+    if s.window.size is None:
+        return StepPlan(s.num_steps, **branch)
+    start_range = tuple(s.window.start_range) if s.window.start_range else None
+    start = window_start(epoch, num_steps=s.num_steps, size=s.window.size, mode=s.window.mode,
+                         start_range=start_range, shift_every=s.window.shift_every, seed=seed)
+    return StepPlan(s.num_steps, sde_start=start, sde_size=s.window.size, **branch)
+
+
+def restore_checkpoint(cfg: Config, policy, optimizer, ema, *, rank: int) -> int:
+    """Load the checkpoint named by ``train.resume``; returns the epoch to continue from."""
+    from peft.utils import set_peft_model_state_dict
+
+    from flowrl.training.checkpoint import load_checkpoint
+
+    lora_state, trainer_state = load_checkpoint(cfg.run_dir, resume=cfg.train.resume, optimizer=optimizer, ema=ema,
+                                                rank=rank)
+    set_peft_model_state_dict(policy.transformer, lora_state)
+    return int(trainer_state["epoch"]) + 1
+
+
+def save_run_checkpoint(cfg: Config, policy, optimizer, ema, accelerator, *, epoch: int) -> Path:
+    from flowrl.training.checkpoint import save_checkpoint
+
+    return save_checkpoint(
+        cfg.run_dir, epoch, lora_state=lora_state_dict(policy.transformer), lora_config=lora_config_dict(policy.transformer),
+        optimizer=optimizer, ema=ema, trainer_state={"epoch": epoch}, config=to_dict(cfg),
+        rank=accelerator.process_index, world_size=accelerator.num_processes, barrier=accelerator.wait_for_everyone,
+        keep_last=cfg.train.keep_checkpoints,
+    )
+
+
+@torch.no_grad()
+def eval_grid(policy, ema, prompts: PromptSet, cfg: Config, guidance: float, out: Path) -> Path:
+    """ODE samples of the fixed eval prompts (EMA weights when kept), one grid row per prompt."""
+    from contextlib import nullcontext
+
+    from torchvision.utils import save_image
+
+    n, steps = cfg.log.eval_images_per_prompt, cfg.sampling.num_steps
+    with (ema.swapped_in() if ema is not None else nullcontext()), policy.local_forward():
+        traj = rollout(policy, prompts.prompts, group_size=n, num_steps=steps, guidance_scale=guidance,
+                       noise_level=0.0, plan=StepPlan(steps, sde_start=steps - 1, sde_size=1),
+                       seeds=root_seeds(cfg.seed + 1, 0, len(prompts) * n))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_image(traj.images, out, nrow=n, padding=2)
+    return out
+
+
+def export_final_lora(policy, ema, out_dir: Path) -> Path:
+    """Write the adapter (EMA weights when kept) as a diffusers LoRA that plain diffusers loads."""
+    import diffusers
+
+    from contextlib import nullcontext
+
+    with ema.swapped_in() if ema is not None else nullcontext():
+        state = lora_state_dict(policy.transformer)
+    pipeline_class = getattr(diffusers, policy.pipeline_class_name)
+    return save_diffusers_lora(pipeline_class, out_dir, state, lora_config_dict(policy.transformer))

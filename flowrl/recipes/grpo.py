@@ -1,0 +1,271 @@
+"""Online trajectory RL for flow models: GRPO (Flow-GRPO) with window and tree rollouts.
+
+Choices, all set in the config (``flowrl/config/schema.py``):
+- rollouts: full SDE, an SDE window (Flow-GRPO-Fast random start / MixGRPO sliding start) or a
+  tree that branches at fixed steps (BranchGRPO / TreeGRPO); only stochastic steps are stored;
+- advantages: per-prompt group mean, batch (global) or per-group std, clipped to +-advantage_clip;
+  tree edges get the mean advantage of the leaves below them and are trained once;
+- loss: PPO-clipped ratio with separate lower/upper ranges, plus beta * KL to the reference
+  (the same transformer with the LoRA switched off), CFG inside the trained velocity;
+- optimisation: several inner passes over shuffled transitions, gradient accumulation over
+  micro-batches and steps, clipping, AdamW, EMA of the LoRA weights for eval and export.
+
+Rollout batch i is scored in a worker thread while batch i+1 is sampled. Under
+``accelerate launch`` prompts are sharded, rewards are gathered so advantages see whole groups and
+the global std, and row seeds come from global row indices, so N processes reproduce one.
+
+Run: ``flowrl train configs/smoke/sd3_tiny.yaml`` (CPU, seconds) or
+``accelerate launch --num_processes 8 -m flowrl train configs/sd35_medium/grpo_ocr.yaml``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+
+from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS, edge_advantages
+from flowrl.algorithms.combine import COMBINERS
+from flowrl.algorithms.losses import POLICY_LOSSES, gaussian_mean_kl
+from flowrl.config import Config, save_config, to_dict
+from flowrl.data import epoch_prompt_indices
+from flowrl.recipes.common import (
+    build_rewards, build_training_policy, eval_grid, export_final_lora, load_prompt_splits, restore_checkpoint,
+    save_run_checkpoint, step_plan,
+)
+from flowrl.rewards_api import AsyncScorer, nan_summary
+from flowrl.sampling import concat_trajectories, rollout, root_seeds, sde_step, transition
+from flowrl.training.ema import LoraEMA
+from flowrl.training.metrics import MetricsLogger
+
+
+def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, float]:
+    """Run the GRPO loop described by ``cfg``; returns the last epoch's metrics as a flat dict."""
+    # 0. Set-up: processes, run directory, model + LoRA, optimizer, EMA, rewards, prompts, resume.
+    accelerator = accelerator or make_accelerator(cfg)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    run_dir = Path(cfg.run_dir)
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+    s, t = cfg.sampling, cfg.train
+    policy = build_training_policy(cfg, accelerator.device)
+    params = policy.trainable_parameters()
+    optimizer = torch.optim.AdamW(params, lr=t.learning_rate, betas=tuple(t.adam_betas), eps=t.adam_eps,
+                                  weight_decay=t.weight_decay)
+    policy.forward_module, optimizer = accelerator.prepare(policy.transformer, optimizer)
+    ema = LoraEMA(policy.named_trainable_parameters(), decay=t.ema_decay) if t.ema else None
+    rewards, weights = build_rewards(cfg.rewards, accelerator.device)
+    train_prompts, eval_prompts = load_prompt_splits(cfg)
+    logger = MetricsLogger(run_dir, enabled=accelerator.is_main_process,
+                           tracker=accelerator if cfg.log.backend != "none" else None)
+    if cfg.log.backend != "none":
+        accelerator.init_trackers(cfg.log.project, config=to_dict(cfg))
+    start_epoch = restore_checkpoint(cfg, policy, optimizer, ema, rank=rank) if t.resume else 0
+    logger.truncate_after(start_epoch - 1)
+    guidance = s.guidance_scale if (t.cfg or policy.family == "flux") else 1.0
+    estimator = ADVANTAGE_ESTIMATORS[t.advantage]
+    policy_loss = POLICY_LOSSES[t.loss]
+    clip_high = t.clip_range if t.clip_range_high is None else t.clip_range_high
+    roots_per_group = s.group_size // (s.tree.branch_factor ** len(s.tree.branch_steps) if s.tree.branch_steps else 1)
+    scorer = AsyncScorer(rewards, on_error=t.reward_errors, asynchronous=t.async_rewards)
+    bar = tqdm(range(start_epoch, t.epochs), disable=not (cfg.log.progress and accelerator.is_main_process),
+               desc="grpo", dynamic_ncols=True)
+    metrics: dict[str, float] = {}
+    for epoch in bar:
+        epoch_start = time.perf_counter()
+        plan = step_plan(s, epoch, cfg.seed)
+
+        # 1-3. Sample prompts, roll out groups, score batch b while batch b+1 is sampled.
+        parts, futures = [], []
+        for b in range(t.batches_per_epoch):
+            batch_index = epoch * t.batches_per_epoch + b
+            index = epoch_prompt_indices(len(train_prompts), s.prompts_per_batch, seed=cfg.seed, epoch=batch_index,
+                                         rank=rank, world_size=world)
+            batch = train_prompts.subset(index)
+            first_root = (batch_index * world + rank) * s.prompts_per_batch * roots_per_group
+            with policy.local_forward():
+                part = rollout(policy, batch.prompts, group_size=s.group_size, num_steps=s.num_steps,
+                               guidance_scale=guidance, noise_level=s.noise_level, kind=s.kind, plan=plan,
+                               same_noise_in_group=s.same_noise_in_group, metadata=batch.metadata,
+                               seeds=root_seeds(cfg.seed, first_root, len(batch) * roots_per_group))
+            part.group_ids = part.group_ids + (batch_index * world + rank) * s.prompts_per_batch
+            futures.append(scorer.submit(part.images, part.row_prompts, part.row_metadata))
+            parts.append(part)
+        sample_done = time.perf_counter()
+        for part, future in zip(parts, futures):
+            part.rewards = future.result()
+        traj = concat_trajectories(parts)
+        reward_done = time.perf_counter()
+
+        # 4. Advantages over whole groups: gather every process's rewards, keep this process's slice.
+        gathered = {k: accelerator.gather(v.to(accelerator.device)).cpu() for k, v in traj.rewards.items()}
+        all_groups = accelerator.gather(traj.group_ids.to(accelerator.device)).cpu()
+        combined_adv, combined = COMBINERS[t.combine](
+            {r.name: gathered[r.name] for r in rewards}, weights, all_groups,
+            lambda r, g: estimator(r, g, std_scope=t.std_scope))
+        local = slice(rank * traj.num_rows, (rank + 1) * traj.num_rows)
+        row_adv = combined_adv[local].clamp(-t.advantage_clip, t.advantage_clip)
+        traj.advantages = edge_advantages(row_adv, traj.edge_ids)  # [N, K]
+        trained_cols = trained_columns(traj.step_indices, s.num_steps, t.skip_last_step, t.timestep_fraction,
+                                       seed=cfg.seed, epoch=epoch)
+        mask = traj.first_visit_mask() & torch.isfinite(combined[local])[:, None]  # [N, K]
+        mask[:, [k for k in range(traj.num_stored_steps) if k not in trained_cols]] = False
+
+        # 5-6. Inner passes: shuffled chunks -> micro-batches x trained steps -> one optimizer step per chunk.
+        stats = StatsAccumulator()
+        for inner in range(t.inner_epochs):
+            order = np.random.default_rng([cfg.seed, epoch, inner, rank, 0x7EA1]).permutation(traj.num_rows)
+            for chunk_index, chunk in enumerate(np.array_split(order, t.optimizer_steps_per_epoch)):
+                chunk = torch.as_tensor(chunk, dtype=torch.long)
+                weight = accelerator.reduce(mask[chunk].sum().float().to(accelerator.device), "sum").item()
+                work = [(rows, k) for rows in chunk.split(t.micro_batch_size) for k in trained_cols]
+                for i, (rows, k) in enumerate(work):
+                    sync = i == len(work) - 1
+                    with (torch.enable_grad() if sync else accelerator.no_sync(policy.forward_module)):
+                        loss_sum = transition_loss(policy, traj, rows, k, mask, accelerator=accelerator,
+                                                   guidance=guidance, noise_level=s.noise_level, kind=s.kind,
+                                                   beta=t.beta, policy_loss=policy_loss, clip_low=t.clip_range,
+                                                   clip_high=clip_high, stats=stats,
+                                                   on_policy=inner == 0 and chunk_index == 0)
+                        accelerator.backward(loss_sum * world / max(weight, 1.0))
+                grad_norm = accelerator.clip_grad_norm_(params, t.max_grad_norm) if t.max_grad_norm > 0 else None
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                if ema is not None:
+                    ema.step()
+                if grad_norm is not None:
+                    stats.add_scalar("optim/grad_norm", float(grad_norm))
+        train_done = time.perf_counter()
+
+        # 7. Log, render eval grids, checkpoint.
+        metrics = {"epoch": epoch}
+        metrics.update(reward_metrics(gathered, combined, [r.name for r in rewards]))
+        metrics.update(stats.reduce(accelerator))
+        metrics["advantages/abs_mean"] = float(row_adv.abs().mean())
+        metrics["optim/lr"] = optimizer.param_groups[0]["lr"]
+        metrics["perf/sample_s"] = sample_done - epoch_start
+        metrics["perf/reward_wait_s"] = reward_done - sample_done
+        metrics["perf/train_s"] = train_done - reward_done
+        if cfg.log.eval_every and (epoch + 1) % cfg.log.eval_every == 0 and accelerator.is_main_process:
+            eval_grid(policy, ema, eval_prompts, cfg, guidance, run_dir / "grids" / f"epoch_{epoch:05d}.png")
+        if (epoch + 1) % t.checkpoint_every == 0 or epoch + 1 == t.epochs:
+            save_run_checkpoint(cfg, policy, optimizer, ema, accelerator, epoch=epoch)
+        metrics["perf/epoch_s"] = time.perf_counter() - epoch_start
+        logger.log(metrics, step=epoch)
+        bar.set_postfix(reward=f"{metrics['reward/combined_mean']:.3f}", loss=f"{metrics.get('loss/total', 0):.4f}",
+                        sample=f"{metrics['perf/sample_s']:.1f}s", train=f"{metrics['perf/train_s']:.1f}s")
+
+    # 8. Export the final adapter (EMA weights when kept).
+    scorer.close()
+    if t.export_lora and accelerator.is_main_process:
+        export_final_lora(policy, ema, run_dir / "lora")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return metrics
+
+
+def make_accelerator(cfg: Config) -> Accelerator:
+    """CPU runs stay float32; GPU runs autocast to the configured precision."""
+    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+    log_with = None if cfg.log.backend == "none" else cfg.log.backend
+    return Accelerator(cpu=on_cpu, mixed_precision="no" if on_cpu else cfg.train.mixed_precision,
+                       log_with=log_with, project_dir=cfg.run_dir)
+
+
+def trained_columns(step_indices: torch.Tensor, num_steps: int, skip_last_step: bool, fraction: float, *,
+                    seed: int, epoch: int) -> list[int]:
+    """Stored-step columns to train: drop the final near-clean step, then keep a per-epoch fraction."""
+    columns = [k for k, step in enumerate(step_indices.tolist()) if not (skip_last_step and step == num_steps - 1)]
+    if not columns:
+        raise ValueError("no trainable steps: the SDE window holds only the last step; widen it or set "
+                         "train.skip_last_step=false")
+    if fraction < 1:
+        keep = max(1, round(fraction * len(columns)))
+        chosen = np.random.default_rng([seed, epoch, 0x51E9]).choice(len(columns), size=keep, replace=False)
+        columns = [columns[i] for i in sorted(chosen.tolist())]
+    return columns
+
+
+def transition_loss(policy, traj, rows, k, mask, *, accelerator, guidance, noise_level, kind, beta, policy_loss,
+                    clip_low, clip_high, stats, on_policy) -> torch.Tensor:
+    """Summed (not averaged) loss of stored transitions ``rows`` at stored step ``k``."""
+    device = accelerator.device
+    x = traj.latents[rows, k].to(device)  # [B, C, h, w]
+    x_next = traj.latents[rows, k + 1].to(device)
+    sigma, sigma_next = traj.sigmas[k].item(), traj.sigmas[k + 1].item()
+    cond = traj.cond.select(traj.prompt_ids[rows])
+    with accelerator.autocast():
+        velocity = policy.velocity(x, sigma, cond, guidance)
+    step = sde_step(velocity, x, sigma, sigma_next, noise_level=noise_level, kind=kind, prev_sample=x_next)
+    old_log_probs = traj.log_probs[rows, k].to(device)
+    advantages = traj.advantages[rows, k].to(device)
+    loss, loss_stats = policy_loss(step.log_prob, old_log_probs, advantages, clip_low=clip_low, clip_high=clip_high)
+    weights = mask[rows, k].to(device).float()  # [B]
+    kl = torch.zeros_like(loss)
+    if beta > 0:
+        with torch.no_grad(), policy.reference(), accelerator.autocast():
+            ref_velocity = policy.velocity(x, sigma, cond, guidance)
+        ref_mean, _ = transition(ref_velocity, x, sigma, sigma_next, noise_level=noise_level, kind=kind)
+        kl = gaussian_mean_kl(step.mean, ref_mean, step.std)
+    total = loss + beta * kl
+    stats.add("loss/policy", loss, weights)
+    stats.add("loss/kl", kl, weights)
+    stats.add("loss/total", total, weights)
+    stats.add("policy/ratio", loss_stats["ratio"], weights)
+    stats.add("policy/clipfrac", loss_stats["clipped"], weights)
+    stats.add("policy/approx_kl", loss_stats["approx_kl"], weights)
+    if on_policy:
+        deviation = ((loss_stats["ratio"] - 1).abs() * weights).max()
+        stats.add_scalar("policy/onpolicy_ratio_maxdev", float(deviation), reduce="max")
+    return (total * weights).sum()
+
+
+def reward_metrics(rewards: dict[str, torch.Tensor], combined: torch.Tensor, main: list[str]) -> dict[str, float]:
+    """reward/<name>_mean and _std for every (sub-)score, plus the combined reward and NaN counts."""
+    out = {}
+    for name, values in rewards.items():
+        finite = values[torch.isfinite(values)]
+        out[f"reward/{name}_mean"] = float(finite.mean()) if finite.numel() else math.nan
+        out[f"reward/{name}_std"] = float(finite.std(unbiased=False)) if finite.numel() else math.nan
+    finite = combined[torch.isfinite(combined)]
+    out["reward/combined_mean"] = float(finite.mean()) if finite.numel() else math.nan
+    out.update({k: float(v) for k, v in nan_summary({n: rewards[n] for n in main}).items()})
+    return out
+
+
+class StatsAccumulator:
+    """Weighted means of per-transition statistics, reduced across processes at the end of an epoch."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.weights: dict[str, float] = {}
+        self.scalars: dict[str, list[float]] = {}
+        self.scalar_reduce: dict[str, str] = {}
+
+    def add(self, name: str, values: torch.Tensor, weights: torch.Tensor) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + float((values.detach().float() * weights).sum())
+        self.weights[name] = self.weights.get(name, 0.0) + float(weights.sum())
+
+    def add_scalar(self, name: str, value: float, reduce: str = "mean") -> None:
+        self.scalars.setdefault(name, []).append(value)
+        self.scalar_reduce[name] = reduce
+
+    def reduce(self, accelerator: Accelerator) -> dict[str, float]:
+        names = sorted(self.sums)
+        packed = torch.tensor([[self.sums[n], self.weights[n]] for n in names] or [[0.0, 0.0]], dtype=torch.float64)
+        packed = accelerator.reduce(packed.to(accelerator.device), "sum").cpu()
+        out = {n: float(packed[i, 0] / max(packed[i, 1], 1e-12)) for i, n in enumerate(names)}
+        for name, values in sorted(self.scalars.items()):
+            if self.scalar_reduce[name] == "max":
+                tensor = torch.tensor([max(values)], dtype=torch.float64, device=accelerator.device)
+                out[name] = float(accelerator.gather(tensor).max())
+            else:
+                tensor = torch.tensor(sum(values) / len(values), dtype=torch.float64, device=accelerator.device)
+                out[name] = float(accelerator.reduce(tensor, "mean"))
+        return out
