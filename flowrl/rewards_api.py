@@ -50,6 +50,7 @@ REWARD_REGISTRY: dict[str, str] = {
     "jpeg_incompressibility": "rewards.simple:JpegIncompressibility",
     "color_target": "rewards.simple:ColorTarget",
     "toyeval": "rewards.toyeval:ToyEval",
+    "remote": "rewards.remote:RemoteReward",
     "checklist": "rewards.checklist:Checklist",
     "vlm_yes": "rewards.vlm_likelihood:VlmYes",
     "prompt_echo": "rewards.vlm_likelihood:PromptEcho",
@@ -106,7 +107,7 @@ def _check_kwargs(label: str, cls: Any, kwargs: Mapping[str, Any]) -> None:
         raise ValueError(f"reward '{label}': bad arguments {sorted(kwargs)}: {_one_line(err)}") from None
 
 
-def build_reward(name: str, **kwargs: Any) -> Reward:
+def build_reward(name: str, /, **kwargs: Any) -> Reward:
     """Build a reward from a short name or dotted path with flat constructor kwargs.
 
     Every failure is a one-line ValueError naming the reward (and module or kwarg).

@@ -1,0 +1,296 @@
+"""RemoteReward: score images with a judge served over HTTP (a GenEval server, an sglang/vLLM VLM judge).
+
+Why: some judges are too big, or need a different environment, to live in the training process.
+The trainer sends each chunk of images to a server and gets scores back; the reward behaves like any
+local one (`flowrl.rewards_api.Reward`), so `score`/`AsyncScorer` and their error policy apply as is.
+
+Wire format, version 1 (also in docs/remote_reward.md; `scripts/reward_server.py` is the reference
+server)::
+
+    POST {url}/score   Content-Type: application/json
+      {"version": 1,
+       "images": ["<base64 of a PNG or JPEG file>", ...],      # N images, RGB, 8 bits per channel
+       "image_format": "png" | "jpeg",
+       "prompts": ["...", ...],                                # N strings
+       "metadata": [{...}, ...]}                               # N JSON objects (or null)
+    200 -> {"scores": {"<name>": [float | null, ...],          # N values each; null = could not score
+                       "<name>/<sub>": [...], ...}}
+    4xx/5xx -> {"error": "<one-line message>"}                 # (a plain-text body is accepted too)
+
+    GET {url}/health
+    200 -> {"status": "ok", "rewards": ["<name>", ...], "version": 1}
+
+Returned keys are renamed into this reward's namespace: the main key becomes ``name``,
+``"<main>/<sub>"`` becomes ``"<name>/<sub>"``, and any other key ``k`` (another reward the same
+server runs) becomes ``"<name>/<k>"``, so several remote judges can coexist under distinct names.
+Images holding NaN/inf are never sent: they score NaN locally (could not score, never zero); a
+sub-key absent from one chunk's reply is NaN for that chunk's rows.
+
+Failures: connection errors, timeouts, HTTP 5xx and 429 are retried up to ``max_retries`` attempts
+in all, with exponential backoff (``backoff * 2**k``, capped at ``max_backoff``); other 4xx are the
+client's fault and raise at once with the server's message. Every failure is a one-line
+`RemoteRewardError` (a RuntimeError), so `score(on_error="nan")` can mark the batch NaN and go on.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import re
+import socket
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from http.client import HTTPException
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+WIRE_VERSION = 1
+IMAGE_FORMATS = ("png", "jpeg")
+
+
+class RemoteRewardError(RuntimeError):
+    """A remote reward could not be scored: unreachable, timed out, rejected, or a malformed reply."""
+
+
+def _one_line(text: Any, limit: int = 300) -> str:
+    s = re.sub(r"\s+", " ", str(text)).strip()
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+# ------------------------------------------------------------------------------------ encoding
+
+def to_uint8(images: torch.Tensor) -> np.ndarray:
+    """[N,3,H,W] float in [0,1] -> [N,H,W,3] uint8, the exact pixels the server will see."""
+    x = images.detach().to("cpu", torch.float32).clamp(0, 1)
+    return (x * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous().numpy()
+
+
+def encode_image(arr: np.ndarray, image_format: str = "png", jpeg_quality: int = 95) -> str:
+    """[H,W,3] uint8 -> base64 string of a PNG (lossless, fast zlib level) or JPEG file."""
+    buf = io.BytesIO()
+    if image_format == "png":
+        Image.fromarray(arr).save(buf, format="PNG", compress_level=1)  # size matters less than CPU
+    else:
+        Image.fromarray(arr).save(buf, format="JPEG", quality=jpeg_quality)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def decode_image(data: str) -> torch.Tensor:
+    """Base64 PNG/JPEG (an optional "data:...;base64," prefix is accepted) -> [3,H,W] float in [0,1]."""
+    if data.startswith("data:"):
+        data = data.partition(",")[2]
+    with Image.open(io.BytesIO(base64.b64decode(data, validate=True))) as img:
+        arr = np.asarray(img.convert("RGB"), dtype=np.uint8)
+    return torch.from_numpy(arr.copy()).permute(2, 0, 1).float() / 255.0
+
+
+def _jsonable(obj: Any) -> Any:
+    """json.dumps fallback for metadata: tensors and numpy values become lists/numbers."""
+    if isinstance(obj, (torch.Tensor, np.ndarray, np.generic)):
+        return obj.tolist()
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj)
+    raise TypeError(f"metadata value of type {type(obj).__name__} is not JSON-serialisable")
+
+
+# ------------------------------------------------------------------------------------ the client
+
+class RemoteReward:
+    """A reward scored by an HTTP server speaking the wire format above.
+
+    url: server base URL (``http://host:port``; "/score" and "/health" are appended).
+    name: this reward's name, the prefix of every key it returns (several remote judges can coexist).
+    timeout: seconds allowed per socket operation (connect, each read) of one request.
+    max_retries: attempts in all per request (>= 1), on connection errors, timeouts, 5xx and 429.
+    backoff / max_backoff: sleep ``min(backoff * 2**k, max_backoff)`` after failed attempt k (0-based).
+    batch_size: images per request. image_format: "png" (lossless) or "jpeg" (``jpeg_quality``).
+    main_key: the returned key that is the main score; default: ``name`` if the server returns it,
+        else the first key of the reply (the reference server puts its first reward's main key first).
+    num_workers: threads encoding images (PIL releases the GIL while compressing).
+    use_env_proxy: honour http_proxy/no_proxy; off by default because judges usually sit on the
+        cluster network, where a proxy meant for the internet only gets in the way.
+    """
+
+    def __init__(self, url: str, name: str = "remote", timeout: float = 60.0, max_retries: int = 3,
+                 backoff: float = 0.5, max_backoff: float = 10.0, batch_size: int = 32,
+                 image_format: str = "png", jpeg_quality: int = 95, main_key: str | None = None,
+                 num_workers: int = 4, use_env_proxy: bool = False) -> None:
+        parsed = urllib.parse.urlparse(str(url))
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise ValueError(f"url must look like http://host:port, got {url!r}")
+        if not name or not isinstance(name, str) or "/" in name:
+            raise ValueError(f"name must be a non-empty string without '/', got {name!r}")
+        if image_format not in IMAGE_FORMATS:
+            raise ValueError(f"image_format must be one of {IMAGE_FORMATS}, got {image_format!r}")
+        if not 1 <= int(jpeg_quality) <= 100:
+            raise ValueError(f"jpeg_quality must be in [1, 100], got {jpeg_quality}")
+        if int(max_retries) < 1 or int(batch_size) < 1:
+            raise ValueError(f"max_retries and batch_size must be >= 1, got {max_retries}, {batch_size}")
+        if float(timeout) <= 0 or float(backoff) < 0 or float(max_backoff) < 0:
+            raise ValueError("timeout must be > 0 and backoff, max_backoff >= 0")
+        self.url = str(url).rstrip("/")
+        self.name, self.main_key = name, main_key
+        self.timeout, self.max_retries = float(timeout), int(max_retries)
+        self.backoff, self.max_backoff = float(backoff), float(max_backoff)
+        self.batch_size, self.image_format = int(batch_size), image_format
+        self.jpeg_quality, self.num_workers = int(jpeg_quality), max(1, int(num_workers))
+        handlers = [] if use_env_proxy else [urllib.request.ProxyHandler({})]
+        self._opener = urllib.request.build_opener(*handlers)
+
+    # ---------------------------------------------------------------------------- public
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str],
+                 metadata: Sequence[Mapping[str, Any] | None]) -> dict[str, torch.Tensor]:
+        n = images.shape[0]
+        finite = torch.isfinite(images.detach()).flatten(1).all(1).cpu()  # [N]
+        keep = finite.nonzero().flatten().tolist()  # rows worth sending
+        out = {self.name: torch.full((n,), math.nan)}
+        # Not rewards.base.chunked: sub-keys may differ between chunks (a server scoring with
+        # on_error="nan" drops a failed reward's sub-scores), so rows missing a key stay NaN here.
+        for start in range(0, len(keep), self.batch_size):
+            rows = keep[start:start + self.batch_size]
+            idx = torch.tensor(rows)
+            body = self._body(images[idx.to(images.device)], [prompts[i] for i in rows],
+                              [metadata[i] for i in rows])
+            for key, value in self._parse(self._request("/score", body), len(rows)).items():
+                out.setdefault(key, torch.full((n,), math.nan))[idx] = value
+        return out
+
+    def health(self) -> dict:
+        """GET {url}/health -> the server's reply (with the same retries and one-line errors)."""
+        return self._request("/health", None)
+
+    # ---------------------------------------------------------------------------- request
+
+    def _body(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Any]) -> bytes:
+        arrs = list(to_uint8(images))
+
+        def enc(a: np.ndarray) -> str:
+            return encode_image(a, self.image_format, self.jpeg_quality)
+
+        if self.num_workers > 1 and len(arrs) > 1:
+            with ThreadPoolExecutor(min(self.num_workers, len(arrs))) as pool:
+                encoded = list(pool.map(enc, arrs))
+        else:
+            encoded = [enc(a) for a in arrs]
+        body = {"version": WIRE_VERSION, "images": encoded, "image_format": self.image_format,
+                "prompts": list(prompts), "metadata": list(metadata)}
+        try:
+            return json.dumps(body, default=_jsonable).encode("utf-8")
+        except (TypeError, ValueError) as err:
+            raise RemoteRewardError(self._where(f"cannot send metadata as JSON: {_one_line(err)}")) from None
+
+    def _request(self, path: str, body: bytes | None) -> dict:
+        """One request with bounded retries -> the decoded JSON object; RemoteRewardError otherwise."""
+        endpoint = self.url + path
+        kind, detail = "failed", ""
+        for attempt in range(self.max_retries):
+            if attempt:
+                time.sleep(min(self.backoff * 2 ** (attempt - 1), self.max_backoff))
+            req = urllib.request.Request(endpoint, data=body, method="POST" if body is not None else "GET",
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with self._opener.open(req, timeout=self.timeout) as resp:
+                    raw = resp.read()
+            except urllib.error.HTTPError as err:
+                msg = _server_message(err)
+                if err.code != 429 and err.code < 500:  # the request is wrong: retrying cannot help
+                    raise RemoteRewardError(self._where(f"rejected the request: HTTP {err.code}: {msg}",
+                                                        endpoint)) from None
+                kind, detail = "failed", f"HTTP {err.code}: {msg}"
+                continue
+            except (urllib.error.URLError, OSError, HTTPException) as err:
+                kind, detail = _classify(err)
+                continue
+            try:
+                reply = json.loads(raw)
+            except ValueError:
+                raise RemoteRewardError(self._where(f"replied with invalid JSON: {_one_line(raw[:200])}",
+                                                    endpoint)) from None
+            if not isinstance(reply, dict):
+                raise RemoteRewardError(self._where(f"replied with {type(reply).__name__}, "
+                                                    "expected a JSON object", endpoint))
+            return reply
+        n = self.max_retries
+        if kind == "timed out":
+            summary = f"timed out after {n} attempts (timeout={self.timeout}s)"
+        elif kind == "unreachable":
+            summary = f"unreachable after {n} attempts: {detail} ({self._start_hint()})"
+        else:
+            summary = f"failed after {n} attempts: {detail}"
+        raise RemoteRewardError(self._where(summary, endpoint))
+
+    def _parse(self, reply: dict, n: int) -> dict[str, torch.Tensor]:
+        """Check a /score reply and rename its keys into this reward's namespace."""
+        scores = reply.get("scores")
+        if not isinstance(scores, dict) or not scores:
+            got = sorted(reply) if not isinstance(scores, dict) else "an empty 'scores'"
+            raise RemoteRewardError(self._where(f"reply needs a non-empty 'scores' object, got {got}"))
+        main = self.main_key or (self.name if self.name in scores else next(iter(scores)))
+        if main not in scores:
+            raise RemoteRewardError(self._where(f"reply has no main key {main!r} (got {sorted(scores)}); "
+                                                "set main_key to one of them"))
+        out: dict[str, torch.Tensor] = {}
+        for key, values in scores.items():
+            if not isinstance(values, list) or len(values) != n:
+                size = len(values) if isinstance(values, list) else type(values).__name__
+                raise RemoteRewardError(self._where(f"key {key!r} has {size} values for {n} images"))
+            if not all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in values):
+                raise RemoteRewardError(self._where(f"key {key!r} holds values other than numbers or null"))
+            tensor = torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
+            if key == main:
+                new = self.name
+            elif key.startswith(main + "/"):
+                new = f"{self.name}/{key[len(main) + 1:]}"
+            else:
+                new = f"{self.name}/{key}"
+            if new in out:
+                raise RemoteRewardError(self._where(f"reply keys collide as {new!r} (got {sorted(scores)})"))
+            out[new] = tensor
+        return {self.name: out.pop(self.name), **out}  # main key first
+
+    # ---------------------------------------------------------------------------- messages
+
+    def _where(self, what: str, endpoint: str | None = None) -> str:
+        return _one_line(f"remote reward '{self.name}' at {endpoint or self.url + '/score'} {what}", 800)
+
+    def _start_hint(self) -> str:
+        port = urllib.parse.urlparse(self.url).port or 8765
+        reward = self.name if self.name != "remote" else "<name>"
+        return f"is the server running? start it with: python scripts/reward_server.py --port {port} --reward {reward}"
+
+
+def _server_message(err: urllib.error.HTTPError) -> str:
+    """The server's one-line error: {"error": ...} when JSON, else the text body, else the reason."""
+    try:
+        raw = err.read()
+    except Exception:
+        raw = b""
+    try:
+        data = json.loads(raw)
+        if isinstance(data, dict) and "error" in data:
+            return _one_line(data["error"])
+    except ValueError:
+        pass
+    return _one_line(raw.decode("utf-8", "replace")) or _one_line(err.reason) or "no message"
+
+
+def _classify(err: BaseException) -> tuple[str, str]:
+    """A transport failure -> ("timed out" | "unreachable", short reason)."""
+    reason = err.reason if isinstance(err, urllib.error.URLError) else err
+    if isinstance(reason, (TimeoutError, socket.timeout)) or "timed out" in str(reason):
+        return "timed out", "timed out"
+    if isinstance(reason, ConnectionRefusedError):
+        return "unreachable", "connection refused"
+    if isinstance(reason, socket.gaierror):
+        return "unreachable", f"cannot resolve host ({_one_line(reason)})"
+    return "unreachable", _one_line(f"{type(reason).__name__}: {reason}")

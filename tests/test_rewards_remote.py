@@ -1,0 +1,273 @@
+"""RemoteReward against the reference server (in a thread, on a free localhost port): round trip,
+batching, NaN passthrough, retries, timeouts, refused connections, 4xx, health, and the CLI."""
+
+import contextlib
+import importlib.util
+import inspect
+import math
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import rewards.remote as remote
+from flowrl.rewards_api import RewardError, build_reward, score
+from rewards.remote import RemoteReward, RemoteRewardError
+from rewards.simple import Brightness
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("reward_server", REPO / "scripts" / "reward_server.py")
+reward_server = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(reward_server)
+
+
+@contextlib.contextmanager
+def serving(rewards, **kwargs):
+    server = reward_server.make_server("127.0.0.1", 0, rewards, **kwargs)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def batch(n=5, size=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(n, 3, size, size, generator=g), [f"prompt {i}" for i in range(n)], [{"i": i} for i in range(n)]
+
+
+def quantised(images):
+    """What the server sees after an 8-bit PNG round trip."""
+    return (images.clamp(0, 1) * 255).round() / 255
+
+
+def free_port():
+    """A port nothing listens on (bound then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class NanHalf:
+    """Scores every other image null/NaN, as a judge that cannot judge some images would."""
+    name = "nanhalf"
+
+    def __call__(self, images, prompts, metadata):
+        v = torch.tensor([float(m["i"]) for m in metadata])
+        v[::2] = math.nan
+        return {self.name: v, f"{self.name}/sub": torch.zeros(len(prompts))}
+
+
+class Raising:
+    name = "boom"
+
+    def __call__(self, images, prompts, metadata):
+        raise RuntimeError("judge exploded")
+
+
+def fast(url, **kwargs):
+    """A client with tiny backoff so failure tests stay fast."""
+    return RemoteReward(url, **{"backoff": 0.01, "max_backoff": 0.02, "timeout": 5.0, **kwargs})
+
+
+# ------------------------------------------------------------------------------ round trip
+
+def test_round_trip_matches_local_scoring_and_batches():
+    images, prompts, metadata = batch(5)
+    with serving([Brightness(saturation=True)]) as srv:
+        out = fast(srv.url, name="brightness", batch_size=2)(images, prompts, metadata)
+        assert srv.hits == 3  # 5 images in chunks of 2
+    local = score([Brightness(saturation=True)], quantised(images), prompts, metadata)
+    assert list(out) == list(local) == ["brightness", "brightness/saturation"]
+    for key in local:
+        assert out[key].dtype == torch.float32 and out[key].shape == (5,)
+        torch.testing.assert_close(out[key], local[key], atol=1e-6, rtol=0)
+
+
+def test_keys_are_renamed_into_the_clients_namespace():
+    images, prompts, metadata = batch(3)
+    with serving(["brightness", NanHalf()]) as srv:
+        out = fast(srv.url)(images, prompts, metadata)  # default name "remote", main = first key
+        picked = fast(srv.url, name="judge", main_key="nanhalf")(images, prompts, metadata)
+        with pytest.raises(RemoteRewardError, match="no main key 'missing'"):
+            fast(srv.url, main_key="missing")(images, prompts, metadata)
+    assert list(out) == ["remote", "remote/nanhalf", "remote/nanhalf/sub"]
+    assert list(picked) == ["judge", "judge/brightness", "judge/sub"]  # main first, then reply order
+    torch.testing.assert_close(out["remote"], Brightness()(quantised(images), prompts, metadata)["brightness"])
+
+
+def test_works_through_build_reward_and_score():
+    images, prompts, metadata = batch(4)
+    with serving(["brightness"]) as srv:
+        reward = build_reward("rewards.remote:RemoteReward", url=srv.url, batch_size=3)
+        out = score([reward, Brightness()], images, prompts, metadata)
+    assert set(out) == {"remote", "brightness"}
+    torch.testing.assert_close(out["remote"], out["brightness"], atol=2 / 255, rtol=0)
+
+
+@pytest.mark.skipif(inspect.signature(build_reward).parameters["name"].kind is not inspect.Parameter.POSITIONAL_ONLY,
+                    reason="a name= kwarg reaches the reward only once build_reward(name, /, **kwargs)")
+def test_build_reward_passes_the_remote_name():
+    with serving(["brightness"]) as srv:
+        reward = build_reward("rewards.remote:RemoteReward", url=srv.url, name="geneval")
+        assert list(reward(*batch(2))) == ["geneval"]
+
+
+def test_jpeg_is_close_on_smooth_images():
+    ramp = torch.linspace(0, 1, 32).view(1, 1, 1, 32).expand(2, 3, 32, 32).clone()
+    ramp[1] *= 0.5
+    with serving(["brightness"]) as srv:
+        out = fast(srv.url, image_format="jpeg", jpeg_quality=90)(ramp, ["a", "b"], [{}, {}])
+    torch.testing.assert_close(out["remote"], Brightness()(ramp, [], [])["brightness"], atol=0.02, rtol=0)
+
+
+# ------------------------------------------------------------------------------ NaN
+
+def test_null_scores_come_back_nan():
+    images, prompts, metadata = batch(5)
+    with serving([NanHalf()]) as srv:
+        out = fast(srv.url, name="nanhalf", batch_size=2)(images, prompts, metadata)
+    v = out["nanhalf"]
+    assert torch.isnan(v).tolist() == [True, False, True, False, True]  # rows 0 of each chunk of 2
+    assert v[1].item() == 1.0 and v[3].item() == 3.0
+    assert not torch.isnan(out["nanhalf/sub"]).any()
+
+
+def test_non_finite_images_are_not_sent_and_score_nan():
+    images, prompts, metadata = batch(4)
+    images[1, 0, 0, 0] = math.nan
+    with serving(["brightness"]) as srv:
+        out = fast(srv.url, batch_size=8)(images, prompts, metadata)
+        empty = fast(srv.url)(torch.full((2, 3, 8, 8), math.nan), ["a", "b"], [{}, {}])
+        assert srv.hits == 1  # the all-NaN batch made no request
+    assert torch.isnan(out["remote"]).tolist() == [False, True, False, False]
+    assert torch.isnan(empty["remote"]).all() and list(empty) == ["remote"]
+
+
+def test_server_on_error_nan_gives_null_main_and_raise_gives_500():
+    images, prompts, metadata = batch(2)
+    with serving([Raising()], on_error="nan") as srv:
+        assert torch.isnan(fast(srv.url)(images, prompts, metadata)["remote"]).all()
+    with serving([Raising()]) as srv:
+        with pytest.raises(RemoteRewardError, match="failed after 2 attempts: HTTP 500: .*judge exploded"):
+            fast(srv.url, max_retries=2)(images, prompts, metadata)
+        assert srv.hits == 2
+
+
+# ------------------------------------------------------------------------------ failures
+
+def test_timeout_is_one_line_and_bounded():
+    images, prompts, metadata = batch(2)
+    with serving(["brightness"], delay=1.0) as srv:
+        reward = fast(srv.url, name="geneval", timeout=0.2, max_retries=2)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError) as info:
+            reward(images, prompts, metadata)
+        elapsed = time.monotonic() - start
+        assert srv.hits == 2
+    msg = str(info.value)
+    assert "\n" not in msg and "timed out after 2 attempts (timeout=0.2s)" in msg
+    assert msg.startswith("remote reward 'geneval' at http://127.0.0.1:")
+    assert elapsed < 2 * 0.2 + 0.5  # retries x timeout + tiny backoff + slack, not the 1 s delay
+
+
+def test_connection_refused_is_one_line_after_max_retries(monkeypatch):
+    port = free_port()
+    reward = fast(f"http://127.0.0.1:{port}", name="geneval", max_retries=3)
+    calls = []
+    real_open = reward._opener.open
+    monkeypatch.setattr(reward._opener, "open", lambda *a, **k: calls.append(1) or real_open(*a, **k))
+    with pytest.raises(RuntimeError) as info:
+        reward(*batch(2))
+    msg = str(info.value)
+    assert len(calls) == 3
+    assert "\n" not in msg and "unreachable after 3 attempts: connection refused" in msg
+    assert f"scripts/reward_server.py --port {port} --reward geneval" in msg
+
+
+def test_backoff_is_exponential_and_capped(monkeypatch):
+    sleeps = []
+    monkeypatch.setattr(remote.time, "sleep", sleeps.append)
+    reward = RemoteReward(f"http://127.0.0.1:{free_port()}", max_retries=4, backoff=1.0, max_backoff=1.5)
+    with pytest.raises(RemoteRewardError, match="after 4 attempts"):
+        reward(*batch(1))
+    assert sleeps == [1.0, 1.5, 1.5]
+
+
+@pytest.mark.parametrize("status", [503, 429])
+def test_retries_then_succeeds(status):
+    with serving(["brightness"], fail_first=2, fail_status=status) as srv:
+        out = fast(srv.url, max_retries=3)(*batch(3))
+        assert srv.hits == 3
+    assert not torch.isnan(out["remote"]).any()
+
+
+def test_retries_exhausted_on_5xx():
+    with serving(["brightness"], fail_first=10) as srv:
+        with pytest.raises(RemoteRewardError, match=r"failed after 2 attempts: HTTP 503: injected failure \(503\)"):
+            fast(srv.url, max_retries=2)(*batch(1))
+        assert srv.hits == 2
+
+
+def test_4xx_is_not_retried_and_carries_the_servers_message(monkeypatch):
+    with serving(["brightness"], fail_first=10, fail_status=400) as srv:
+        with pytest.raises(RemoteRewardError, match=r"rejected the request: HTTP 400: injected failure"):
+            fast(srv.url, max_retries=3)(*batch(1))
+        assert srv.hits == 1
+    monkeypatch.setattr(remote, "WIRE_VERSION", 99)
+    with serving(["brightness"]) as srv:
+        with pytest.raises(RemoteRewardError, match="unsupported wire version 99; this server speaks 1"):
+            fast(srv.url, max_retries=3)(*batch(1))
+        assert srv.hits == 1
+
+
+def test_malformed_replies_raise_clear_errors():
+    r = RemoteReward("http://127.0.0.1:1", name="j")
+    with pytest.raises(RemoteRewardError, match="3 values for 2 images"):
+        r._parse({"scores": {"x": [1.0, 2.0, 3.0]}}, 2)
+    with pytest.raises(RemoteRewardError, match="non-empty 'scores'"):
+        r._parse({"result": []}, 2)
+    with pytest.raises(RemoteRewardError, match="other than numbers or null"):
+        r._parse({"scores": {"x": [1.0, "high"]}}, 2)
+    with pytest.raises(RemoteRewardError, match="collide"):
+        r._parse({"scores": {"a": [1.0], "a/x": [1.0], "x": [2.0]}}, 1)
+    out = r._parse({"scores": {"x": [1, None], "x/s": [0.5, 0.25]}}, 2)
+    assert list(out) == ["j", "j/s"] and math.isnan(out["j"][1].item())
+
+
+def test_bad_constructor_arguments():
+    for kwargs in ({"url": "localhost:8765"}, {"url": "http://h:1", "image_format": "webp"},
+                   {"url": "http://h:1", "max_retries": 0}, {"url": "http://h:1", "name": "a/b"}):
+        with pytest.raises(ValueError):
+            RemoteReward(**kwargs)
+
+
+# ------------------------------------------------------------------------------ health and CLI
+
+def test_health():
+    with serving(["brightness", NanHalf()]) as srv:
+        assert fast(srv.url + "/").health() == {"status": "ok", "rewards": ["brightness", "nanhalf"],
+                                                "version": 1}
+
+
+def test_cli_serves_on_a_free_port():
+    proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "reward_server.py"), "--port", "0",
+                             "--reward", "brightness"], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("serving ['brightness'] on http://127.0.0.1:"), line
+        url = line.split(" on ")[1].strip()
+        assert fast(url).health()["rewards"] == ["brightness"]
+        assert fast(url)(*batch(2))["remote"].shape == (2,)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        proc.stdout.close()
