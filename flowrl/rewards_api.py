@@ -51,6 +51,7 @@ REWARD_REGISTRY: dict[str, str] = {
     "color_target": "rewards.simple:ColorTarget",
     "toyeval": "rewards.toyeval:ToyEval",
     "remote": "rewards.remote:RemoteReward",
+    "ocr": "rewards.ocr:OcrReward",
     "checklist": "rewards.checklist:Checklist",
     "vlm_yes": "rewards.vlm_likelihood:VlmYes",
     "prompt_echo": "rewards.vlm_likelihood:PromptEcho",
