@@ -3,13 +3,12 @@
 import torch
 
 
-class LeftRightContrast:
-    """Mean brightness of the left half minus the right half: learnable even through the tiny random
-    VAE, whose group norms make the image's overall brightness almost independent of the latent."""
+class RedMinusBlue:
+    """Mean red minus mean blue: a global colour direction, which per-channel latent offsets move
+    even through the tiny random VAE."""
 
-    name = "contrast"
+    name = "redness"
 
     @torch.no_grad()
     def __call__(self, images, prompts, metadata):
-        half = images.shape[-1] // 2
-        return {self.name: images[..., :half].mean(dim=(1, 2, 3)) - images[..., half:].mean(dim=(1, 2, 3))}
+        return {self.name: (images[:, 0] - images[:, 2]).mean(dim=(1, 2))}
