@@ -147,17 +147,17 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         metrics = {"epoch": epoch}
         metrics.update(reward_metrics(gathered, combined, [r.name for r in rewards]))
         metrics.update(stats.reduce(accelerator))
-        metrics["advantages/abs_mean"] = float(row_adv.abs().mean())
+        metrics["advantages/abs_mean"] = float(combined_adv.clamp(-t.advantage_clip, t.advantage_clip).abs().mean())
         metrics["optim/lr"] = optimizer.param_groups[0]["lr"]
         metrics["perf/sample_s"] = sample_done - epoch_start
         metrics["perf/reward_wait_s"] = reward_done - sample_done
         metrics["perf/train_s"] = train_done - reward_done
         if cfg.log.eval_every and (epoch + 1) % cfg.log.eval_every == 0 and accelerator.is_main_process:
             eval_grid(policy, ema, eval_prompts, cfg, guidance, run_dir / "grids" / f"epoch_{epoch:05d}.png")
+        metrics["perf/epoch_s"] = time.perf_counter() - epoch_start
+        logger.log(metrics, step=epoch)  # before the checkpoint: a resumed run redoes later epochs only
         if (epoch + 1) % t.checkpoint_every == 0 or epoch + 1 == t.epochs:
             save_run_checkpoint(cfg, policy, optimizer, ema, accelerator, epoch=epoch)
-        metrics["perf/epoch_s"] = time.perf_counter() - epoch_start
-        logger.log(metrics, step=epoch)
         bar.set_postfix(reward=f"{metrics['reward/combined_mean']:.3f}", loss=f"{metrics.get('loss/total', 0):.4f}",
                         sample=f"{metrics['perf/sample_s']:.1f}s", train=f"{metrics['perf/train_s']:.1f}s")
 
