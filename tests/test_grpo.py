@@ -175,3 +175,46 @@ def test_window_tree_and_cps_runs(tmp_path, overrides):
     metrics = train(smoke_config(tmp_path, *overrides, "log.eval_every=0"))
     assert math.isfinite(metrics["loss/total"])
     assert metrics["policy/onpolicy_ratio_maxdev"] < 1e-6
+
+
+@pytest.mark.parametrize("layout", ["diffusers", "peft"])
+def test_training_starts_from_an_existing_lora(tmp_path, layout, monkeypatch):
+    import diffusers
+    from peft import get_peft_model_state_dict
+
+    from flowrl.models.lora_io import lora_config_dict, lora_state_dict, save_diffusers_lora
+
+    source = build_policy("sd3", "tiny", seed=0)
+    source.add_lora(rank=2, alpha=3, init_seed=5)
+    with torch.no_grad():
+        for p in source.trainable_parameters():
+            p.normal_(0, 0.02, generator=torch.Generator().manual_seed(p.numel()))
+    if layout == "diffusers":
+        path = save_diffusers_lora(diffusers.StableDiffusion3Pipeline, tmp_path / "lora", lora_state_dict(source.transformer),
+                                   lora_config_dict(source.transformer))
+    else:
+        path = tmp_path / "peft"
+        path.mkdir()  # a peft adapter directory, as PeftModel.save_pretrained writes it
+        import json
+        from safetensors.torch import save_file
+
+        state = {f"base_model.model.{k}": v for k, v in get_peft_model_state_dict(source.transformer).items()}
+        save_file({k: v.contiguous() for k, v in state.items()}, str(path / "adapter_model.safetensors"))
+        (path / "adapter_config.json").write_text(json.dumps(lora_config_dict(source.transformer)))
+
+    import flowrl.recipes.grpo as grpo
+
+    captured = {}
+    real_build = grpo.build_training_policy
+    monkeypatch.setattr(grpo, "build_training_policy",
+                        lambda cfg, device: captured.setdefault("policy", real_build(cfg, device)))
+    cfg = smoke_config(tmp_path / "run", f"lora.init_from={path}", "train.epochs=1", "train.learning_rate=1e-12",
+                       "log.eval_every=0")
+    grpo.train(cfg)
+    loaded = captured["policy"]
+    assert loaded.transformer.peft_config["default"].r == 2
+    expected = lora_state_dict(source.transformer)
+    got = lora_state_dict(loaded.transformer)
+    assert expected.keys() == got.keys()
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-6)  # lr 1e-12: unchanged
