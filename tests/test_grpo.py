@@ -218,3 +218,15 @@ def test_training_starts_from_an_existing_lora(tmp_path, layout, monkeypatch):
     assert expected.keys() == got.keys()
     for key in expected:
         torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-6)  # lr 1e-12: unchanged
+
+
+def test_tensorboard_tracking(tmp_path):
+    pytest.importorskip("tensorboard")
+    train(smoke_config(tmp_path, "train.epochs=1", "log.backend=tensorboard", "log.eval_every=0"))
+    event_files = list(tmp_path.rglob("events.out.tfevents.*"))
+    assert event_files, "tensorboard wrote no event file"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(event_files[0].parent))
+    accumulator.Reload()
+    assert "reward/brightness_mean" in accumulator.Tags()["scalars"]

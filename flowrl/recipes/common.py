@@ -121,3 +121,20 @@ def export_final_lora(policy, ema, out_dir: Path) -> Path:
         state = lora_state_dict(policy.transformer)
     pipeline_class = getattr(diffusers, policy.pipeline_class_name)
     return save_diffusers_lora(pipeline_class, out_dir, state, lora_config_dict(policy.transformer))
+
+
+def flat_config(cfg: Config) -> dict[str, int | float | str | bool]:
+    """``{"train.lr": 3e-4, ...}`` with scalar values only, as tracker hyper-parameter tables need."""
+    flat: dict[str, int | float | str | bool] = {}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), inner)
+        elif isinstance(value, (bool, int, float, str)):
+            flat[prefix] = value
+        else:  # lists, None
+            flat[prefix] = str(value)
+
+    walk("", to_dict(cfg))
+    return flat

@@ -32,10 +32,10 @@ from tqdm.auto import tqdm
 from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS, edge_advantages
 from flowrl.algorithms.combine import COMBINERS
 from flowrl.algorithms.losses import POLICY_LOSSES, gaussian_mean_kl
-from flowrl.config import Config, save_config, to_dict
+from flowrl.config import Config, save_config
 from flowrl.data import epoch_prompt_indices
 from flowrl.recipes.common import (
-    build_rewards, build_training_policy, eval_grid, export_final_lora, load_prompt_splits, restore_checkpoint,
+    build_rewards, build_training_policy, eval_grid, flat_config, export_final_lora, load_prompt_splits, restore_checkpoint,
     save_run_checkpoint, step_plan,
 )
 from flowrl.rewards_api import AsyncScorer, nan_summary
@@ -65,7 +65,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
     logger = MetricsLogger(run_dir, enabled=accelerator.is_main_process,
                            tracker=accelerator if cfg.log.backend != "none" else None)
     if cfg.log.backend != "none":
-        accelerator.init_trackers(cfg.log.project, config=to_dict(cfg))
+        accelerator.init_trackers(cfg.log.project, config=flat_config(cfg))
     start_epoch = restore_checkpoint(cfg, policy, optimizer, ema, rank=rank) if t.resume else 0
     logger.truncate_after(start_epoch - 1)
     guidance = s.guidance_scale if (t.cfg or policy.family == "flux") else 1.0

@@ -21,7 +21,7 @@ import torch
 from flowrl.models.base import Policy, TextCond
 from flowrl.sampling.plan import StepPlan
 from flowrl.sampling.seeding import derive_seed, generators
-from flowrl.sampling.steps import StepKind, sde_step
+from flowrl.sampling.steps import ScheduleSteps, StepKind, sde_step
 from flowrl.sampling.trajectory import Trajectory
 
 
@@ -76,6 +76,11 @@ def rollout(
     # 2. Initial noise, drawn per row like diffusers does with a list of generators.
     x = policy.init_noise(len(row_seeds), generator=generators(init_seeds.tolist()))  # [R, C, h, w]
     sigmas = policy.sigmas(num_steps)  # [num_steps + 1]
+    # Everything that depends on the schedule alone is prepared once, on the latents' device: no per-step
+    # host-to-device copy of a sigma (each one a blocking sync on a GPU) and no per-step coefficient math.
+    step_sigmas = sigmas.to(x.device)
+    sde_steps, branch_steps = plan.sde_steps, set(plan.branch_steps)
+    schedule = ScheduleSteps(sigmas, noise_level=noise_level, kind=kind, dtype=x.dtype, device=x.device)
 
     lineage = torch.arange(len(row_seeds))  # [rows] id of the tree edge each row is on
     next_lineage = len(row_seeds)
@@ -83,10 +88,15 @@ def rollout(
     stored_latents: list[torch.Tensor] = []  # K+1 x [rows, C, h, w]
     stored_log_probs: list[torch.Tensor] = []  # K x [rows]
     stored_edges: list[torch.Tensor] = []  # K x [rows]
+    # Per-row state that only changes at a branch step: conditioning rows, seeds, noise generators
+    # (re-seeded every step; manual_seed resets a generator completely, so this equals a fresh one).
+    row_cond = cond.select(prompt_ids)
+    seed_list = row_seeds.tolist()
+    step_generators = [torch.Generator(device=x.device) for _ in seed_list]
 
     # 3. The loop.
     for i in range(num_steps):
-        if i in plan.branch_steps:
+        if i in branch_steps:
             k = plan.branch_factor
             rows = len(row_seeds)
             child = torch.arange(k).repeat(rows)  # [rows * k]
@@ -102,19 +112,22 @@ def rollout(
             parent = torch.where(child > 0, first_child.repeat_interleave(k), parent)
             lineage = torch.arange(next_lineage, next_lineage + rows * k)
             next_lineage += rows * k
+            row_cond = cond.select(prompt_ids)
+            seed_list = row_seeds.tolist()
+            step_generators = [torch.Generator(device=x.device) for _ in seed_list]
 
-        velocity = policy.velocity(x, sigmas[i], cond.select(prompt_ids), guidance_scale)
-        if i in plan.sde_steps:
+        velocity = policy.velocity(x, step_sigmas[i], row_cond, guidance_scale)
+        if i in sde_steps:
             if not stored_latents:
                 stored_latents.append(x)
-            step_generators = generators([derive_seed(s, i + 1) for s in row_seeds.tolist()], device=x.device)
-            out = sde_step(velocity, x, sigmas[i], sigmas[i + 1], noise_level=noise_level, kind=kind,
-                           generator=step_generators)
+            for generator, row_seed in zip(step_generators, seed_list):
+                generator.manual_seed(derive_seed(row_seed, i + 1))
+            out = schedule.step(i, velocity, x, generator=step_generators)
             stored_latents.append(out.prev_sample)
             stored_log_probs.append(out.log_prob)
-            stored_edges.append(lineage.clone())
+            stored_edges.append(lineage)  # never modified in place: a branch rebinds it
         else:
-            out = sde_step(velocity, x, sigmas[i], sigmas[i + 1], noise_level=0.0, kind="ode")
+            out = sde_step(velocity, x, step_sigmas[i], step_sigmas[i + 1], noise_level=0.0, kind="ode")
         x = out.prev_sample
 
     # 4. Decode the clean latents in chunks (the VAE is the memory peak at high resolution).

@@ -24,6 +24,9 @@ density; its ``log_prob`` is defined as 0.
 All arithmetic runs in float32 (or float64 if the inputs are float64) whatever the model dtype;
 ``prev_sample`` is returned in the input dtype, and its log-prob is evaluated on that rounded
 value, so recomputing the log-prob from a stored sample reproduces the recorded one exactly.
+
+:class:`ScheduleSteps` is :func:`sde_step` for a rollout that knows its whole sigma schedule: the
+sigma-only arithmetic is done once for every step, with bit-identical results.
 """
 
 from __future__ import annotations
@@ -59,35 +62,62 @@ def _as_batch_column(value, like: torch.Tensor, dtype: torch.dtype) -> torch.Ten
 def gaussian_log_prob(sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """Exact log N(sample; mean, std^2), averaged over non-batch dims -> [B]. Zero where std == 0."""
     deterministic = std == 0
-    safe_std = torch.where(deterministic, torch.ones_like(std), std)
-    log_density = -((sample - mean) ** 2) / (2 * safe_std**2) - torch.log(safe_std) - _LOG_SQRT_2PI
-    log_density = torch.where(deterministic, torch.zeros_like(log_density), log_density)
+    safe_std = torch.where(deterministic, 1.0, std)
+    return _mean_log_density(sample, mean, deterministic, -2 * safe_std**2, torch.log(safe_std))
+
+
+def _mean_log_density(sample, mean, deterministic, neg_two_var, log_std) -> torch.Tensor:
+    """The tensor-sized half of :func:`gaussian_log_prob`, given its std-only terms.
+
+    ``(d^2) / (-2 std^2)`` is bit-identical to ``-(d^2) / (2 std^2)`` (IEEE rounding is symmetric in
+    sign), one full-size op fewer.
+    """
+    log_density = (sample - mean) ** 2 / neg_two_var - log_std - _LOG_SQRT_2PI
+    log_density = torch.where(deterministic, 0.0, log_density)
     return log_density.mean(dim=tuple(range(1, sample.ndim)))
+
+
+def _coefficients(s: torch.Tensor, s_next: torch.Tensor, noise_level: float, kind: StepKind):
+    """The sigma-only part of a step: (coefficients of the mean, std), elementwise in ``s``/``s_next``.
+
+    Only exactly rounded IEEE ops (no transcendental function of a tensor), so the values do not depend
+    on the shape the sigmas come in: a [B, 1, ...] column per step or one vector over a whole schedule.
+    """
+    if kind not in STEP_KINDS:
+        raise ValueError(f"unknown step kind {kind!r}; choose one of {STEP_KINDS}")
+    dt = s_next - s
+    if kind == "ode":
+        return (dt,), torch.zeros_like(s)
+    if kind == "sde":
+        denominator_sigma = torch.where(s == 1, s_next, s)  # Flow-GRPO's guard at sigma = 1
+        std_t = noise_level * torch.sqrt(s / (1 - denominator_sigma))
+        return (dt, std_t**2 / (2 * s), 1 - s), std_t * torch.sqrt(-dt)
+    # cps
+    std = s_next * math.sin(noise_level * math.pi / 2)
+    return (s, 1 - s, 1 - s_next, torch.sqrt(torch.clamp(s_next**2 - std**2, min=0))), std
+
+
+def _mean(x: torch.Tensor, v: torch.Tensor, coefficients, kind: StepKind) -> torch.Tensor:
+    """The tensor-sized half of :func:`transition`: the mean of the step from its coefficients."""
+    if kind == "ode":
+        (dt,) = coefficients
+        return x + dt * v
+    if kind == "sde":
+        dt, drift, one_minus_s = coefficients
+        return x + (v + drift * (x + one_minus_s * v)) * dt
+    s, one_minus_s, one_minus_s_next, root = coefficients  # cps: x0_hat = x - s v, x1_hat = x + (1 - s) v
+    return one_minus_s_next * (x - s * v) + root * (x + one_minus_s * v)
 
 
 def transition(velocity, sample, sigma, sigma_next, *, noise_level: float, kind: StepKind):
     """Mean [B, ...] and std [B, 1, ...] of the Gaussian step x -> x', in compute precision."""
-    if kind not in STEP_KINDS:
-        raise ValueError(f"unknown step kind {kind!r}; choose one of {STEP_KINDS}")
     dtype = torch.promote_types(sample.dtype, torch.float32)
     x = sample.to(dtype)
     v = velocity.to(dtype)
     s = _as_batch_column(sigma, x, dtype)
     s_next = _as_batch_column(sigma_next, x, dtype)
-    dt = s_next - s
-    if kind == "ode":
-        return x + dt * v, torch.zeros_like(s)
-    if kind == "sde":
-        denominator_sigma = torch.where(s == 1, s_next, s)  # Flow-GRPO's guard at sigma = 1
-        std_t = noise_level * torch.sqrt(s / (1 - denominator_sigma))
-        mean = x + (v + std_t**2 / (2 * s) * (x + (1 - s) * v)) * dt
-        return mean, std_t * torch.sqrt(-dt)
-    # cps
-    std = s_next * math.sin(noise_level * math.pi / 2)
-    x0_hat = x - s * v
-    x1_hat = x + (1 - s) * v
-    mean = (1 - s_next) * x0_hat + torch.sqrt(torch.clamp(s_next**2 - std**2, min=0)) * x1_hat
-    return mean, std
+    coefficients, std = _coefficients(s, s_next, noise_level, kind)
+    return _mean(x, v, coefficients, kind), std
 
 
 def sde_step(
@@ -112,3 +142,49 @@ def sde_step(
         prev_sample = (mean + std * noise).to(sample.dtype)
     log_prob = gaussian_log_prob(prev_sample.to(mean.dtype), mean, std)
     return StepOutput(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std)
+
+
+class ScheduleSteps:
+    """:func:`sde_step` along one sigma schedule, with the sigma-only work done once for all its steps.
+
+    A rollout knows every sigma before its first step. Per step, :func:`transition` and
+    :func:`gaussian_log_prob` spend most of their ops (and, on a GPU, a host-to-device copy of each
+    sigma) on [B, 1, ...] columns that depend on the sigmas alone; here they are computed once, as
+    vectors over the schedule, with the same exactly rounded ops. :meth:`step` then does only the
+    full-size work, in the same order as :func:`sde_step`, so its outputs are bit-identical to
+    ``sde_step(velocity, sample, sigmas[i], sigmas[i + 1], noise_level=..., kind=..., generator=...)``
+    (the log of the std is still taken per step, on a [B, 1, ...] column as :func:`sde_step` does,
+    because a vectorised ``log`` may round differently from a scalar one).
+    """
+
+    def __init__(self, sigmas: torch.Tensor, *, noise_level: float, kind: StepKind = "sde",
+                 dtype: torch.dtype = torch.float32, device=None):
+        self.kind, self.noise_level = kind, noise_level
+        self.dtype = torch.promote_types(dtype, torch.float32)  # the compute precision of transition
+        sigmas = torch.as_tensor(sigmas).to(device=device, dtype=self.dtype)
+        coefficients, std = _coefficients(sigmas[:-1], sigmas[1:], noise_level, kind)
+        deterministic = std == 0
+        safe_std = torch.where(deterministic, 1.0, std)
+        per_step = zip(zip(*(c.unbind() for c in coefficients)), std.unbind(), deterministic.unbind(),
+                       safe_std.unbind(), (-2 * safe_std**2).unbind())
+        # [num_steps] x (mean coefficients, std, deterministic, safe std, -2 std^2), each 0-d
+        self._steps = [tuple(step) for step in per_step]
+
+    def step(self, i: int, velocity: torch.Tensor, sample: torch.Tensor, *,
+             generator: torch.Generator | Sequence[torch.Generator] | None = None) -> StepOutput:
+        """Step ``i`` of the schedule (``sigmas[i] -> sigmas[i + 1]``) from ``sample``; see :func:`sde_step`."""
+        if torch.promote_types(sample.dtype, torch.float32) != self.dtype:
+            raise ValueError(f"sample dtype {sample.dtype} needs a {torch.promote_types(sample.dtype, torch.float32)}"
+                             f" schedule, this one computes in {self.dtype}")
+        coefficients, std, deterministic, safe_std, neg_two_var = self._steps[i]
+        x = sample.to(self.dtype)
+        mean = _mean(x, velocity.to(self.dtype), coefficients, self.kind)
+        column = (x.shape[0],) + (1,) * (x.ndim - 1)
+        std = std.expand(column).contiguous()  # [B, 1, ...], the layout transition returns
+        # The log sees the same contiguous [B, 1, ...] input as in gaussian_log_prob, so it rounds the same way.
+        log_std = torch.log(safe_std.expand(column).contiguous())
+        noise = randn_tensor(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
+        prev_sample = (mean + std * noise).to(sample.dtype)
+        log_prob = _mean_log_density(prev_sample.to(mean.dtype), mean, deterministic, neg_two_var, log_std)
+        return StepOutput(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std)
+
