@@ -97,14 +97,16 @@ def test_nan_image_scores_nan_and_bad_range_raises(kind, hf_clip, oc_clip, oc_cl
     reward = make(kind, hf_clip, oc_clip, oc_clip_768, tmp_path, batch_size=8)
     x = images()
     clean = reward(x, PROMPTS, META)[kind]
-    x[1, 0, 3, 3] = float("nan")
+    x[1, 0, 3, 3], x[3, 2, 0, 1] = float("nan"), float("inf")
     out = reward(x, PROMPTS, META)[kind]
-    assert torch.isnan(out[1]) and torch.isfinite(out[[0, 2, 3, 4]]).all()
-    torch.testing.assert_close(out[[0, 2, 3, 4]], clean[[0, 2, 3, 4]], atol=1e-5, rtol=0)
+    assert torch.isnan(out[[1, 3]]).all() and torch.isfinite(out[[0, 2, 4]]).all()
+    torch.testing.assert_close(out[[0, 2, 4]], clean[[0, 2, 4]], atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match=r"\[0,1\]"):
         reward(images() * 2.0, PROMPTS, META)
     with pytest.raises(ValueError, match=r"\[0,1\]"):
         reward(images() - 0.5, PROMPTS, META)
+    with pytest.raises(ValueError, match="prompts"):
+        reward(images(), PROMPTS[:-1], META)
 
 
 @pytest.mark.parametrize("kind", KINDS)
