@@ -81,11 +81,17 @@ class FluxPolicy(PolicyBase):
         return x.reshape(b, packed_channels // 4, h, w)
 
     def image_ids(self, h: int, w: int) -> torch.Tensor:
-        """[(h/2)(w/2), 3] position ids of the packed patches (row, column in channels 1, 2)."""
-        ids = torch.zeros(h // 2, w // 2, 3)
-        ids[..., 1] = torch.arange(h // 2)[:, None]
-        ids[..., 2] = torch.arange(w // 2)[None, :]
-        return ids.reshape(-1, 3).to(device=self.device, dtype=self.dtype)
+        """[(h/2)(w/2), 3] position ids of the packed patches (row, column in channels 1, 2).
+
+        Cached per shape/device/dtype: rebuilding them on the CPU every step would make each step
+        wait for a host-to-device copy."""
+        key = (h, w, self.device, self.dtype)
+        if getattr(self, "_image_ids_key", None) != key:
+            ids = torch.zeros(h // 2, w // 2, 3)
+            ids[..., 1] = torch.arange(h // 2)[:, None]
+            ids[..., 2] = torch.arange(w // 2)[None, :]
+            self._image_ids, self._image_ids_key = ids.reshape(-1, 3).to(device=self.device, dtype=self.dtype), key
+        return self._image_ids
 
     def velocity(self, x: torch.Tensor, sigma, cond: TextCond, guidance_scale: float,
                  true_cfg_scale: float = 1.0) -> torch.Tensor:

@@ -137,7 +137,9 @@ def sde_step(
     ``generator`` may be one generator or one per batch row (per-sample determinism).
     """
     mean, std = transition(velocity, sample, sigma, sigma_next, noise_level=noise_level, kind=kind)
-    if prev_sample is None:
+    if prev_sample is None and (kind == "ode" or noise_level == 0):
+        prev_sample = mean.to(sample.dtype)  # deterministic: draw no noise, leave every RNG untouched
+    elif prev_sample is None:
         noise = randn_tensor(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
         prev_sample = (mean + std * noise).to(sample.dtype)
     log_prob = gaussian_log_prob(prev_sample.to(mean.dtype), mean, std)
