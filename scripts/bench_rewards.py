@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 import sys
 import tempfile
 import time
@@ -123,7 +124,8 @@ BENCHMARKS: list[Benchmark] = [
     Benchmark("hpsv2", build_hpsv2),
     Benchmark("aesthetic", build_aesthetic),
 ]
-# An OCR section goes here: BENCHMARKS.append(Benchmark("ocr", build_ocr)).
+# OCR needs images that hold text, so it runs through its own benchmark (bench_rewards_ocr.py).
+EXTRA = ("ocr",)
 
 
 # ---------------------------------------------------------------------------------- timing
@@ -181,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     wanted = {s.strip() for s in args.only.split(",") if s.strip()}
-    unknown = wanted - {b.name for b in BENCHMARKS}
+    unknown = wanted - {b.name for b in BENCHMARKS} - set(EXTRA)
     if unknown:
         print(f"unknown benchmark(s) {sorted(unknown)}; known: {[b.name for b in BENCHMARKS]}", file=sys.stderr)
         return 2
@@ -198,6 +200,13 @@ def main(argv: list[str] | None = None) -> int:
         batched, single = measure(reward, images.to(args.device), prompts, args.repeats)
         rows.append((bench.name, batched, single))
         print(f"  {bench.name}: {batched:.1f} img/s batched, {single:.1f} img/s one-by-one", flush=True)
+    if not wanted or "ocr" in wanted:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_rewards_ocr import ocr_benchmark
+
+        ocr = ocr_benchmark(num_images=32, repeats=args.repeats)
+        rows.append(("ocr", ocr["batched_img_s"], ocr["loop_img_s"]))
+        print(f"  ocr: {ocr['batched_img_s']:.1f} img/s batched, {ocr['loop_img_s']:.1f} img/s one-by-one", flush=True)
     print("\nreward | batched img/s | one-by-one img/s | speedup")
     for name, batched, single in rows:
         print(f"{name} | {batched:.1f} | {single:.1f} | {batched / single:.2f}x")

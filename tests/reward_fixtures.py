@@ -1,4 +1,4 @@
-"""Test-only rewards (importable by dotted path, e.g. ``tests.reward_fixtures:LeftRightContrast``)."""
+"""Test-only rewards (importable by dotted path, e.g. ``tests.reward_fixtures:RedMinusBlue``)."""
 
 import torch
 
