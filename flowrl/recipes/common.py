@@ -95,8 +95,10 @@ def save_run_checkpoint(cfg: Config, policy, optimizer, ema, accelerator, *, epo
 
 
 @torch.no_grad()
-def eval_grid(policy, ema, prompts: PromptSet, cfg: Config, guidance: float, out: Path) -> Path:
-    """ODE samples of the fixed eval prompts (EMA weights when kept), one grid row per prompt."""
+def eval_grid(policy, ema, prompts: PromptSet, cfg: Config, guidance: float, out: Path, *, save: bool = True) -> Path:
+    """ODE samples of the fixed eval prompts (EMA weights when kept), one grid row per prompt.
+
+    Every process calls this (a sharded model needs all ranks for a forward); only ``save`` writes."""
     from contextlib import nullcontext
 
     from torchvision.utils import save_image
@@ -106,8 +108,9 @@ def eval_grid(policy, ema, prompts: PromptSet, cfg: Config, guidance: float, out
         traj = rollout(policy, prompts.prompts, group_size=n, num_steps=steps, guidance_scale=guidance,
                        noise_level=0.0, plan=StepPlan(steps, sde_start=steps - 1, sde_size=1),
                        seeds=root_seeds(cfg.seed + 1, 0, len(prompts) * n))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_image(traj.images, out, nrow=n, padding=2)
+    if save:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        save_image(traj.images, out, nrow=n, padding=2)
     return out
 
 

@@ -152,8 +152,9 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         metrics["perf/sample_s"] = sample_done - epoch_start
         metrics["perf/reward_wait_s"] = reward_done - sample_done
         metrics["perf/train_s"] = train_done - reward_done
-        if cfg.log.eval_every and (epoch + 1) % cfg.log.eval_every == 0 and accelerator.is_main_process:
-            eval_grid(policy, ema, eval_prompts, cfg, guidance, run_dir / "grids" / f"epoch_{epoch:05d}.png")
+        if cfg.log.eval_every and (epoch + 1) % cfg.log.eval_every == 0:  # every rank samples (sharded models)
+            eval_grid(policy, ema, eval_prompts, cfg, guidance, run_dir / "grids" / f"epoch_{epoch:05d}.png",
+                      save=accelerator.is_main_process)
         metrics["perf/epoch_s"] = time.perf_counter() - epoch_start
         logger.log(metrics, step=epoch)  # before the checkpoint: a resumed run redoes later epochs only
         if (epoch + 1) % t.checkpoint_every == 0 or epoch + 1 == t.epochs:
