@@ -144,11 +144,8 @@ def build_reward(name: str, /, **kwargs: Any) -> Reward:
 
 # ------------------------------------------------------------------------------------ scoring
 
-def check_images(images: Any, prompts: Sequence[str], metadata: Sequence[Any]) -> int:
-    """Validate a scoring batch and return N. One-line ValueError otherwise.
-
-    Non-finite pixels pass (a diverged sample): rewards score those images NaN.
-    """
+def check_batch(images: Any, prompts: Sequence[str], metadata: Sequence[Any]) -> int:
+    """The structural checks of a scoring batch (type, shape, lengths) -> N; no pass over pixels."""
     if not isinstance(images, torch.Tensor) or not images.is_floating_point():
         kind = f"{images.dtype} tensor" if isinstance(images, torch.Tensor) else type(images).__name__
         raise ValueError(f"images must be a float tensor [N,3,H,W] in [0,1], got {kind}")
@@ -157,6 +154,15 @@ def check_images(images: Any, prompts: Sequence[str], metadata: Sequence[Any]) -
     n = images.shape[0]
     if len(prompts) != n or len(metadata) != n:
         raise ValueError(f"got {n} images but {len(prompts)} prompts and {len(metadata)} metadata")
+    return n
+
+
+def check_images(images: Any, prompts: Sequence[str], metadata: Sequence[Any]) -> int:
+    """Validate a scoring batch and return N. One-line ValueError otherwise.
+
+    Non-finite pixels pass (a diverged sample): rewards score those images NaN.
+    """
+    n = check_batch(images, prompts, metadata)
     if images.numel():
         lo, hi = torch.where(torch.isfinite(images), images, 0.5).aminmax()  # ignore NaN/inf
         if lo.item() < -IMAGE_TOLERANCE or hi.item() > 1 + IMAGE_TOLERANCE:

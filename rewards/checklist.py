@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from flowrl.rewards_api import check_batch
 from rewards.vlm_common import DEFAULT_VLM, images_to_pil, resolve_vlm, yes_probability
 
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "assets" / "schemas" / "checklist.schema.json"
@@ -262,9 +263,7 @@ class Checklist:
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: Sequence[str],
                  metadata: Sequence[Mapping[str, Any] | None]) -> dict[str, torch.Tensor]:
-        n = images.shape[0]
-        if len(prompts) != n or len(metadata) != n:
-            raise ValueError(f"got {n} images, {len(prompts)} prompts, {len(metadata)} metadata")
+        n = check_batch(images, prompts, metadata)
         lists = [self._checklist(p, m) for p, m in zip(prompts, metadata)]  # validate all before the VLM
         pils, finite = images_to_pil(images)  # N PIL, [N]
         rows = [i for i in range(n) if lists[i] is not None and bool(finite[i])]

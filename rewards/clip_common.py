@@ -195,21 +195,6 @@ class ClipBackbone:
         return (self.embed_images(images) * self.embed_texts(texts)).sum(-1)
 
 
-def check_batch(images: Any, prompts: Sequence[str], metadata: Sequence[Any]) -> int:
-    """The structural half of `flowrl.rewards_api.check_images` (type, shape, lengths) -> N.
-
-    The pixel-range half runs per chunk in `score_finite`, fused with the NaN scan: check_images
-    makes ~4 full passes over the pixels, which on a CPU cost as much as resizing them.
-    """
-    if not isinstance(images, torch.Tensor) or not images.is_floating_point():
-        kind = f"{images.dtype} tensor" if isinstance(images, torch.Tensor) else type(images).__name__
-        raise ValueError(f"images must be a float tensor [N,3,H,W] in [0,1], got {kind}")
-    if images.ndim != 4 or images.shape[1] != 3:
-        raise ValueError(f"images must have shape [N,3,H,W], got {tuple(images.shape)}")
-    n = images.shape[0]
-    if len(prompts) != n or len(metadata) != n:
-        raise ValueError(f"got {n} images but {len(prompts)} prompts and {len(metadata)} metadata")
-    return n
 
 
 def score_finite(images: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

@@ -19,8 +19,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from flowrl.rewards_api import check_batch
 from rewards.base import chunked
-from rewards.clip_common import ClipBackbone, check_batch, load_hf_clip, load_open_clip, score_finite
+from rewards.clip_common import ClipBackbone, load_hf_clip, load_open_clip, score_finite
 
 
 class _ClipSimilarity:

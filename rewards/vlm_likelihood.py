@@ -20,6 +20,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from flowrl.rewards_api import check_batch
 from rewards.vlm_common import DEFAULT_VLM, images_to_pil, resolve_vlm, text_log_likelihood, yes_probability
 
 
@@ -42,9 +43,7 @@ class _VlmReward:
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: Sequence[str],
                  metadata: Sequence[Mapping[str, Any] | None]) -> dict[str, torch.Tensor]:
-        n = images.shape[0]
-        if len(prompts) != n or len(metadata) != n:
-            raise ValueError(f"got {n} images, {len(prompts)} prompts, {len(metadata)} metadata")
+        n = check_batch(images, prompts, metadata)
         pils, finite = images_to_pil(images)  # N PIL, [N]
         keep = [i for i in range(n) if bool(finite[i])]
         out = torch.full((n,), math.nan)
