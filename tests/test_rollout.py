@@ -128,3 +128,14 @@ def test_bad_rollout_arguments_are_rejected(sd3):
     with pytest.raises(ValueError, match="multiple"):
         rollout(sd3, PROMPTS, group_size=3, num_steps=3, guidance_scale=1.0, noise_level=0.7, seeds=[1, 2],
                 plan=StepPlan(3, branch_steps=(0,), branch_factor=2))
+
+
+def test_policy_loads_a_local_pipeline_directory_with_the_real_loader(tmp_path, sd3):
+    sd3.pipeline.save_pretrained(tmp_path / "pipe")
+    loaded = build_policy("sd3", str(tmp_path / "pipe"), dtype="float32", max_sequence_length=TINY_T5_MAX_LENGTH)
+    assert loaded.dtype == torch.float32 and loaded.height == sd3.height
+    kwargs = dict(group_size=1, num_steps=2, guidance_scale=4.5, noise_level=0.0, seeds=[3])
+    assert torch.equal(rollout(loaded, PROMPTS[:1], **kwargs).images, rollout(sd3, PROMPTS[:1], **kwargs).images)
+    with pytest.raises(FileNotFoundError, match="could not load StableDiffusion3Pipeline") as error:
+        build_policy("sd3", str(tmp_path / "missing"))
+    assert "\n" not in str(error.value)
