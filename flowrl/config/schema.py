@@ -230,6 +230,10 @@ class LogConfig:
     """Images per eval prompt in each grid."""
     progress: bool = True
     """Show a progress bar with reward, loss and time per stage."""
+    report_prompts: int = 16
+    """Held-out prompts rendered before/after training for the end-of-run report (0: no report)."""
+    report_diversity: Literal["none", "toy"] = "none"
+    """Add the toy world's ground-truth diversity (background, position, size) to the report."""
 
 
 @dataclass

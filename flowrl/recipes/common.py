@@ -47,17 +47,20 @@ def build_rewards(specs: list[RewardSpec], device) -> tuple[list, dict[str, floa
 
 
 def load_prompt_splits(cfg: Config) -> tuple[PromptSet, PromptSet]:
-    """(train prompts, eval prompts): an explicit test file or a deterministic held-out split."""
+    """(train prompts, held-out prompts): an explicit test file or a deterministic split."""
     prompts = load_prompts(cfg.data.prompts)
     if cfg.data.test_prompts:
-        train, test = prompts, load_prompts(cfg.data.test_prompts)
-    elif cfg.data.test_fraction > 0 and len(prompts) >= 2:
-        train, test = train_test_split(prompts, cfg.data.test_fraction, cfg.seed)
-    else:
-        train, test = prompts, prompts
+        return prompts, load_prompts(cfg.data.test_prompts)
+    if cfg.data.test_fraction > 0 and len(prompts) >= 2:
+        return train_test_split(prompts, cfg.data.test_fraction, cfg.seed)
+    return prompts, prompts
+
+
+def eval_prompt_set(cfg: Config, test: PromptSet) -> PromptSet:
+    """The fixed prompts of the eval grids: configured ones, else the first four held-out prompts."""
     if cfg.data.eval_prompts:
-        return train, PromptSet(list(cfg.data.eval_prompts))
-    return train, test.subset(range(min(4, len(test))))
+        return PromptSet(list(cfg.data.eval_prompts))
+    return test.subset(range(min(4, len(test))))
 
 
 def step_plan(s: SamplingConfig, epoch: int, seed: int) -> StepPlan:

@@ -35,9 +35,10 @@ from flowrl.algorithms.losses import POLICY_LOSSES, gaussian_mean_kl
 from flowrl.config import Config, save_config
 from flowrl.data import epoch_prompt_indices
 from flowrl.recipes.common import (
-    build_rewards, build_training_policy, eval_grid, flat_config, export_final_lora, load_prompt_splits, restore_checkpoint,
-    save_run_checkpoint, step_plan,
+    build_rewards, build_training_policy, eval_grid, eval_prompt_set, export_final_lora, flat_config,
+    load_prompt_splits, restore_checkpoint, save_run_checkpoint, step_plan,
 )
+from flowrl.report import write_report
 from flowrl.rewards_api import AsyncScorer, nan_summary
 from flowrl.sampling import concat_trajectories, rollout, root_seeds, sde_step, transition
 from flowrl.training.ema import LoraEMA
@@ -61,7 +62,8 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
     policy.forward_module, optimizer = accelerator.prepare(policy.transformer, optimizer)
     ema = LoraEMA(policy.named_trainable_parameters(), decay=t.ema_decay) if t.ema else None
     rewards, weights = build_rewards(cfg.rewards, accelerator.device)
-    train_prompts, eval_prompts = load_prompt_splits(cfg)
+    train_prompts, test_prompts = load_prompt_splits(cfg)
+    eval_prompts = eval_prompt_set(cfg, test_prompts)
     logger = MetricsLogger(run_dir, enabled=accelerator.is_main_process,
                            tracker=accelerator if cfg.log.backend != "none" else None)
     if cfg.log.backend != "none":
@@ -162,10 +164,17 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         bar.set_postfix(reward=f"{metrics['reward/combined_mean']:.3f}", loss=f"{metrics.get('loss/total', 0):.4f}",
                         sample=f"{metrics['perf/sample_s']:.1f}s", train=f"{metrics['perf/train_s']:.1f}s")
 
-    # 8. Export the final adapter (EMA weights when kept).
+    # 8. Export the final adapter (EMA weights when kept) and report before/after on held-out prompts.
     scorer.close()
     if t.export_lora and accelerator.is_main_process:
         export_final_lora(policy, ema, run_dir / "lora")
+    if cfg.log.report_prompts:
+        report = write_report(run_dir, policy=policy, ema=ema, rewards=rewards,
+                              prompts=test_prompts.subset(range(min(cfg.log.report_prompts, len(test_prompts)))),
+                              images_per_prompt=cfg.log.eval_images_per_prompt, num_steps=s.num_steps,
+                              guidance=guidance, seed=cfg.seed + 2, diversity=cfg.log.report_diversity,
+                              save=accelerator.is_main_process)
+        metrics.update({f"report/{when}/{k}": v for when in ("before", "after") for k, v in report[when].items()})
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return metrics
