@@ -233,3 +233,12 @@ def test_tensorboard_tracking(tmp_path):
     accumulator = EventAccumulator(str(event_files[0].parent))
     accumulator.Reload()
     assert "reward/brightness_mean" in accumulator.Tags()["scalars"]
+
+
+def test_held_out_curve_is_logged_from_the_base_model_on(tmp_path):
+    train(smoke_config(tmp_path, "train.epochs=2", "log.test_every=1", "log.test_prompts=2", "log.eval_every=0"))
+    records = read_metrics(tmp_path)
+    assert [r["epoch"] for r in records] == [-1, 0, 1]
+    assert all(math.isfinite(r["test/brightness"]) for r in records)
+    assert [r["perf/rollouts"] for r in records] == [0, 8, 16]
+    assert records[0]["perf/train_wall_s"] == 0 < records[1]["perf/train_wall_s"] < records[2]["perf/train_wall_s"]

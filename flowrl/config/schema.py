@@ -230,6 +230,11 @@ class LogConfig:
     """Images per eval prompt in each grid."""
     progress: bool = True
     """Show a progress bar with reward, loss and time per stage."""
+    test_every: int = 0
+    """Score the held-out prompts (ODE, fixed seeds, EMA weights) every this many epochs, and once
+    before training; logged as test/* with the cumulative perf/rollouts and perf/train_wall_s (0: never)."""
+    test_prompts: int = 32
+    """Held-out prompts scored by test_every."""
     report_prompts: int = 16
     """Held-out prompts rendered before/after training for the end-of-run report (0: no report)."""
     report_diversity: Literal["none", "toy"] = "none"

@@ -74,8 +74,8 @@ def step_plan(s: SamplingConfig, epoch: int, seed: int) -> StepPlan:
     return StepPlan(s.num_steps, sde_start=start, sde_size=s.window.size, **branch)
 
 
-def restore_checkpoint(cfg: Config, policy, optimizer, ema, *, rank: int) -> int:
-    """Load the checkpoint named by ``train.resume``; returns the epoch to continue from."""
+def restore_checkpoint(cfg: Config, policy, optimizer, ema, *, rank: int) -> dict:
+    """Load the checkpoint named by ``train.resume`` into the live objects; returns its trainer state."""
     from peft.utils import set_peft_model_state_dict
 
     from flowrl.training.checkpoint import load_checkpoint
@@ -83,15 +83,16 @@ def restore_checkpoint(cfg: Config, policy, optimizer, ema, *, rank: int) -> int
     lora_state, trainer_state = load_checkpoint(cfg.run_dir, resume=cfg.train.resume, optimizer=optimizer, ema=ema,
                                                 rank=rank)
     set_peft_model_state_dict(policy.transformer, lora_state)
-    return int(trainer_state["epoch"]) + 1
+    return trainer_state
 
 
-def save_run_checkpoint(cfg: Config, policy, optimizer, ema, accelerator, *, epoch: int) -> Path:
+def save_run_checkpoint(cfg: Config, policy, optimizer, ema, accelerator, *, epoch: int,
+                        counters: dict | None = None) -> Path:
     from flowrl.training.checkpoint import save_checkpoint
 
     return save_checkpoint(
         cfg.run_dir, epoch, lora_state=lora_state_dict(policy.transformer), lora_config=lora_config_dict(policy.transformer),
-        optimizer=optimizer, ema=ema, trainer_state={"epoch": epoch}, config=to_dict(cfg),
+        optimizer=optimizer, ema=ema, trainer_state={"epoch": epoch, **(counters or {})}, config=to_dict(cfg),
         rank=accelerator.process_index, world_size=accelerator.num_processes, barrier=accelerator.wait_for_everyone,
         keep_last=cfg.train.keep_checkpoints,
     )

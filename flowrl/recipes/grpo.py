@@ -38,7 +38,7 @@ from flowrl.recipes.common import (
     build_rewards, build_training_policy, eval_grid, eval_prompt_set, export_final_lora, flat_config,
     load_prompt_splits, restore_checkpoint, save_run_checkpoint, step_plan,
 )
-from flowrl.report import write_report
+from flowrl.report import evaluate, render, write_report
 from flowrl.rewards_api import AsyncScorer, nan_summary
 from flowrl.sampling import concat_trajectories, rollout, root_seeds, sde_step, transition
 from flowrl.training.ema import LoraEMA
@@ -68,8 +68,11 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                            tracker=accelerator if cfg.log.backend != "none" else None)
     if cfg.log.backend != "none":
         accelerator.init_trackers(cfg.log.project, config=flat_config(cfg))
-    start_epoch = restore_checkpoint(cfg, policy, optimizer, ema, rank=rank) if t.resume else 0
+    resumed = restore_checkpoint(cfg, policy, optimizer, ema, rank=rank) if t.resume else {"epoch": -1}
+    start_epoch = int(resumed["epoch"]) + 1
+    counters = {"rollouts": resumed.get("rollouts", 0), "train_wall_s": resumed.get("train_wall_s", 0.0)}
     logger.truncate_after(start_epoch - 1)
+    test_set = test_prompts.subset(range(min(cfg.log.test_prompts, len(test_prompts))))
     guidance = s.guidance_scale if (t.cfg or policy.family == "flux") else 1.0
     estimator = ADVANTAGE_ESTIMATORS[t.advantage]
     policy_loss = POLICY_LOSSES[t.loss]
@@ -79,6 +82,9 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
     bar = tqdm(range(start_epoch, t.epochs), disable=not (cfg.log.progress and accelerator.is_main_process),
                desc="grpo", dynamic_ncols=True)
     metrics: dict[str, float] = {}
+    if cfg.log.test_every and start_epoch == 0:  # the curve's starting point: the base model
+        logger.log({"epoch": -1, **held_out_metrics(policy, ema, rewards, test_set, cfg, guidance, accelerator),
+                    **{f"perf/{k}": v for k, v in counters.items()}}, step=-1)
     for epoch in bar:
         epoch_start = time.perf_counter()
         plan = step_plan(s, epoch, cfg.seed)
@@ -154,13 +160,18 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         metrics["perf/sample_s"] = sample_done - epoch_start
         metrics["perf/reward_wait_s"] = reward_done - sample_done
         metrics["perf/train_s"] = train_done - reward_done
+        counters["rollouts"] += traj.num_rows * world
+        counters["train_wall_s"] += train_done - epoch_start
+        metrics.update({f"perf/{k}": v for k, v in counters.items()})
+        if cfg.log.test_every and (epoch + 1) % cfg.log.test_every == 0:
+            metrics.update(held_out_metrics(policy, ema, rewards, test_set, cfg, guidance, accelerator))
         if cfg.log.eval_every and (epoch + 1) % cfg.log.eval_every == 0:  # every rank samples (sharded models)
             eval_grid(policy, ema, eval_prompts, cfg, guidance, run_dir / "grids" / f"epoch_{epoch:05d}.png",
                       save=accelerator.is_main_process)
         metrics["perf/epoch_s"] = time.perf_counter() - epoch_start
         logger.log(metrics, step=epoch)  # before the checkpoint: a resumed run redoes later epochs only
         if (epoch + 1) % t.checkpoint_every == 0 or epoch + 1 == t.epochs:
-            save_run_checkpoint(cfg, policy, optimizer, ema, accelerator, epoch=epoch)
+            save_run_checkpoint(cfg, policy, optimizer, ema, accelerator, epoch=epoch, counters=counters)
         bar.set_postfix(reward=f"{metrics['reward/combined_mean']:.3f}", loss=f"{metrics.get('loss/total', 0):.4f}",
                         sample=f"{metrics['perf/sample_s']:.1f}s", train=f"{metrics['perf/train_s']:.1f}s")
 
@@ -178,6 +189,18 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return metrics
+
+
+def held_out_metrics(policy, ema, rewards, prompts, cfg: Config, guidance: float, accelerator) -> dict[str, float]:
+    """test/<reward> on held-out prompts: ODE samples with fixed seeds and the EMA weights."""
+    from contextlib import nullcontext
+
+    n = cfg.log.eval_images_per_prompt
+    with ema.swapped_in() if ema is not None else nullcontext():
+        images = render(policy, prompts, images_per_prompt=n, num_steps=cfg.sampling.num_steps, guidance=guidance,
+                        seed=cfg.seed + 3)
+    scores = evaluate(images, prompts, n, rewards, cfg.log.report_diversity)
+    return {f"test/{k.removeprefix('eval/')}": v for k, v in scores.items()}
 
 
 def make_accelerator(cfg: Config) -> Accelerator:
