@@ -242,3 +242,12 @@ def test_held_out_curve_is_logged_from_the_base_model_on(tmp_path):
     assert all(math.isfinite(r["test/brightness"]) for r in records)
     assert [r["perf/rollouts"] for r in records] == [0, 8, 16]
     assert records[0]["perf/train_wall_s"] == 0 < records[1]["perf/train_wall_s"] < records[2]["perf/train_wall_s"]
+
+
+def test_a_sub_score_can_drive_training(tmp_path):
+    metrics = train(smoke_config(tmp_path, "train.epochs=1", "log.eval_every=0", "log.report_prompts=0",
+                                 "rewards=[{name: brightness, kwargs: {saturation: true}, key: brightness/saturation}]"))
+    assert metrics["reward/combined_mean"] == pytest.approx(metrics["reward/brightness/saturation_mean"])
+    assert metrics["reward/combined_mean"] != pytest.approx(metrics["reward/brightness_mean"])
+    with pytest.raises(ValueError, match="not one of its outputs"):
+        train(smoke_config(tmp_path / "bad", "rewards=[{name: brightness, key: saturation}]"))

@@ -143,6 +143,8 @@ class RewardSpec:
     """Weight in the combined reward."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Flat keyword arguments for the reward's constructor (device, batch_size, model path, ...)."""
+    key: str | None = None
+    """Which of the reward's outputs drives training (default: its main score), e.g. 'toyeval/partial'."""
 
 
 @dataclass

@@ -36,13 +36,19 @@ def build_training_policy(cfg: Config, device):
 
 
 def build_rewards(specs: list[RewardSpec], device) -> tuple[list, dict[str, float]]:
-    """Instantiate the configured rewards; weights are keyed by each reward's own name."""
+    """Instantiate the configured rewards -> (rewards, {training signal key: weight}).
+
+    The signal key is the reward's main score unless the spec names one of its sub-scores (a dense
+    partial score trains better than a sparse strict one when the base model rarely succeeds)."""
     rewards, weights = [], {}
     for spec in specs:
-        kwargs = dict(spec.kwargs)
-        reward = build_reward(spec.name, **kwargs)
+        reward = build_reward(spec.name, **dict(spec.kwargs))
+        key = spec.key or reward.name
+        if key != reward.name and not key.startswith(f"{reward.name}/"):
+            raise ValueError(f"reward '{spec.name}': key {key!r} is not one of its outputs "
+                             f"(use '{reward.name}' or '{reward.name}/<sub-score>')")
         rewards.append(reward)
-        weights[reward.name] = spec.weight
+        weights[key] = spec.weight
     return rewards, weights
 
 

@@ -115,7 +115,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         gathered = {k: accelerator.gather(v.to(accelerator.device)).cpu() for k, v in traj.rewards.items()}
         all_groups = accelerator.gather(traj.group_ids.to(accelerator.device)).cpu()
         combined_adv, combined = COMBINERS[t.combine](
-            {r.name: gathered[r.name] for r in rewards}, weights, all_groups,
+            {key: gathered[key] for key in weights}, weights, all_groups,
             lambda r, g: estimator(r, g, std_scope=t.std_scope))
         local = slice(rank * traj.num_rows, (rank + 1) * traj.num_rows)
         row_adv = combined_adv[local].clamp(-t.advantage_clip, t.advantage_clip)
@@ -153,7 +153,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
 
         # 7. Log, render eval grids, checkpoint.
         metrics = {"epoch": epoch}
-        metrics.update(reward_metrics(gathered, combined, [r.name for r in rewards]))
+        metrics.update(reward_metrics(gathered, combined, [r.name for r in rewards]))  # NaN counts: main scores
         metrics.update(stats.reduce(accelerator))
         metrics["advantages/abs_mean"] = float(combined_adv.clamp(-t.advantage_clip, t.advantage_clip).abs().mean())
         metrics["optim/lr"] = optimizer.param_groups[0]["lr"]
