@@ -112,11 +112,8 @@ def _check_kwargs(label: str, cls: Any, kwargs: Mapping[str, Any]) -> None:
         raise ValueError(f"reward '{label}': bad arguments {sorted(kwargs)}: {_one_line(err)}") from None
 
 
-def build_reward(name: str, /, **kwargs: Any) -> Reward:
-    """Build a reward from a short name or dotted path with flat constructor kwargs.
-
-    Every failure is a one-line ValueError naming the reward (and module or kwarg).
-    """
+def resolve_reward_class(name: str) -> Any:
+    """The class (or factory) behind a short name or dotted path, imported but not built."""
     if name in REWARD_REGISTRY:
         path = REWARD_REGISTRY[name]
     elif ":" in name or "." in name:
@@ -132,13 +129,22 @@ def build_reward(name: str, /, **kwargs: Any) -> Reward:
     cls = getattr(module, attr, None)
     if cls is None:
         raise ValueError(f"reward '{name}': module '{module_name}' has no attribute '{attr}'")
+    return cls
+
+
+def build_reward(name: str, /, **kwargs: Any) -> Reward:
+    """Build a reward from a short name or dotted path with flat constructor kwargs.
+
+    Every failure is a one-line ValueError naming the reward (and module or kwarg).
+    """
+    cls = resolve_reward_class(name)
     _check_kwargs(name, cls, kwargs)
     try:
         reward = cls(**kwargs)
     except (TypeError, ValueError) as err:  # a bad kwarg value, or a signature we could not inspect
         raise ValueError(f"reward '{name}': {type(err).__name__}: {_one_line(err)}") from err
     if not isinstance(reward, Reward) or not isinstance(getattr(reward, "name", None), str):
-        raise ValueError(f"reward '{name}': {path} does not build a Reward (needs a str `name` and __call__)")
+        raise ValueError(f"reward '{name}': {cls!r} does not build a Reward (needs a str `name` and __call__)")
     return reward
 
 

@@ -225,3 +225,12 @@ def test_import_rewards_api_does_not_import_rewards_package():
     code = "import sys, flowrl.rewards_api; print('rewards' in sys.modules or 'rewards.simple' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == "False"
+
+
+def test_recipes_place_model_rewards_on_the_process_device():
+    from flowrl.recipes.common import accepts_keyword, build_rewards
+    from flowrl.config.schema import RewardSpec
+
+    assert accepts_keyword("clipscore", "device") and not accepts_keyword("brightness", "device")
+    rewards, weights = build_rewards([RewardSpec(name="brightness", weight=2.0)], "cpu")
+    assert [r.name for r in rewards] == ["brightness"] and weights == {"brightness": 2.0}

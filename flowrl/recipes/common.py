@@ -42,7 +42,10 @@ def build_rewards(specs: list[RewardSpec], device) -> tuple[list, dict[str, floa
     partial score trains better than a sparse strict one when the base model rarely succeeds)."""
     rewards, weights = [], {}
     for spec in specs:
-        reward = build_reward(spec.name, **dict(spec.kwargs))
+        kwargs = dict(spec.kwargs)
+        if device is not None and accepts_keyword(spec.name, "device"):
+            kwargs.setdefault("device", str(device))  # each process scores on its own accelerator
+        reward = build_reward(spec.name, **kwargs)
         key = spec.key or reward.name
         if key != reward.name and not key.startswith(f"{reward.name}/"):
             raise ValueError(f"reward '{spec.name}': key {key!r} is not one of its outputs "
@@ -50,6 +53,18 @@ def build_rewards(specs: list[RewardSpec], device) -> tuple[list, dict[str, floa
         rewards.append(reward)
         weights[key] = spec.weight
     return rewards, weights
+
+
+def accepts_keyword(reward_name: str, keyword: str) -> bool:
+    """Whether the reward class behind ``reward_name`` takes ``keyword`` (imports it, builds nothing)."""
+    import inspect
+
+    from flowrl.rewards_api import resolve_reward_class
+
+    try:
+        return keyword in inspect.signature(resolve_reward_class(reward_name)).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def load_prompt_splits(cfg: Config) -> tuple[PromptSet, PromptSet]:
