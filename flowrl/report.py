@@ -14,7 +14,6 @@ the adapter's effect, not sampling noise.
 from __future__ import annotations
 
 import json
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ import torch
 from flowrl.data import PromptSet
 from flowrl.rewards_api import score
 from flowrl.sampling import StepPlan, rollout, root_seeds
+from flowrl.training.ema import ema_weights
 from flowrl.training.metrics import read_metrics
 
 
@@ -86,7 +86,7 @@ def write_report(run_dir: str | Path, *, policy, ema, rewards, prompts: PromptSe
     kwargs = dict(images_per_prompt=images_per_prompt, num_steps=num_steps, guidance=guidance, seed=seed)
     with policy.reference():
         before = render(policy, prompts, **kwargs)
-    with ema.swapped_in() if ema is not None else nullcontext():
+    with ema_weights(ema):
         after = render(policy, prompts, **kwargs)
     results = {"before": evaluate(before, prompts, images_per_prompt, rewards, diversity),
                "after": evaluate(after, prompts, images_per_prompt, rewards, diversity),

@@ -17,7 +17,8 @@ from flowrl.data import PromptSet, load_prompts, train_test_split
 from flowrl.models import build_policy
 from flowrl.models.lora_io import load_lora_into, lora_config_dict, lora_state_dict, save_diffusers_lora
 from flowrl.rewards_api import build_reward
-from flowrl.sampling import StepPlan, rollout, root_seeds, window_start
+from flowrl.sampling import StepPlan, window_start
+from flowrl.training.ema import ema_weights
 
 
 def build_training_policy(cfg: Config, device):
@@ -124,18 +125,17 @@ def eval_grid(policy, ema, prompts: PromptSet, cfg: Config, guidance: float, out
     """ODE samples of the fixed eval prompts (EMA weights when kept), one grid row per prompt.
 
     Every process calls this (a sharded model needs all ranks for a forward); only ``save`` writes."""
-    from contextlib import nullcontext
-
     from torchvision.utils import save_image
 
-    n, steps = cfg.log.eval_images_per_prompt, cfg.sampling.num_steps
-    with (ema.swapped_in() if ema is not None else nullcontext()), policy.local_forward():
-        traj = rollout(policy, prompts.prompts, group_size=n, num_steps=steps, guidance_scale=guidance,
-                       noise_level=0.0, plan=StepPlan(steps, sde_start=steps - 1, sde_size=1),
-                       seeds=root_seeds(cfg.seed + 1, 0, len(prompts) * n))
+    from flowrl.report import render
+
+    n = cfg.log.eval_images_per_prompt
+    with ema_weights(ema):
+        images = render(policy, prompts, images_per_prompt=n, num_steps=cfg.sampling.num_steps, guidance=guidance,
+                        seed=cfg.seed + 1)
     if save:
         out.parent.mkdir(parents=True, exist_ok=True)
-        save_image(traj.images, out, nrow=n, padding=2)
+        save_image(images, out, nrow=n, padding=2)
     return out
 
 
@@ -143,9 +143,7 @@ def export_final_lora(policy, ema, out_dir: Path) -> Path:
     """Write the adapter (EMA weights when kept) as a diffusers LoRA that plain diffusers loads."""
     import diffusers
 
-    from contextlib import nullcontext
-
-    with ema.swapped_in() if ema is not None else nullcontext():
+    with ema_weights(ema):
         state = lora_state_dict(policy.transformer)
     pipeline_class = getattr(diffusers, policy.pipeline_class_name)
     return save_diffusers_lora(pipeline_class, out_dir, state, lora_config_dict(policy.transformer))

@@ -41,7 +41,7 @@ from flowrl.recipes.common import (
 from flowrl.report import evaluate, render, write_report
 from flowrl.rewards_api import AsyncScorer, nan_summary
 from flowrl.sampling import concat_trajectories, rollout, root_seeds, sde_step, transition
-from flowrl.training.ema import LoraEMA
+from flowrl.training.ema import LoraEMA, ema_weights
 from flowrl.training.metrics import MetricsLogger
 
 
@@ -193,10 +193,8 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
 
 def held_out_metrics(policy, ema, rewards, prompts, cfg: Config, guidance: float, accelerator) -> dict[str, float]:
     """test/<reward> on held-out prompts: ODE samples with fixed seeds and the EMA weights."""
-    from contextlib import nullcontext
-
     n = cfg.log.eval_images_per_prompt
-    with ema.swapped_in() if ema is not None else nullcontext():
+    with ema_weights(ema):
         images = render(policy, prompts, images_per_prompt=n, num_steps=cfg.sampling.num_steps, guidance=guidance,
                         seed=cfg.seed + 3)
     scores = evaluate(images, prompts, n, rewards, cfg.log.report_diversity)

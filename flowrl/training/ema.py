@@ -100,3 +100,8 @@ class LoraEMA:
             yield
         finally:
             self.model.restore(self.parameters)
+
+
+def ema_weights(ema: LoraEMA | None) -> contextlib.AbstractContextManager:
+    """The EMA weights swapped in for the block when an EMA is kept; the live weights otherwise."""
+    return ema.swapped_in() if ema is not None else contextlib.nullcontext()
