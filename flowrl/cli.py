@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 DEFAULT_CONFIG = "configs/smoke/sd3_tiny.yaml"
 

@@ -479,7 +479,6 @@ def main() -> None:
         return
 
     data = stage_data(work, args.n_images, args.seed)
-    t_data = time.time()
     vae = stage_vae(work, data, args.vae_steps, args.vae_batch, args.vae_lr, args.seed)
     t_vae = time.time()
     if "latents" not in data:

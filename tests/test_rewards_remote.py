@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import rewards.remote as remote
-from flowrl.rewards_api import RewardError, build_reward, score
+from flowrl.rewards_api import build_reward, score
 from rewards.remote import RemoteReward, RemoteRewardError
 from rewards.simple import Brightness
 
