@@ -13,12 +13,11 @@ have something to fix, on prompts whose bindings it never saw.
 
 Stages (each cached under ``--work-dir``, so a rerun resumes where it stopped):
   1. data:  render ``--n-images`` scenes (task-balanced over the train split, seeded) -> data.pt
-  2. vae:   train a small AutoencoderKL (32x32x3 -> 16x16x4, channels (32, 64), 2.5 MB;
+  2. vae:   train a small AutoencoderKL (32x32x3 -> 16x16x4, channels (32, 32), 0.8 MB;
             MSE + L1 + 1e-5 KL) -> vae.pt, then freeze it and set scaling_factor = 1/std,
-            shift_factor = mean of the latents (SD3); then fine-tune the decoder alone on the
-            posterior means (sharper corners) -> vae_dec.pt. The final VAE must reconstruct held-out
-            renders to ToyEval strict >= 0.9 (``--min-vae-recon``), else the script stops: a VAE that
-            rounds corners caps every flow model built on it (the old (16, 32) VAE: 0.38).
+            shift_factor = mean of the latents (SD3). The VAE must reconstruct held-out renders to
+            ToyEval strict >= 0.9 (``--min-vae-recon``), else the script stops: a VAE that rounds
+            the corners of 6-10 px shapes caps every flow model built on it.
   3. flow:  train the transformer and both CLIP encoders jointly with rectified flow matching
             (x_t = (1-t) x0 + t eps, target eps - x0, timestep = 1000 t, logit-normal t), 10% empty
             prompts for classifier-free guidance, EMA of the weights; checkpoints ckpt.pt every
@@ -90,7 +89,7 @@ from flowrl.toy.world import render_batch  # noqa: E402
 
 RESOLUTION = 32
 LATENT_CHANNELS = 4
-VAE_CHANNELS = (32, 64)
+VAE_CHANNELS = (32, 32)
 MIN_VAE_RECON = 0.9  # ToyEval strict of held-out VAE reconstructions below this caps every flow model
 TEXT_LEN = 16  # longest grammar prompt is 12 CLIP tokens with BOS/EOS
 CLIP_WIDTHS = (16, 32)  # text_encoder (CLIP-L stand-in), text_encoder_2 (CLIP-G stand-in)
@@ -120,15 +119,16 @@ def make_text_encoder(width: int, vocab: dict[str, int]) -> CLIPTextModelWithPro
     return CLIPTextModelWithProjection(config)
 
 
-def make_vae() -> AutoencoderKL:
+def make_vae(channels: tuple[int, ...] = VAE_CHANNELS) -> AutoencoderKL:
     # 2 levels -> vae_scale_factor 2: 32 px <-> 16x16x4 latents. No mid-block attention, no quant convs.
     # (A 3-level 8x8x4 VAE trained for 5 min reconstructed only 17% of held-out scenes ToyEval-correctly;
     # a (16, 32)-channel one trained 500 steps rounded the corners of 6-10 px shapes: 0.38 strict.
     # 32 channels at full resolution keep the edges: 2.5 MB of weights.)
     return AutoencoderKL(
         in_channels=3, out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=VAE_CHANNELS, layers_per_block=1, norm_num_groups=8,
+        down_block_types=("DownEncoderBlock2D",) * len(channels),
+        up_block_types=("UpDecoderBlock2D",) * len(channels),
+        block_out_channels=channels, layers_per_block=1, norm_num_groups=8,
         latent_channels=LATENT_CHANNELS, sample_size=RESOLUTION, mid_block_add_attention=False,
         use_quant_conv=False, use_post_quant_conv=False, scaling_factor=1.0, shift_factor=0.0,
     )
@@ -138,7 +138,10 @@ def make_transformer() -> SD3Transformer2DModel:
     width = sum(CLIP_WIDTHS)
     return SD3Transformer2DModel(
         sample_size=RESOLUTION // 2,  # default height = 16 * vae_scale_factor(2) = 32 px
-        patch_size=4,  # 4x4 patches of the 16x16 latent: 16 image tokens, each 8x8 pixels
+        # 4x4 patches of the 16x16 latent: 16 image tokens of 64 values, each 8x8 pixels. Tokens must
+        # not be wider than the model (96): the velocity carries the noise of every latent value, and
+        # 8x8x4 = 256-value tokens of a 1-level VAE squeezed through width 96 leave visible noise.
+        patch_size=4,
         in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS,
         num_layers=4, attention_head_dim=32, num_attention_heads=3, caption_projection_dim=96,
         joint_attention_dim=width, pooled_projection_dim=width, pos_embed_max_size=16,
@@ -209,14 +212,15 @@ def to_model_range(u8: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------- VAE
-def stage_vae(work: Path, data: dict, steps: int, batch: int, lr: float, seed: int) -> AutoencoderKL:
+def stage_vae(work: Path, data: dict, channels: tuple[int, ...], steps: int, batch: int, lr: float,
+              seed: int) -> AutoencoderKL:
     path = work / "vae.pt"
-    vae = make_vae()
+    vae = make_vae(channels)
     if path.exists():
         vae.load_state_dict(torch.load(path))
         return vae.eval().requires_grad_(False)
     torch.manual_seed(seed + 1)
-    vae = make_vae().train()
+    vae = make_vae(channels).train()
     opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed + 2)
     images = data["images"]
@@ -238,43 +242,6 @@ def stage_vae(work: Path, data: dict, steps: int, batch: int, lr: float, seed: i
         if step % 100 == 0 or step == steps - 1:
             log(f"vae step {step}/{steps} loss {loss.item():.4f} mse {F.mse_loss(rec, x).item():.4f} "
                 f"kl {kl.item():.3f} ({time.time() - t0:.0f}s)")
-    vae = vae.eval().requires_grad_(False)
-    torch.save(vae.state_dict(), path)
-    return vae
-
-
-def stage_decoder(work: Path, data: dict, vae: AutoencoderKL, steps: int, batch: int, lr: float,
-                  seed: int) -> AutoencoderKL:
-    """Fine-tune the decoder alone on the frozen encoder's posterior means (deterministic input).
-
-    Decoding noisy posterior samples keeps the jointly trained decoder blurry: it rounds the
-    corners of 6-10 px diamonds and squares, and ToyEval then reads them as circles (only ~40%
-    of held-out reconstructions scored correct). The latents do not change, so this stage is
-    independent of the flow stage.
-    """
-    path = work / "vae_dec.pt"
-    if path.exists():
-        vae.load_state_dict(torch.load(path))
-        return vae.eval().requires_grad_(False)
-    mean, std = data["latent_stats"]
-    latents, images = data["latents"] * std + mean, data["images"]
-    vae.decoder.train().requires_grad_(True)
-    opt = torch.optim.AdamW(vae.decoder.parameters(), lr=lr, weight_decay=0.0)
-    gen = torch.Generator().manual_seed(seed + 5)
-    t0 = time.time()
-    for step in range(steps):
-        for g in opt.param_groups:
-            g["lr"] = lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / steps))
-        idx = torch.randint(len(images), (batch,), generator=gen)
-        x = to_model_range(images[idx])
-        rec = vae.decoder(latents[idx])
-        loss = F.mse_loss(rec, x) + F.l1_loss(rec, x)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.decoder.parameters(), 1.0)
-        opt.step()
-        if step % 100 == 0 or step == steps - 1:
-            log(f"decoder step {step}/{steps} loss {loss.item():.4f} ({time.time() - t0:.0f}s)")
     vae = vae.eval().requires_grad_(False)
     torch.save(vae.state_dict(), path)
     return vae
@@ -449,22 +416,22 @@ def main() -> None:
     ap.add_argument("--out", default="assets/toy")
     ap.add_argument("--work-dir", default="runs/toy_model")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--n-images", type=int, default=20000)
-    ap.add_argument("--vae-steps", type=int, default=500)
+    ap.add_argument("--vae-channels", type=lambda s: tuple(int(c) for c in s.split(",")), default=VAE_CHANNELS,
+                    help="AutoencoderKL block_out_channels, comma separated; 2 levels -> 16x16x4 latents")
+    ap.add_argument("--vae-steps", type=int, default=4000)
     ap.add_argument("--vae-batch", type=int, default=32)
     ap.add_argument("--vae-lr", type=float, default=2e-3)
-    ap.add_argument("--decoder-steps", type=int, default=300)
-    ap.add_argument("--decoder-lr", type=float, default=2e-3)
     ap.add_argument("--min-vae-recon", type=float, default=MIN_VAE_RECON,
                     help="stop unless held-out VAE reconstructions score at least this ToyEval strict (0: warn only)")
-    ap.add_argument("--stop-after-decoder", action="store_true", help="run the data / VAE / decoder stages only")
-    ap.add_argument("--steps", type=int, default=2500)
+    ap.add_argument("--stop-after-vae", action="store_true", help="run the data and VAE stages only")
+    ap.add_argument("--steps", type=int, default=14000)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--ema", type=float, default=0.999)
     ap.add_argument("--cfg-drop", type=float, default=0.1)
-    ap.add_argument("--ckpt-every", type=int, default=500)
+    ap.add_argument("--ckpt-every", type=int, default=2000)
     ap.add_argument("--eval-n", type=int, default=128)
     ap.add_argument("--export-only", action="store_true", help="export the latest checkpoint's EMA and stop")
     ap.add_argument("--eval-only", action="store_true", help="evaluate the pipeline in --out and stop")
@@ -479,7 +446,7 @@ def main() -> None:
         return
 
     data = stage_data(work, args.n_images, args.seed)
-    vae = stage_vae(work, data, args.vae_steps, args.vae_batch, args.vae_lr, args.seed)
+    vae = stage_vae(work, data, args.vae_channels, args.vae_steps, args.vae_batch, args.vae_lr, args.seed)
     t_vae = time.time()
     if "latents" not in data:
         raw = encode_all(vae, data["images"])
@@ -489,19 +456,18 @@ def main() -> None:
         data["ids1"], data["ids2"] = tokenize(data["prompts"])
         data["latent_stats"] = (mean, std)
         torch.save(data, work / "data.pt")
-        log(f"vae: latent mean {mean:.4f} std {std:.4f}; check {json.dumps(vae_check(vae, args.seed))}")
+        log(f"vae: latent mean {mean:.4f} std {std:.4f}")
     mean, std = data["latent_stats"]
     vae.register_to_config(scaling_factor=1.0 / std, shift_factor=mean)
-    vae = stage_decoder(work, data, vae, args.decoder_steps, args.vae_batch, args.decoder_lr, args.seed)
     check = vae_check(vae, args.seed)
-    log(f"decoder: check {json.dumps(check)}")
+    log(f"vae: check {json.dumps(check)}")
     if check["reconstructions"] < MIN_VAE_RECON:
         msg = (f"VAE reconstructions of held-out renders score ToyEval strict {check['reconstructions']:.3f} "
                f"< {MIN_VAE_RECON}: this caps every flow model trained on this VAE")
         if check["reconstructions"] < args.min_vae_recon:
             raise SystemExit(f"ERROR: {msg} (pass --min-vae-recon 0 to continue anyway)")
         log(f"WARNING: {msg}")
-    if args.stop_after_decoder:
+    if args.stop_after_vae:
         return
     if args.export_only:
         ck = torch.load(work / "ckpt.pt")

@@ -134,13 +134,26 @@ def is_heldout(spec: dict[str, Any], rule: dict[str, list]) -> bool:
 
 def split(seed: int = 0, n_combos: int = 2, pair_frac: float = 0.1,
           tasks: Iterable[str] = TASKS, **kwargs: Any) -> tuple[list[Item], list[Item]]:
-    """Deterministic (train, heldout) lists of (prompt, metadata); disjoint by construction."""
+    """Deterministic (train, heldout) lists of (prompt, metadata); disjoint by construction.
+
+    Each list takes its tasks in turn (see `interleave_tasks`), so any prefix is a task-stratified
+    subset: recipes score the first N held-out prompts, and position prompts outnumber the others.
+    """
     rule = heldout_rule(seed, n_combos, pair_frac, kwargs.get("colors"), kwargs.get("shapes"))
     train: list[Item] = []
     held: list[Item] = []
     for spec in all_specs(tasks=tasks, **kwargs):
         (held if is_heldout(spec, rule) else train).append((prompt_for(spec), spec))
-    return train, held
+    return interleave_tasks(train), interleave_tasks(held)
+
+
+def interleave_tasks(items: Sequence[Item]) -> list[Item]:
+    """Round-robin over tasks (in TASKS order), keeping each task's own order; exhausted tasks drop out."""
+    by_task: dict[str, list[Item]] = {}
+    for item in items:
+        by_task.setdefault(item[1]["task"], []).append(item)
+    queues = [by_task[t] for t in TASKS if t in by_task]
+    return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
 
 
 def train_prompts(seed: int = 0, **kwargs: Any) -> list[Item]:
