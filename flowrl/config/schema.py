@@ -140,7 +140,7 @@ class RewardSpec:
     name: str = "brightness"
     """Short reward name (see `flowrl rewards`) or a dotted path 'package.module:Class'."""
     weight: float = 1.0
-    """Weight in the combined reward."""
+    """Weight in the combined reward; 0 scores and logs the reward without training on it."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Flat keyword arguments for the reward's constructor (device, batch_size, model path, ...)."""
     key: str | None = None
