@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-DEFAULT_CONFIG = "configs/smoke/sd3_tiny.yaml"
+DEFAULT_CONFIG = "configs/toy/grpo.yaml"
 
 
 def _config_args(parser: argparse.ArgumentParser, *, optional_config: bool = False) -> None:
@@ -64,7 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             from flowrl.commands.train import run_train
 
-            run_train(args.config or DEFAULT_CONFIG, args.overrides)
+            config, overrides = args.config, list(args.overrides)
+            if config and "=" in config and not os.path.exists(config):  # `flowrl train a.b=1`: overrides only
+                config, overrides = None, [config, *overrides]
+            run_train(config or DEFAULT_CONFIG, overrides)
             return 0
         if args.command == "export-lora":
             from flowrl.commands.export import run_export

@@ -38,3 +38,13 @@ def test_bad_override_is_a_one_line_error():
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0
     assert "sampling.num_stepz" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_train_without_a_config_runs_the_toy_world(tmp_path):
+    result = _flowrl("train", f"run_dir={tmp_path}", "train.epochs=1", "sampling.prompts_per_batch=2",
+                     "sampling.group_size=4", "log.eval_every=0", "log.report_prompts=2", "log.progress=false")
+    assert result.returncode == 0, result.stderr[-2000:]
+    saved = (tmp_path / "config.yaml").read_text()
+    assert "path: assets/toy" in saved and "toyeval" in saved
+    report = (tmp_path / "report.json").read_text()
+    assert "diversity/gt_mean" in report and (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()

@@ -202,7 +202,7 @@ class TrainConfig:
     reward_errors: Literal["raise", "nan"] = "raise"
     """A reward that raises stops the run, or marks the batch NaN (excluded) and continues."""
     checkpoint_every: int = 10
-    """Save a checkpoint every this many epochs (and at the end)."""
+    """Save a checkpoint every this many epochs, and at the end (0: only at the end)."""
     keep_checkpoints: int = 3
     """Checkpoints kept on disk."""
     resume: str | None = None
@@ -217,6 +217,7 @@ class TrainConfig:
         check(len(self.adam_betas) == 2, "adam_betas", "must be [beta1, beta2]")
         check(0 < self.timestep_fraction <= 1, "timestep_fraction", "must be in (0, 1]")
         check(self.beta >= 0, "beta", "must be >= 0")
+        check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0 (0: only at the end)")
         check(0 <= self.ema_decay < 1, "ema_decay", "must be in [0, 1)")
 
 

@@ -170,7 +170,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                       save=accelerator.is_main_process)
         metrics["perf/epoch_s"] = time.perf_counter() - epoch_start
         logger.log(metrics, step=epoch)  # before the checkpoint: a resumed run redoes later epochs only
-        if (epoch + 1) % t.checkpoint_every == 0 or epoch + 1 == t.epochs:
+        if epoch + 1 == t.epochs or (t.checkpoint_every and (epoch + 1) % t.checkpoint_every == 0):
             save_run_checkpoint(cfg, policy, optimizer, ema, accelerator, epoch=epoch, counters=counters)
         bar.set_postfix(reward=f"{metrics['reward/combined_mean']:.3f}", loss=f"{metrics.get('loss/total', 0):.4f}",
                         sample=f"{metrics['perf/sample_s']:.1f}s", train=f"{metrics['perf/train_s']:.1f}s")
