@@ -249,6 +249,8 @@ def test_diversity_from_pixels():
     both = torch.cat([same, two])
     d = dv.diversity(both, group_ids=[0] * 8 + [1] * 8)
     assert d["diversity/background"] == pytest.approx(expect / 2)
+    # a tensor of group ids (what the recipe's report passes) groups the same way
+    assert dv.diversity(both, group_ids=torch.tensor([0] * 8 + [1] * 8)) == d
     per = dv.diversity_by_group(dv.free_attributes(both), [0] * 8 + [1] * 8)
     assert per[0]["diversity/background"] == 0 and per[1]["diversity/background"] == pytest.approx(expect)
 

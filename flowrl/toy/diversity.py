@@ -119,5 +119,11 @@ def attribute_diversity(attrs: Sequence[FreeAttrs],
 
 
 def diversity(images: torch.Tensor, group_ids: Sequence[Hashable] | None = None) -> dict[str, float]:
-    """Diversity measured from pixels: Tensor [N,3,H,W] in [0,1], one group id per image."""
+    """Diversity measured from pixels: Tensor [N,3,H,W] in [0,1], one group id per image.
+
+    A tensor of group ids is turned into Python ints first: 0-d tensors hash by identity, so each
+    image would otherwise form its own group (and a group of one has no diversity).
+    """
+    if isinstance(group_ids, torch.Tensor):
+        group_ids = group_ids.tolist()
     return attribute_diversity(free_attributes(images), group_ids)
