@@ -49,7 +49,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/toy_collapse")
     args = parser.parse_args()
     reports = {name: run(cfg, Path(args.out) / Path(cfg).stem, args.overrides) for name, cfg in RUNS.items()}
-    for key in ("toyeval", "toy_proxy", *DIVERSITY_KEYS):
+    for key in ("eval/toyeval", "eval/toy_proxy", *DIVERSITY_KEYS):
         print(f"{key:>22} | " + " | ".join(f"{name}: {fmt(rep, key)}" for name, rep in reports.items()))
 
 
