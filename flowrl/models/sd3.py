@@ -9,6 +9,8 @@ pipeline's own ``encode_prompt``.
 from __future__ import annotations
 
 import copy
+import logging
+from contextlib import contextmanager
 
 import torch
 
@@ -34,11 +36,12 @@ class SD3Policy(PolicyBase):
 
     @torch.no_grad()
     def encode(self, prompts: list[str], *, negative: bool = True) -> TextCond:
-        embeds, negative_embeds, pooled, negative_pooled = self.pipeline.encode_prompt(
-            prompt=prompts, prompt_2=None, prompt_3=None, device=self.device,
-            do_classifier_free_guidance=negative, negative_prompt=[""] * len(prompts) if negative else None,
-            max_sequence_length=self.max_sequence_length,
-        )
+        with _quiet(type(self.pipeline).__module__):
+            embeds, negative_embeds, pooled, negative_pooled = self.pipeline.encode_prompt(
+                prompt=prompts, prompt_2=None, prompt_3=None, device=self.device,
+                do_classifier_free_guidance=negative, negative_prompt=[""] * len(prompts) if negative else None,
+                max_sequence_length=self.max_sequence_length,
+            )
         return TextCond(embeds, pooled, negative_embeds, negative_pooled)
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
@@ -67,3 +70,16 @@ class SD3Policy(PolicyBase):
             hidden_states=x, timestep=timestep, encoder_hidden_states=cond.prompt_embeds,
             pooled_projections=cond.pooled_prompt_embeds,
         )
+
+
+@contextmanager
+def _quiet(logger_name: str):
+    """Silence a pipeline's warnings while it encodes: it warns on every batch that the T5 prompt was
+    truncated to ``max_sequence_length``, which is the configured behaviour (the toy model uses 1)."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
