@@ -177,7 +177,10 @@ def test_reward_rises_where_it_must(tmp_path, monkeypatch):
 def test_window_tree_and_cps_runs(tmp_path, overrides):
     metrics = train(smoke_config(tmp_path, *overrides, "log.eval_every=0"))
     assert math.isfinite(metrics["loss/total"])
-    assert metrics["policy/onpolicy_ratio_maxdev"] < 1e-6
+    # The loss recomputes velocities in micro-batches of a different size than the rollout, so float32
+    # GEMM blocking differs: CPS ratios deviate by ~2e-6 on some CPUs. A real mismatch (wrong rows,
+    # conditioning or noise) deviates by orders of magnitude more.
+    assert metrics["policy/onpolicy_ratio_maxdev"] < 1e-5
 
 
 @pytest.mark.parametrize("layout", ["diffusers", "peft"])
