@@ -3,8 +3,8 @@
 What: a real ``StableDiffusion3Pipeline`` (MMDiT ``SD3Transformer2DModel``, ``AutoencoderKL``,
 two CLIP text encoders, the offline CLIP BPE tokenizer, ``FlowMatchEulerDiscreteScheduler``;
 the T5 slot holds a 1-layer stand-in whose output is exactly zero, see ``make_null_t5``) trained
-from scratch with rectified flow matching on 32 px renders of the toy world (``flowrl.toy.world``) for prompts of the TRAIN split
-of ``flowrl.toy.prompts.split(0)``.
+from scratch with rectified flow matching on 32 px renders of the toy world (``flowrl.toy.world``)
+for prompts of the TRAIN split of ``flowrl.toy.prompts.split(0)``.
 
 Why: the RL loop needs a *pretrained* base model that is cheap (a 64-image CFG rollout in ~1 s
 on 2 CPU cores) and imperfect in a measurable way: the aim is a model that draws single objects
