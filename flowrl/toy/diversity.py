@@ -101,7 +101,13 @@ def _nanmean(xs: Sequence[float]) -> float:
 
 def diversity_by_group(attrs: Sequence[FreeAttrs],
                        group_ids: Sequence[Hashable] | None = None) -> dict[Hashable, dict[str, float]]:
-    """{group id: group_diversity}; all images form one group when group_ids is None."""
+    """{group id: group_diversity}; all images form one group when group_ids is None.
+
+    A tensor of ids becomes Python ints: 0-d tensors hash by identity, so each image would
+    otherwise form its own group (and a group of one has no diversity).
+    """
+    if isinstance(group_ids, torch.Tensor):
+        group_ids = group_ids.tolist()
     ids = list(group_ids) if group_ids is not None else [0] * len(attrs)
     if len(ids) != len(attrs):
         raise ValueError(f"got {len(ids)} group ids for {len(attrs)} images")
@@ -119,11 +125,5 @@ def attribute_diversity(attrs: Sequence[FreeAttrs],
 
 
 def diversity(images: torch.Tensor, group_ids: Sequence[Hashable] | None = None) -> dict[str, float]:
-    """Diversity measured from pixels: Tensor [N,3,H,W] in [0,1], one group id per image.
-
-    A tensor of group ids is turned into Python ints first: 0-d tensors hash by identity, so each
-    image would otherwise form its own group (and a group of one has no diversity).
-    """
-    if isinstance(group_ids, torch.Tensor):
-        group_ids = group_ids.tolist()
+    """Diversity measured from pixels: Tensor [N,3,H,W] in [0,1], one group id per image."""
     return attribute_diversity(free_attributes(images), group_ids)
