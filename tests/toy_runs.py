@@ -1,0 +1,40 @@
+"""Shared scaffolding of the short toy-world GRPO tests: train a shipped toy config on a few
+training prompts, keep the trained policy, and sample it with ODE on common seeds."""
+
+import json
+
+import torch
+
+from flowrl.config import Config, load_config
+from flowrl.recipes.grpo import train
+from flowrl.sampling import rollout
+from flowrl.toy.prompts import train_prompts
+
+
+def train_on_prompts(config: str, prompts, tmp_path, monkeypatch, epochs: int):
+    """Run ``config`` on ``prompts`` (training prompts of the toy split) -> (policy, cfg, metadata per prompt)."""
+    import flowrl.recipes.grpo as grpo
+
+    meta = dict(train_prompts(0))
+    missing = [p for p in prompts if p not in meta]
+    assert not missing, f"not training prompts of the toy split: {missing}"
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"prompt": p, "metadata": meta[p]}) + "\n" for p in prompts))
+    captured = {}
+    real_build = grpo.build_training_policy
+    monkeypatch.setattr(grpo, "build_training_policy",
+                        lambda cfg, device: captured.setdefault("policy", real_build(cfg, device)))
+    cfg = load_config(Config, config, [
+        f"run_dir={tmp_path / 'run'}", f"train.epochs={epochs}", f"data.prompts={prompts_file}",
+        f"data.test_prompts={prompts_file}", f"sampling.prompts_per_batch={len(prompts)}", "log.progress=false",
+        "log.eval_every=0", "log.report_prompts=0", "train.checkpoint_every=0", "train.ema=false"])
+    train(cfg)
+    return captured["policy"], cfg, [meta[p] for p in prompts]
+
+
+@torch.no_grad()
+def ode_images(policy, cfg, prompts, seeds) -> torch.Tensor:
+    """[len(prompts) * len(seeds), 3, H, W]: each prompt sampled on the same seeds, prompt-major."""
+    traj = rollout(policy, list(prompts), group_size=len(seeds), num_steps=cfg.sampling.num_steps,
+                   guidance_scale=cfg.sampling.guidance_scale, noise_level=0.0, seeds=list(seeds) * len(prompts))
+    return traj.images
