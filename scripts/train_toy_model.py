@@ -123,8 +123,8 @@ def make_text_encoder(width: int, vocab: dict[str, int]) -> CLIPTextModelWithPro
 def make_vae(channels: tuple[int, ...] = VAE_CHANNELS) -> AutoencoderKL:
     # 2 levels -> vae_scale_factor 2: 32 px <-> 16x16x4 latents. No mid-block attention, no quant convs.
     # (A 3-level 8x8x4 VAE trained for 5 min reconstructed only 17% of held-out scenes ToyEval-correctly;
-    # a (16, 32)-channel one trained 500 steps rounded the corners of 6-10 px shapes: 0.38 strict.
-    # 32 channels at full resolution keep the edges: 2.5 MB of weights.)
+    # 2-level ones need thousands of steps to keep the corners of 6-10 px shapes: see the module docstring.
+    # (32, 32) channels: 0.8 MB of weights.)
     return AutoencoderKL(
         in_channels=3, out_channels=3,
         down_block_types=("DownEncoderBlock2D",) * len(channels),
