@@ -272,9 +272,13 @@ def vae_check(vae: AutoencoderKL, seed: int, n: int = 256) -> dict:
 
 # -------------------------------------------------------------------------------- flow
 class Trainable(torch.nn.Module):
-    def __init__(self, transformer, te1, te2):
+    """The transformer and both CLIP text encoders, trained jointly (random init from the torch seed)."""
+
+    def __init__(self):
         super().__init__()
-        self.transformer, self.te1, self.te2 = transformer, te1, te2
+        vocab = make_tokenizers()[0].get_vocab()
+        self.transformer = make_transformer()
+        self.te1, self.te2 = (make_text_encoder(width, vocab) for width in CLIP_WIDTHS)
 
 
 def encode_text(model: Trainable, ids1: torch.Tensor, ids2: torch.Tensor, pad_tokens: int):
@@ -309,10 +313,7 @@ def stage_flow(work: Path, out: Path, data: dict, vae: AutoencoderKL, args) -> T
     empty1, empty2 = tokenize([""])
 
     torch.manual_seed(args.seed + 3)
-    tok, _ = make_tokenizers()
-    vocab = tok.get_vocab()
-    model = Trainable(make_transformer(), make_text_encoder(CLIP_WIDTHS[0], vocab),
-                      make_text_encoder(CLIP_WIDTHS[1], vocab))
+    model = Trainable()
     ema = copy.deepcopy(model).requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
     start = 0
@@ -472,9 +473,7 @@ def main() -> None:
         return
     if args.export_only:
         ck = torch.load(work / "ckpt.pt")
-        tok, _ = make_tokenizers()
-        ema = Trainable(make_transformer(), make_text_encoder(CLIP_WIDTHS[0], tok.get_vocab()),
-                        make_text_encoder(CLIP_WIDTHS[1], tok.get_vocab()))
+        ema = Trainable()
         ema.load_state_dict(ck["ema"])
         export(ema, vae, out)
         log(f"exported EMA of step {ck['step']} to {out}")
