@@ -36,9 +36,9 @@ def _lora_and_base(policy):
 @pytest.mark.parametrize("path", ["configs/smoke/sd3_tiny.yaml", "configs/smoke/flux_tiny.yaml"])
 def test_smoke_run_trains_only_the_lora(tmp_path, path, monkeypatch):
     captured = {}
-    import flowrl.recipes.grpo as grpo
+    import flowrl.recipes.common as common
 
-    real_build = grpo.build_training_policy
+    real_build = common.build_training_policy
 
     def build_and_capture(cfg, device):
         policy = real_build(cfg, device)
@@ -46,7 +46,7 @@ def test_smoke_run_trains_only_the_lora(tmp_path, path, monkeypatch):
         captured["before"] = _lora_and_base(policy)
         return policy
 
-    monkeypatch.setattr(grpo, "build_training_policy", build_and_capture)
+    monkeypatch.setattr(common, "build_training_policy", build_and_capture)
     metrics = train(smoke_config(tmp_path, path=path))
     assert math.isfinite(metrics["loss/total"]) and math.isfinite(metrics["reward/brightness_mean"])
     lora_before, base_before = captured["before"]
@@ -143,11 +143,11 @@ def test_reward_rises_where_it_must(tmp_path, monkeypatch):
     two per-sample standard deviations). Before/after is measured on the same 32 seeds (common
     random numbers) so sampling noise does not drown the comparison; the margin is ~5 standard
     errors of that paired difference."""
-    import flowrl.recipes.grpo as grpo
+    import flowrl.recipes.common as common
 
     captured = {}
-    real_build = grpo.build_training_policy
-    monkeypatch.setattr(grpo, "build_training_policy",
+    real_build = common.build_training_policy
+    monkeypatch.setattr(common, "build_training_policy",
                         lambda cfg, device: captured.setdefault("policy", real_build(cfg, device)))
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a cat\n")
@@ -208,15 +208,15 @@ def test_training_starts_from_an_existing_lora(tmp_path, layout, monkeypatch):
         save_file({k: v.contiguous() for k, v in state.items()}, str(path / "adapter_model.safetensors"))
         (path / "adapter_config.json").write_text(json.dumps(lora_config_dict(source.transformer)))
 
-    import flowrl.recipes.grpo as grpo
+    import flowrl.recipes.common as common
 
     captured = {}
-    real_build = grpo.build_training_policy
-    monkeypatch.setattr(grpo, "build_training_policy",
+    real_build = common.build_training_policy
+    monkeypatch.setattr(common, "build_training_policy",
                         lambda cfg, device: captured.setdefault("policy", real_build(cfg, device)))
     cfg = smoke_config(tmp_path / "run", f"lora.init_from={path}", "train.epochs=1", "train.learning_rate=1e-12",
                        "log.eval_every=0")
-    grpo.train(cfg)
+    train(cfg)
     loaded = captured["policy"]
     assert loaded.transformer.peft_config["default"].r == 2
     expected = lora_state_dict(source.transformer)

@@ -13,7 +13,7 @@ from flowrl.toy.prompts import train_prompts
 
 def train_on_prompts(config: str, prompts, tmp_path, monkeypatch, epochs: int):
     """Run ``config`` on ``prompts`` (training prompts of the toy split) -> (policy, cfg, metadata per prompt)."""
-    import flowrl.recipes.grpo as grpo
+    import flowrl.recipes.common as common
 
     meta = dict(train_prompts(0))
     missing = [p for p in prompts if p not in meta]
@@ -21,8 +21,8 @@ def train_on_prompts(config: str, prompts, tmp_path, monkeypatch, epochs: int):
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text("".join(json.dumps({"prompt": p, "metadata": meta[p]}) + "\n" for p in prompts))
     captured = {}
-    real_build = grpo.build_training_policy
-    monkeypatch.setattr(grpo, "build_training_policy",
+    real_build = common.build_training_policy
+    monkeypatch.setattr(common, "build_training_policy",
                         lambda cfg, device: captured.setdefault("policy", real_build(cfg, device)))
     cfg = load_config(Config, config, [
         f"run_dir={tmp_path / 'run'}", f"train.epochs={epochs}", f"data.prompts={prompts_file}",

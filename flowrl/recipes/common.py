@@ -7,18 +7,21 @@ copied verbatim into every loop.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
 
-from flowrl.config import Config, SamplingConfig, to_dict
+from flowrl.config import Config, SamplingConfig, save_config, to_dict
 from flowrl.config.schema import RewardSpec
 from flowrl.data import PromptSet, load_prompts, train_test_split
 from flowrl.models import build_policy
 from flowrl.models.lora_io import load_lora_into, lora_config_dict, lora_state_dict, save_diffusers_lora
 from flowrl.rewards_api import build_reward
 from flowrl.sampling import StepPlan, window_start
-from flowrl.training.ema import ema_weights
+from flowrl.training.ema import LoraEMA, ema_weights
+from flowrl.training.metrics import MetricsLogger
 
 
 def build_training_policy(cfg: Config, device):
@@ -164,3 +167,69 @@ def flat_config(cfg: Config) -> dict[str, int | float | str | bool]:
 
     walk("", to_dict(cfg))
     return flat
+
+
+def make_accelerator(cfg: Config) -> Accelerator:
+    """CPU runs stay float32; GPU runs autocast to the configured precision."""
+    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+    log_with = None if cfg.log.backend == "none" else cfg.log.backend
+    return Accelerator(cpu=on_cpu, mixed_precision="no" if on_cpu else cfg.train.mixed_precision,
+                       log_with=log_with, project_dir=cfg.run_dir)
+
+
+@dataclass
+class Run:
+    """Everything an online RL loop holds across epochs, built the same way for every recipe."""
+
+    cfg: Config
+    accelerator: Accelerator
+    run_dir: Path
+    policy: object
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    ema: LoraEMA | None
+    rewards: list
+    weights: dict[str, float]
+    train_prompts: PromptSet
+    test_prompts: PromptSet
+    eval_prompts: PromptSet
+    test_set: PromptSet
+    logger: MetricsLogger
+    guidance: float
+    start_epoch: int
+    counters: dict[str, float] = field(default_factory=dict)
+
+
+def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
+    """Set up a run: processes, run directory and saved config, model + LoRA, optimizer, EMA, rewards,
+    prompt splits, metrics logger and trackers, and the state of ``train.resume``."""
+    accelerator = accelerator or make_accelerator(cfg)
+    run_dir = Path(cfg.run_dir)
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+    t = cfg.train
+    policy = build_training_policy(cfg, accelerator.device)
+    params = policy.trainable_parameters()
+    optimizer = torch.optim.AdamW(params, lr=t.learning_rate, betas=tuple(t.adam_betas), eps=t.adam_eps,
+                                  weight_decay=t.weight_decay)
+    policy.forward_module, optimizer = accelerator.prepare(policy.transformer, optimizer)
+    ema = LoraEMA(policy.named_trainable_parameters(), decay=t.ema_decay) if t.ema else None
+    rewards, weights = build_rewards(cfg.rewards, accelerator.device)
+    train_prompts, test_prompts = load_prompt_splits(cfg)
+    logger = MetricsLogger(run_dir, enabled=accelerator.is_main_process,
+                           tracker=accelerator if cfg.log.backend != "none" else None)
+    if cfg.log.backend != "none":
+        accelerator.init_trackers(cfg.log.project, config=flat_config(cfg))
+    resumed = restore_checkpoint(cfg, policy, optimizer, ema, rank=accelerator.process_index) if t.resume else {
+        "epoch": -1}
+    start_epoch = int(resumed["epoch"]) + 1
+    logger.truncate_after(start_epoch - 1)
+    return Run(
+        cfg=cfg, accelerator=accelerator, run_dir=run_dir, policy=policy, params=params, optimizer=optimizer, ema=ema,
+        rewards=rewards, weights=weights, train_prompts=train_prompts, test_prompts=test_prompts,
+        eval_prompts=eval_prompt_set(cfg, test_prompts),
+        test_set=test_prompts.subset(range(min(cfg.log.test_prompts, len(test_prompts)))), logger=logger,
+        guidance=cfg.sampling.guidance_scale if (t.cfg or policy.family == "flux") else 1.0, start_epoch=start_epoch,
+        counters={"rollouts": resumed.get("rollouts", 0), "train_wall_s": resumed.get("train_wall_s", 0.0)},
+    )

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -32,48 +31,27 @@ from tqdm.auto import tqdm
 from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS, edge_advantages
 from flowrl.algorithms.combine import COMBINERS
 from flowrl.algorithms.losses import POLICY_LOSSES, gaussian_mean_kl
-from flowrl.config import Config, save_config
+from flowrl.config import Config
 from flowrl.data import epoch_prompt_indices
-from flowrl.recipes.common import (
-    build_rewards, build_training_policy, eval_grid, eval_prompt_set, export_final_lora, flat_config,
-    load_prompt_splits, restore_checkpoint, save_run_checkpoint, step_plan,
+from flowrl.recipes.common import (  # noqa: F401  (make_accelerator: re-exported for callers of this module)
+    eval_grid, export_final_lora, make_accelerator, save_run_checkpoint, start_run, step_plan,
 )
 from flowrl.report import evaluate, render, write_report
 from flowrl.rewards_api import AsyncScorer, nan_summary
 from flowrl.sampling import concat_trajectories, rollout, root_seeds, sde_step, transition
-from flowrl.training.ema import LoraEMA, ema_weights
-from flowrl.training.metrics import MetricsLogger
+from flowrl.training.ema import ema_weights
 
 
 def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, float]:
     """Run the GRPO loop described by ``cfg``; returns the last epoch's metrics as a flat dict."""
     # 0. Set-up: processes, run directory, model + LoRA, optimizer, EMA, rewards, prompts, resume.
-    accelerator = accelerator or make_accelerator(cfg)
-    rank, world = accelerator.process_index, accelerator.num_processes
-    run_dir = Path(cfg.run_dir)
-    if accelerator.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
+    run = start_run(cfg, accelerator)
+    accelerator, policy, params, optimizer, ema = run.accelerator, run.policy, run.params, run.optimizer, run.ema
+    rewards, weights, logger, counters = run.rewards, run.weights, run.logger, run.counters
+    train_prompts = run.train_prompts
+    rank, world, run_dir, guidance, start_epoch = (accelerator.process_index, accelerator.num_processes, run.run_dir,
+                                                   run.guidance, run.start_epoch)
     s, t = cfg.sampling, cfg.train
-    policy = build_training_policy(cfg, accelerator.device)
-    params = policy.trainable_parameters()
-    optimizer = torch.optim.AdamW(params, lr=t.learning_rate, betas=tuple(t.adam_betas), eps=t.adam_eps,
-                                  weight_decay=t.weight_decay)
-    policy.forward_module, optimizer = accelerator.prepare(policy.transformer, optimizer)
-    ema = LoraEMA(policy.named_trainable_parameters(), decay=t.ema_decay) if t.ema else None
-    rewards, weights = build_rewards(cfg.rewards, accelerator.device)
-    train_prompts, test_prompts = load_prompt_splits(cfg)
-    eval_prompts = eval_prompt_set(cfg, test_prompts)
-    logger = MetricsLogger(run_dir, enabled=accelerator.is_main_process,
-                           tracker=accelerator if cfg.log.backend != "none" else None)
-    if cfg.log.backend != "none":
-        accelerator.init_trackers(cfg.log.project, config=flat_config(cfg))
-    resumed = restore_checkpoint(cfg, policy, optimizer, ema, rank=rank) if t.resume else {"epoch": -1}
-    start_epoch = int(resumed["epoch"]) + 1
-    counters = {"rollouts": resumed.get("rollouts", 0), "train_wall_s": resumed.get("train_wall_s", 0.0)}
-    logger.truncate_after(start_epoch - 1)
-    test_set = test_prompts.subset(range(min(cfg.log.test_prompts, len(test_prompts))))
-    guidance = s.guidance_scale if (t.cfg or policy.family == "flux") else 1.0
     estimator = ADVANTAGE_ESTIMATORS[t.advantage]
     policy_loss = POLICY_LOSSES[t.loss]
     clip_high = t.clip_range if t.clip_range_high is None else t.clip_range_high
@@ -83,7 +61,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                desc="grpo", dynamic_ncols=True)
     metrics: dict[str, float] = {}
     if cfg.log.test_every and start_epoch == 0:  # the curve's starting point: the base model
-        logger.log({"epoch": -1, **held_out_metrics(policy, ema, rewards, test_set, cfg, guidance, accelerator),
+        logger.log({"epoch": -1, **held_out_metrics(policy, ema, rewards, run.test_set, cfg, guidance, accelerator),
                     **{f"perf/{k}": v for k, v in counters.items()}}, step=-1)
     for epoch in bar:
         epoch_start = time.perf_counter()
@@ -164,9 +142,9 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         counters["train_wall_s"] += train_done - epoch_start
         metrics.update({f"perf/{k}": v for k, v in counters.items()})
         if cfg.log.test_every and (epoch + 1) % cfg.log.test_every == 0:
-            metrics.update(held_out_metrics(policy, ema, rewards, test_set, cfg, guidance, accelerator))
+            metrics.update(held_out_metrics(policy, ema, rewards, run.test_set, cfg, guidance, accelerator))
         if cfg.log.eval_every and (epoch + 1) % cfg.log.eval_every == 0:  # every rank samples (sharded models)
-            eval_grid(policy, ema, eval_prompts, cfg, guidance, run_dir / "grids" / f"epoch_{epoch:05d}.png",
+            eval_grid(policy, ema, run.eval_prompts, cfg, guidance, run_dir / "grids" / f"epoch_{epoch:05d}.png",
                       save=accelerator.is_main_process)
         metrics["perf/epoch_s"] = time.perf_counter() - epoch_start
         logger.log(metrics, step=epoch)  # before the checkpoint: a resumed run redoes later epochs only
@@ -181,7 +159,8 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         export_final_lora(policy, ema, run_dir / "lora")
     if cfg.log.report_prompts:
         report = write_report(run_dir, policy=policy, ema=ema, rewards=rewards,
-                              prompts=test_prompts.subset(range(min(cfg.log.report_prompts, len(test_prompts)))),
+                              prompts=run.test_prompts.subset(range(min(cfg.log.report_prompts,
+                                                                         len(run.test_prompts)))),
                               images_per_prompt=cfg.log.eval_images_per_prompt, num_steps=s.num_steps,
                               guidance=guidance, seed=cfg.seed + 2, diversity=cfg.log.report_diversity,
                               save=accelerator.is_main_process)
@@ -199,14 +178,6 @@ def held_out_metrics(policy, ema, rewards, prompts, cfg: Config, guidance: float
                         seed=cfg.seed + 3)
     scores = evaluate(images, prompts, n, rewards, cfg.log.report_diversity)
     return {f"test/{k.removeprefix('eval/')}": v for k, v in scores.items()}
-
-
-def make_accelerator(cfg: Config) -> Accelerator:
-    """CPU runs stay float32; GPU runs autocast to the configured precision."""
-    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
-    log_with = None if cfg.log.backend == "none" else cfg.log.backend
-    return Accelerator(cpu=on_cpu, mixed_precision="no" if on_cpu else cfg.train.mixed_precision,
-                       log_with=log_with, project_dir=cfg.run_dir)
 
 
 def trained_columns(step_indices: torch.Tensor, num_steps: int, skip_last_step: bool, fraction: float, *,
