@@ -22,7 +22,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from flowrl.config import Config, load_config  # noqa: E402
-from flowrl.recipes.grpo import train  # noqa: E402
+from flowrl.commands.train import recipe_train  # noqa: E402
 
 RUNS = {"proxy, no KL": "configs/toy/grpo_proxy.yaml", "ToyEval + KL": "configs/toy/grpo.yaml"}
 DIVERSITY_KEYS = ("diversity/gt_mean", "diversity/background", "diversity/position", "diversity/size")
@@ -32,7 +32,8 @@ def run(config: str, run_dir: Path, overrides: list[str]) -> dict:
     """Train one config (reusing a finished run's report) and return its report.json."""
     report = run_dir / "report.json"
     if not report.exists():
-        train(load_config(Config, config, [f"run_dir={run_dir}", "log.report_diversity=toy", *overrides]))
+        cfg = load_config(Config, config, [f"run_dir={run_dir}", "log.report_diversity=toy", *overrides])
+        recipe_train(cfg.recipe)(cfg)
     return json.loads(report.read_text())
 
 

@@ -1,6 +1,6 @@
 """The toy world's headline number: held-out ToyEval against wall-clock and number of rollouts.
 
-Runs GRPO on the toy world (``configs/toy/grpo.yaml`` unless another config is given) with a
+Runs a toy config's recipe (``configs/toy/grpo.yaml`` unless another config is given, e.g. nft.yaml) with a
 held-out evaluation before training and every ``--test-every`` epochs, then prints the curve:
 
     epoch | rollouts | train wall-clock (s) | held-out ToyEval strict | partial | diversity
@@ -19,7 +19,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from flowrl.config import Config, load_config  # noqa: E402
-from flowrl.recipes.grpo import train  # noqa: E402
+from flowrl.commands.train import recipe_train  # noqa: E402
 from flowrl.training.metrics import read_metrics  # noqa: E402
 
 
@@ -32,7 +32,7 @@ def main() -> None:
     args = parser.parse_args()
     cfg = load_config(Config, args.config, [f"run_dir={args.run_dir}", f"log.test_every={args.test_every}",
                                             *args.overrides])
-    train(cfg)
+    recipe_train(cfg.recipe)(cfg)
     print(f"\n{'epoch':>5} | {'rollouts':>8} | {'wall s':>7} | {'strict':>6} | {'partial':>7} | {'diversity':>9}")
     for record in read_metrics(cfg.run_dir):
         if "test/toyeval" not in record:

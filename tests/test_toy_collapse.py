@@ -20,7 +20,8 @@ EVAL_SEEDS = list(range(7000, 7016))
 
 
 def test_proxy_grpo_collapses_background_diversity(tmp_path, monkeypatch):
-    policy, cfg, _ = train_on_prompts("configs/toy/grpo_proxy.yaml", PROMPTS, tmp_path, monkeypatch, epochs=30)
+    policy, cfg, _ = train_on_prompts("configs/toy/grpo_proxy.yaml", PROMPTS, tmp_path, monkeypatch, epochs=30,
+                                       overrides=["train.ema=false"])
     groups = torch.arange(len(PROMPTS)).repeat_interleave(len(EVAL_SEEDS))
 
     def background_entropy():

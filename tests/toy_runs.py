@@ -1,18 +1,21 @@
-"""Shared scaffolding of the short toy-world GRPO tests: train a shipped toy config on a few
+"""Shared scaffolding of the short toy-world RL tests: train a shipped toy config on a few
 training prompts, keep the trained policy, and sample it with ODE on common seeds."""
 
 import json
 
 import torch
 
+from flowrl.commands.train import recipe_train
 from flowrl.config import Config, load_config
-from flowrl.recipes.grpo import train
 from flowrl.sampling import rollout
 from flowrl.toy.prompts import train_prompts
 
 
-def train_on_prompts(config: str, prompts, tmp_path, monkeypatch, epochs: int):
-    """Run ``config`` on ``prompts`` (training prompts of the toy split) -> (policy, cfg, metadata per prompt)."""
+def train_on_prompts(config: str, prompts, tmp_path, monkeypatch, epochs: int, overrides=()):
+    """Run ``config`` on ``prompts`` (training prompts of the toy split) -> (policy, cfg, metadata per prompt).
+
+    The policy keeps its live (last) weights: sampling it shows what training did, EMA or not.
+    """
     import flowrl.recipes.common as common
 
     meta = dict(train_prompts(0))
@@ -27,8 +30,8 @@ def train_on_prompts(config: str, prompts, tmp_path, monkeypatch, epochs: int):
     cfg = load_config(Config, config, [
         f"run_dir={tmp_path / 'run'}", f"train.epochs={epochs}", f"data.prompts={prompts_file}",
         f"data.test_prompts={prompts_file}", f"sampling.prompts_per_batch={len(prompts)}", "log.progress=false",
-        "log.eval_every=0", "log.report_prompts=0", "train.checkpoint_every=0", "train.ema=false"])
-    train(cfg)
+        "log.eval_every=0", "log.report_prompts=0", "train.checkpoint_every=0", *overrides])
+    recipe_train(cfg.recipe)(cfg)
     return captured["policy"], cfg, [meta[p] for p in prompts]
 
 

@@ -3,6 +3,8 @@
 
 ``grpo-clip`` is PPO's pessimistic clipped surrogate with separate lower/upper ranges:
 ``max(-A * rho, -A * clip(rho, 1 - clip_low, 1 + clip_high))`` with ``rho = exp(logp - logp_old)``.
+``nft_loss`` is DiffusionNFT's forward-process loss (see its docstring); it needs no log-probs.
+
 The KL regulariser between two Gaussian steps of equal std is ``||mu - mu_ref||^2 / (2 std^2)``,
 averaged over the non-batch dimensions like the log-probs.
 """
@@ -36,3 +38,21 @@ def gaussian_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tens
     """KL between N(mean, std^2) and N(ref_mean, std^2), averaged over non-batch dims -> [B]."""
     dims = tuple(range(1, mean.ndim))
     return ((mean - ref_mean) ** 2).mean(dim=dims) / (2 * std.reshape(-1) ** 2)
+
+
+def nft_loss(velocity: torch.Tensor, old_velocity: torch.Tensor, target: torch.Tensor, optimality: torch.Tensor, *,
+             strength: float) -> torch.Tensor:
+    """DiffusionNFT's loss on noised clean samples -> [B] (mean over non-batch dims).
+
+    Two implicit policies are built from the trained velocity ``v`` and the sampling ("old") one:
+    ``v+ = s v + (1 - s) v_old`` and ``v- = (1 + s) v_old - s v`` with ``s = strength``, and the
+    loss is ``r ||v+ - target||^2 + (1 - r) ||v- - target||^2``. A sample with optimality
+    ``r = 1`` pulls ``v`` toward its flow-matching target, ``r = 0`` pushes it away, ``r = 1/2``
+    only holds ``v`` near ``v_old``. At ``v = v_old`` the gradient is ``2 s (2r - 1) (v_old - target)``:
+    reward-weighted flow matching, signed by the advantage. The loss is affine in ``r``.
+    """
+    dims = tuple(range(1, velocity.ndim))
+    positive = strength * velocity + (1 - strength) * old_velocity
+    negative = (1 + strength) * old_velocity - strength * velocity
+    r = optimality.reshape(-1, *([1] * (velocity.ndim - 1)))
+    return (r * (positive - target) ** 2 + (1 - r) * (negative - target) ** 2).mean(dim=dims)

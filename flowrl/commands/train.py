@@ -4,16 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-RECIPES = {"grpo": "flowrl.recipes.grpo:train"}
+RECIPES = {"grpo": "flowrl.recipes.grpo:train", "nft": "flowrl.recipes.nft:train"}
+
+
+def recipe_train(name: str):
+    """The ``train(cfg)`` function of recipe ``name`` (imported on demand)."""
+    import importlib
+
+    module_name, function_name = RECIPES[name].split(":")
+    return getattr(importlib.import_module(module_name), function_name)
 
 
 def run_train(config_path: str | Path, overrides: list[str]) -> dict[str, float]:
-    import importlib
-
     from flowrl.config import Config, load_config
 
     cfg = load_config(Config, config_path, overrides)
-    module_name, function_name = RECIPES[cfg.recipe].split(":")
-    train = getattr(importlib.import_module(module_name), function_name)
-    metrics = train(cfg)
-    return metrics
+    return recipe_train(cfg.recipe)(cfg)

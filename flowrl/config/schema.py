@@ -222,6 +222,20 @@ class TrainConfig:
 
 
 @dataclass
+class NFTConfig:
+    """DiffusionNFT (recipe: nft): ODE rollouts, flow-matching updates on their clean samples."""
+
+    strength: float = 1.0
+    """beta of the implicit policies v+ = beta v + (1 - beta) v_old, v- = (1 + beta) v_old - beta v."""
+    timesteps_per_sample: int = 1
+    """Fresh (t, noise) draws per clean sample in each pass: more lowers the gradient's variance."""
+
+    def validate(self):
+        check(self.strength > 0, "strength", "must be > 0")
+        check(self.timesteps_per_sample >= 1, "timesteps_per_sample", "must be >= 1")
+
+
+@dataclass
 class LogConfig:
     backend: Literal["none", "tensorboard", "wandb"] = "none"
     """Tracker besides the always-written metrics.jsonl."""
@@ -266,13 +280,17 @@ class Config:
     """Optimisation."""
     log: LogConfig = field(default_factory=LogConfig)
     """Logging, eval grids, progress."""
-    recipe: Literal["grpo"] = "grpo"
-    """Training loop shape."""
+    recipe: Literal["grpo", "nft"] = "grpo"
+    """Training loop: grpo (SDE rollouts, clipped log-prob ratios) or nft (DiffusionNFT)."""
+    nft: NFTConfig = field(default_factory=NFTConfig)
+    """DiffusionNFT settings (recipe: nft)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Recipe-specific settings the recipe validates itself."""
 
     def validate(self):
         check(len({r.name for r in self.rewards}) == len(self.rewards), "rewards", "each reward may appear once")
+        check(self.recipe != "nft" or self.train.ema, "train.ema",
+              "recipe nft samples with the EMA ('old') adapter: set train.ema=true (ema_decay 0 follows the live one)")
         check(self.sampling.group_size >= 2 or self.train.advantage == "mean", "sampling.group_size",
               "group advantages need at least 2 trajectories per prompt")
         check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device",

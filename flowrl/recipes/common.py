@@ -7,19 +7,23 @@ copied verbatim into every loop.
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 
+from flowrl.algorithms.combine import COMBINERS
 from flowrl.config import Config, SamplingConfig, save_config, to_dict
 from flowrl.config.schema import RewardSpec
-from flowrl.data import PromptSet, load_prompts, train_test_split
+from flowrl.data import PromptSet, epoch_prompt_indices, load_prompts, train_test_split
 from flowrl.models import build_policy
 from flowrl.models.lora_io import load_lora_into, lora_config_dict, lora_state_dict, save_diffusers_lora
-from flowrl.rewards_api import build_reward
-from flowrl.sampling import StepPlan, window_start
+from flowrl.report import evaluate, render
+from flowrl.rewards_api import build_reward, nan_summary
+from flowrl.sampling import StepPlan, concat_trajectories, rollout, root_seeds, window_start
 from flowrl.training.ema import LoraEMA, ema_weights
 from flowrl.training.metrics import MetricsLogger
 
@@ -233,3 +237,149 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
         guidance=cfg.sampling.guidance_scale if (t.cfg or policy.family == "flux") else 1.0, start_epoch=start_epoch,
         counters={"rollouts": resumed.get("rollouts", 0), "train_wall_s": resumed.get("train_wall_s", 0.0)},
     )
+
+
+def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_level: float, kind: str = "sde",
+                     same_noise_in_group: bool = False):
+    """This epoch's rollouts on this process, scored: batch b is scored in a worker while b+1 is sampled.
+
+    Prompts are sharded over processes and row seeds come from global row indices, so N processes
+    reproduce one. Returns (trajectory with rewards, time sampling ended, time scoring ended).
+    """
+    cfg, accelerator, policy = run.cfg, run.accelerator, run.policy
+    s, rank, world = cfg.sampling, accelerator.process_index, accelerator.num_processes
+    roots_per_group = s.group_size // plan.leaves_per_root
+    parts, futures = [], []
+    for b in range(cfg.train.batches_per_epoch):
+        batch_index = epoch * cfg.train.batches_per_epoch + b
+        index = epoch_prompt_indices(len(run.train_prompts), s.prompts_per_batch, seed=cfg.seed, epoch=batch_index,
+                                     rank=rank, world_size=world)
+        batch = run.train_prompts.subset(index)
+        first_root = (batch_index * world + rank) * s.prompts_per_batch * roots_per_group
+        with policy.local_forward():
+            part = rollout(policy, batch.prompts, group_size=s.group_size, num_steps=s.num_steps,
+                           guidance_scale=run.guidance, noise_level=noise_level, kind=kind, plan=plan,
+                           same_noise_in_group=same_noise_in_group, metadata=batch.metadata,
+                           seeds=root_seeds(cfg.seed, first_root, len(batch) * roots_per_group))
+        part.group_ids = part.group_ids + (batch_index * world + rank) * s.prompts_per_batch
+        futures.append(scorer.submit(part.images, part.row_prompts, part.row_metadata))
+        parts.append(part)
+    sample_done = time.perf_counter()
+    for part, future in zip(parts, futures):
+        part.rewards = future.result()
+    return concat_trajectories(parts), sample_done, time.perf_counter()
+
+
+def group_advantages(run: Run, traj, estimator):
+    """Advantages over whole groups: gather every process's rewards, combine them, normalise per group.
+
+    Returns (gathered rewards {name: [N_all]}, advantages [N_all], combined reward [N_all], this
+    process's slice of the rows).
+    """
+    accelerator, t = run.accelerator, run.cfg.train
+    gathered = {k: accelerator.gather(v.to(accelerator.device)).cpu() for k, v in traj.rewards.items()}
+    all_groups = accelerator.gather(traj.group_ids.to(accelerator.device)).cpu()
+    advantages, combined = COMBINERS[t.combine]({key: gathered[key] for key in run.weights}, run.weights, all_groups,
+                                                lambda r, g: estimator(r, g, std_scope=t.std_scope))
+    rank = accelerator.process_index
+    return gathered, advantages, combined, slice(rank * traj.num_rows, (rank + 1) * traj.num_rows)
+
+
+def log_base_model(run: Run) -> None:
+    """With ``log.test_every``, the held-out score of the base model: the curve's starting point."""
+    if run.cfg.log.test_every and run.start_epoch == 0:
+        run.logger.log({"epoch": -1, **held_out_metrics(run.policy, run.ema, run.rewards, run.test_set, run.cfg,
+                                                        run.guidance, run.accelerator),
+                        **{f"perf/{k}": v for k, v in run.counters.items()}}, step=-1)
+
+
+def end_epoch(run: Run, epoch: int, metrics: dict, *, rollouts: int, epoch_start: float, train_done: float) -> None:
+    """Count, score the held-out prompts, render the eval grid, log, checkpoint (in that order)."""
+    cfg, accelerator, t = run.cfg, run.accelerator, run.cfg.train
+    metrics["optim/lr"] = run.optimizer.param_groups[0]["lr"]
+    run.counters["rollouts"] += rollouts
+    run.counters["train_wall_s"] += train_done - epoch_start
+    metrics.update({f"perf/{k}": v for k, v in run.counters.items()})
+    if cfg.log.test_every and (epoch + 1) % cfg.log.test_every == 0:
+        metrics.update(held_out_metrics(run.policy, run.ema, run.rewards, run.test_set, cfg, run.guidance, accelerator))
+    if cfg.log.eval_every and (epoch + 1) % cfg.log.eval_every == 0:  # every rank samples (sharded models)
+        eval_grid(run.policy, run.ema, run.eval_prompts, cfg, run.guidance,
+                  run.run_dir / "grids" / f"epoch_{epoch:05d}.png", save=accelerator.is_main_process)
+    metrics["perf/epoch_s"] = time.perf_counter() - epoch_start
+    run.logger.log(metrics, step=epoch)  # before the checkpoint: a resumed run redoes later epochs only
+    if epoch + 1 == t.epochs or (t.checkpoint_every and (epoch + 1) % t.checkpoint_every == 0):
+        save_run_checkpoint(cfg, run.policy, run.optimizer, run.ema, accelerator, epoch=epoch, counters=run.counters)
+
+
+def finish_run(run: Run, metrics: dict) -> dict[str, float]:
+    """Export the final adapter (EMA weights when kept) and report before/after on held-out prompts."""
+    from flowrl.report import write_report
+
+    cfg, accelerator = run.cfg, run.accelerator
+    if cfg.train.export_lora and accelerator.is_main_process:
+        export_final_lora(run.policy, run.ema, run.run_dir / "lora")
+    if cfg.log.report_prompts:
+        prompts = run.test_prompts.subset(range(min(cfg.log.report_prompts, len(run.test_prompts))))
+        report = write_report(run.run_dir, policy=run.policy, ema=run.ema, rewards=run.rewards, prompts=prompts,
+                              images_per_prompt=cfg.log.eval_images_per_prompt, num_steps=cfg.sampling.num_steps,
+                              guidance=run.guidance, seed=cfg.seed + 2, diversity=cfg.log.report_diversity,
+                              save=accelerator.is_main_process)
+        metrics.update({f"report/{when}/{k}": v for when in ("before", "after") for k, v in report[when].items()})
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return metrics
+
+
+def held_out_metrics(policy, ema, rewards, prompts, cfg: Config, guidance: float, accelerator) -> dict[str, float]:
+    """test/<reward> on held-out prompts: ODE samples with fixed seeds and the EMA weights."""
+    n = cfg.log.eval_images_per_prompt
+    with ema_weights(ema):
+        images = render(policy, prompts, images_per_prompt=n, num_steps=cfg.sampling.num_steps, guidance=guidance,
+                        seed=cfg.seed + 3)
+    scores = evaluate(images, prompts, n, rewards, cfg.log.report_diversity)
+    return {f"test/{k.removeprefix('eval/')}": v for k, v in scores.items()}
+
+
+def reward_metrics(rewards: dict[str, torch.Tensor], combined: torch.Tensor, main: list[str]) -> dict[str, float]:
+    """reward/<name>_mean and _std for every (sub-)score, plus the combined reward and NaN counts."""
+    out = {}
+    for name, values in rewards.items():
+        finite = values[torch.isfinite(values)]
+        out[f"reward/{name}_mean"] = float(finite.mean()) if finite.numel() else math.nan
+        out[f"reward/{name}_std"] = float(finite.std(unbiased=False)) if finite.numel() else math.nan
+    finite = combined[torch.isfinite(combined)]
+    out["reward/combined_mean"] = float(finite.mean()) if finite.numel() else math.nan
+    out.update({k: float(v) for k, v in nan_summary({n: rewards[n] for n in main}).items()})
+    return out
+
+
+class StatsAccumulator:
+    """Weighted means of per-transition statistics, reduced across processes at the end of an epoch."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.weights: dict[str, float] = {}
+        self.scalars: dict[str, list[float]] = {}
+        self.scalar_reduce: dict[str, str] = {}
+
+    def add(self, name: str, values: torch.Tensor, weights: torch.Tensor) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + float((values.detach().float() * weights).sum())
+        self.weights[name] = self.weights.get(name, 0.0) + float(weights.sum())
+
+    def add_scalar(self, name: str, value: float, reduce: str = "mean") -> None:
+        self.scalars.setdefault(name, []).append(value)
+        self.scalar_reduce[name] = reduce
+
+    def reduce(self, accelerator: Accelerator) -> dict[str, float]:
+        names = sorted(self.sums)
+        packed = torch.tensor([[self.sums[n], self.weights[n]] for n in names] or [[0.0, 0.0]], dtype=torch.float64)
+        packed = accelerator.reduce(packed.to(accelerator.device), "sum").cpu()
+        out = {n: float(packed[i, 0] / max(packed[i, 1], 1e-12)) for i, n in enumerate(names)}
+        for name, values in sorted(self.scalars.items()):
+            if self.scalar_reduce[name] == "max":
+                tensor = torch.tensor([max(values)], dtype=torch.float64, device=accelerator.device)
+                out[name] = float(accelerator.gather(tensor).max())
+            else:
+                tensor = torch.tensor(sum(values) / len(values), dtype=torch.float64, device=accelerator.device)
+                out[name] = float(accelerator.reduce(tensor, "mean"))
+        return out

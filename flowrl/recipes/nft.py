@@ -1,0 +1,148 @@
+"""DiffusionNFT: online RL on the forward (noising) process of a flow model.
+
+GRPO needs stochastic rollouts and per-step log-probabilities, and its gradient is a noisy score
+function. DiffusionNFT needs neither: it samples clean images with the plain ODE, scores them, and
+trains with the flow-matching loss itself on freshly noised copies of those images, pulling the
+velocity toward good samples and away from bad ones (:func:`flowrl.algorithms.losses.nft_loss`).
+On the toy world this moves ToyEval where GRPO at the same rollout budget does not.
+
+One epoch:
+1. ODE rollouts of ``group_size`` images per prompt, sampled with the "old" adapter: the EMA of the
+   trained one, stepped once per epoch (``train.ema_decay`` per epoch; 0 makes it the trained adapter
+   as it was at the end of the last epoch). Only clean latents are kept.
+2. Rewards -> group advantages (the same estimators and combiners as GRPO) -> optimality
+   ``r = 1/2 + A / (2 * advantage_clip)`` in [0, 1].
+3. For each sample and each of ``nft.timesteps_per_sample`` draws: ``t ~ U(0, 1)``, fresh noise,
+   ``x_t = (1 - t) x0 + t eps``, target ``eps - x0``; the loss compares the trained velocity and the
+   old one (EMA weights swapped in, no grad) through the implicit policies of strength ``nft.strength``.
+   The old adapter stays fixed within the epoch: then each sample's loss has a bounded minimum,
+   ``v = v_old + (2r - 1) / strength * (target - v_old)``. An old adapter that trailed every optimizer
+   step would move that minimum with the weights, and the toy model drifts off and collapses.
+   ``train.beta > 0`` adds ``beta * ||v - v_ref||^2`` toward the base model (adapter off).
+
+With ``train.cfg`` the policy is the guided velocity (rollouts and loss alike); without it the
+conditional model is trained alone (DiffusionNFT's guidance-free setting).
+
+Run: ``flowrl train configs/toy/nft.yaml`` (CPU, minutes).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+
+from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from flowrl.algorithms.losses import nft_loss
+from flowrl.config import Config
+from flowrl.recipes.common import (
+    StatsAccumulator, end_epoch, finish_run, group_advantages, log_base_model, reward_metrics, sample_and_score,
+    start_run,
+)
+from flowrl.rewards_api import AsyncScorer
+from flowrl.sampling import StepPlan
+from flowrl.training.ema import ema_weights
+
+
+def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, float]:
+    """Run the DiffusionNFT loop described by ``cfg``; returns the last epoch's metrics as a flat dict."""
+    run = start_run(cfg, accelerator)
+    accelerator, policy, optimizer, ema = run.accelerator, run.policy, run.optimizer, run.ema
+    rank, world = accelerator.process_index, accelerator.num_processes
+    s, t = cfg.sampling, cfg.train
+    estimator = ADVANTAGE_ESTIMATORS[t.advantage]
+    # Deterministic rollouts: noise 0 everywhere; the plan stores only the last step, the least memory.
+    plan = StepPlan(s.num_steps, sde_start=s.num_steps - 1)
+    scorer = AsyncScorer(run.rewards, on_error=t.reward_errors, asynchronous=t.async_rewards)
+    bar = tqdm(range(run.start_epoch, t.epochs), disable=not (cfg.log.progress and accelerator.is_main_process),
+               desc="nft", dynamic_ncols=True)
+    metrics: dict[str, float] = {}
+    log_base_model(run)
+    for epoch in bar:
+        epoch_start = time.perf_counter()
+
+        # 1. ODE rollouts with the old (EMA) adapter, scored while the next batch samples.
+        with ema_weights(ema):
+            traj, sample_done, reward_done = sample_and_score(run, scorer, epoch, plan=plan, noise_level=0.0)
+
+        # 2. Advantages over whole groups -> optimality in [0, 1]; unscored (NaN) rows are left out.
+        gathered, advantages, combined, local = group_advantages(run, traj, estimator)
+        optimality = 0.5 + 0.5 * advantages[local].clamp(-t.advantage_clip, t.advantage_clip) / t.advantage_clip
+        keep = torch.isfinite(combined[local])  # [N]
+
+        # 3. Passes over (sample, fresh t and noise) pairs: shuffled chunks -> one optimizer step each.
+        stats = StatsAccumulator()
+        pairs = traj.num_rows * cfg.nft.timesteps_per_sample
+        for inner in range(t.inner_epochs):
+            order = np.random.default_rng([cfg.seed, epoch, inner, rank, 0x4F7]).permutation(pairs)
+            for chunk_index, chunk in enumerate(np.array_split(order, t.optimizer_steps_per_epoch)):
+                rows = torch.as_tensor(chunk, dtype=torch.long) % traj.num_rows
+                weight = accelerator.reduce(keep[rows].sum().float().to(accelerator.device), "sum").item()
+                micro_batches = list(rows.split(t.micro_batch_size))
+                for i, micro in enumerate(micro_batches):
+                    noise_seed = [cfg.seed, epoch, inner, chunk_index, i, rank, 0x4F7]
+                    with (torch.enable_grad() if i == len(micro_batches) - 1
+                          else accelerator.no_sync(policy.forward_module)):
+                        loss_sum = forward_process_loss(
+                            policy, ema, traj.final_latents[micro], traj.cond.select(traj.prompt_ids[micro]),
+                            optimality[micro], keep[micro].float(), guidance=run.guidance, strength=cfg.nft.strength,
+                            beta=t.beta, noise_seed=noise_seed, stats=stats)
+                        accelerator.backward(loss_sum * world / max(weight, 1.0))
+                grad_norm = (accelerator.clip_grad_norm_(run.params, t.max_grad_norm)
+                             if t.max_grad_norm > 0 else None)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                if grad_norm is not None:
+                    stats.add_scalar("optim/grad_norm", float(grad_norm))
+        ema.step()  # the old policy follows the trained one, once per epoch
+        train_done = time.perf_counter()
+
+        # 4. Log, render eval grids, checkpoint.
+        metrics = {"epoch": epoch}
+        metrics.update(reward_metrics(gathered, combined, [r.name for r in run.rewards]))
+        metrics.update(stats.reduce(accelerator))
+        metrics["nft/optimality_abs_dev"] = float((optimality - 0.5).abs().mean())
+        metrics["perf/sample_s"] = sample_done - epoch_start
+        metrics["perf/reward_wait_s"] = reward_done - sample_done
+        metrics["perf/train_s"] = train_done - reward_done
+        end_epoch(run, epoch, metrics, rollouts=traj.num_rows * world, epoch_start=epoch_start, train_done=train_done)
+        bar.set_postfix(reward=f"{metrics['reward/combined_mean']:.3f}", loss=f"{metrics.get('loss/total', 0):.4f}",
+                        sample=f"{metrics['perf/sample_s']:.1f}s", train=f"{metrics['perf/train_s']:.1f}s")
+
+    scorer.close()
+    return finish_run(run, metrics)
+
+
+def forward_process_loss(policy, ema, x0, cond, optimality, weights, *, guidance: float, strength: float, beta: float,
+                         noise_seed: list[int], stats: StatsAccumulator) -> torch.Tensor:
+    """Summed (not averaged) DiffusionNFT loss of clean latents ``x0`` [B, C, h, w] at fresh (t, noise).
+
+    ``t`` and the noise come from a generator seeded by ``noise_seed`` (reproducible on any device).
+    """
+    device = policy.device
+    generator = torch.Generator().manual_seed(int(np.random.SeedSequence(noise_seed).generate_state(1)[0]))
+    sigma = torch.rand(x0.shape[0], generator=generator)  # [B]
+    noise = torch.randn(x0.shape, generator=generator, dtype=torch.float32)
+    x0 = x0.to(device=device, dtype=torch.float32)
+    noise, sigma = noise.to(device), sigma.to(device)
+    column = sigma.reshape(-1, 1, 1, 1)
+    noised = ((1 - column) * x0 + column * noise).to(policy.dtype)  # x_t = (1 - t) x0 + t eps
+    target = noise - x0
+    with torch.no_grad(), ema_weights(ema), policy.local_forward():
+        old_velocity = policy.velocity(noised, sigma, cond, guidance).float()
+    velocity = policy.velocity(noised, sigma, cond, guidance).float()
+    loss = nft_loss(velocity, old_velocity, target, optimality.to(device), strength=strength)  # [B]
+    weights = weights.to(device)
+    kl = torch.zeros_like(loss)
+    if beta > 0:
+        with torch.no_grad(), policy.reference():
+            ref_velocity = policy.velocity(noised, sigma, cond, guidance).float()
+        kl = ((velocity - ref_velocity) ** 2).mean(dim=tuple(range(1, velocity.ndim)))
+    total = loss + beta * kl
+    stats.add("loss/nft", loss, weights)
+    stats.add("loss/kl", kl, weights)
+    stats.add("loss/total", total, weights)
+    return (total * weights).sum()
