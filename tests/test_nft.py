@@ -32,6 +32,16 @@ def test_nft_loss_matches_a_hand_computation():
     assert loss.tolist() == pytest.approx([1.25, 0.0])
 
 
+def test_nft_adaptive_weighting_matches_a_hand_computation():
+    # v = (2, 2), v_old = (0, 1), target = (1, 0), s = 0.5, r = 0.75, sigma = 0.5.
+    # e+ = v+ - target = (1, 1.5) - (1, 0) = (0, 1.5):  mean e^2 = 1.125, mean |e| = 0.75 -> sigma * 1.5
+    # e- = v- - target = (-1, 0.5) - (1, 0) = (-2, 0.5): mean e^2 = 2.125, mean |e| = 1.25 -> sigma * 1.7
+    # loss = 0.75 * 0.75 + 0.25 * 0.85 = 0.775
+    loss = nft_loss(torch.tensor([[2.0, 2.0]]), torch.tensor([[0.0, 1.0]]), torch.tensor([[1.0, 0.0]]),
+                    torch.tensor([0.75]), strength=0.5, sigma=torch.tensor([0.5]))
+    assert loss.tolist() == pytest.approx([0.775])
+
+
 def test_nft_gradient_is_advantage_signed_flow_matching_at_the_old_policy():
     # At v = v_old the gradient is 2 s (2r - 1) (v_old - target) / D: positive samples pull v toward
     # the target, negative ones push it away, r = 1/2 gives no push.
@@ -42,9 +52,14 @@ def test_nft_gradient_is_advantage_signed_flow_matching_at_the_old_policy():
         nft_loss(v, v_old, target, torch.tensor([r]), strength=strength).sum().backward()
         expected = 2 * strength * (2 * r - 1) * (v_old - target) / 3
         assert torch.allclose(v.grad, expected, atol=1e-7), (r, strength)
+        # Adaptive weighting rescales it by sigma / mean|v_old - target| (here 0.4 / (3.5 / 3)).
+        v = v_old.clone().requires_grad_(True)
+        nft_loss(v, v_old, target, torch.tensor([r]), strength=strength, sigma=torch.tensor([0.4])).sum().backward()
+        assert torch.allclose(v.grad, expected * 0.4 / (3.5 / 3), atol=1e-7), (r, strength)
 
 
-def test_nft_smoke_run_trains_the_lora_and_writes_the_run(tmp_path, monkeypatch):
+@pytest.mark.parametrize("path", [SMOKE, "configs/smoke/flux_tiny.yaml"])
+def test_nft_smoke_run_trains_the_lora_and_writes_the_run(tmp_path, monkeypatch, path):
     import flowrl.recipes.common as common
 
     captured = {}
@@ -59,7 +74,7 @@ def test_nft_smoke_run_trains_the_lora_and_writes_the_run(tmp_path, monkeypatch)
         return policy
 
     monkeypatch.setattr(common, "build_training_policy", build_and_capture)
-    metrics = train(nft_config(tmp_path, "train.beta=0.1"))
+    metrics = train(nft_config(tmp_path, "train.beta=0.1", path=path))
     assert math.isfinite(metrics["loss/total"]) and metrics["loss/kl"] >= 0
     assert 0 < metrics["nft/optimality_abs_dev"] <= 0.5
     after = dict(captured["policy"].transformer.named_parameters())

@@ -41,7 +41,7 @@ def gaussian_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tens
 
 
 def nft_loss(velocity: torch.Tensor, old_velocity: torch.Tensor, target: torch.Tensor, optimality: torch.Tensor, *,
-             strength: float) -> torch.Tensor:
+             strength: float, sigma: torch.Tensor | None = None) -> torch.Tensor:
     """DiffusionNFT's loss on noised clean samples -> [B] (mean over non-batch dims).
 
     Two implicit policies are built from the trained velocity ``v`` and the sampling ("old") one:
@@ -50,9 +50,21 @@ def nft_loss(velocity: torch.Tensor, old_velocity: torch.Tensor, target: torch.T
     ``r = 1`` pulls ``v`` toward its flow-matching target, ``r = 0`` pushes it away, ``r = 1/2``
     only holds ``v`` near ``v_old``. At ``v = v_old`` the gradient is ``2 s (2r - 1) (v_old - target)``:
     reward-weighted flow matching, signed by the advantage. The loss is affine in ``r``.
+
+    Given ``sigma`` [B] (the noise level of each sample), each term is measured in x0-space and
+    divided by its own detached mean absolute error (DiffusionNFT's adaptive weighting): with
+    ``x0_hat - x0 = sigma (v - target)`` a term becomes ``sigma ||e||^2 / mean|e|``. Its gradient
+    no longer grows with the error, so pushing away from bad samples cannot run away.
     """
     dims = tuple(range(1, velocity.ndim))
-    positive = strength * velocity + (1 - strength) * old_velocity
-    negative = (1 + strength) * old_velocity - strength * velocity
-    r = optimality.reshape(-1, *([1] * (velocity.ndim - 1)))
-    return (r * (positive - target) ** 2 + (1 - r) * (negative - target) ** 2).mean(dim=dims)
+    positive = strength * velocity + (1 - strength) * old_velocity - target  # [B, ...] errors
+    negative = (1 + strength) * old_velocity - strength * velocity - target
+
+    def term(error: torch.Tensor) -> torch.Tensor:
+        squared = (error ** 2).mean(dim=dims)
+        if sigma is None:
+            return squared
+        scale = error.detach().abs().mean(dim=dims).clamp(min=1e-5)
+        return sigma * squared / scale
+
+    return optimality * term(positive) + (1 - optimality) * term(negative)

@@ -229,6 +229,8 @@ class NFTConfig:
     """beta of the implicit policies v+ = beta v + (1 - beta) v_old, v- = (1 + beta) v_old - beta v."""
     timesteps_per_sample: int = 1
     """Fresh (t, noise) draws per clean sample in each pass: more lowers the gradient's variance."""
+    adaptive_weighting: bool = True
+    """Measure each loss term in x0-space, divided by its own detached mean error (keeps training stable)."""
 
     def validate(self):
         check(self.strength > 0, "strength", "must be > 0")

@@ -89,7 +89,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                         loss_sum = forward_process_loss(
                             policy, ema, traj.final_latents[micro], traj.cond.select(traj.prompt_ids[micro]),
                             optimality[micro], keep[micro].float(), guidance=run.guidance, strength=cfg.nft.strength,
-                            beta=t.beta, noise_seed=noise_seed, stats=stats)
+                            adaptive=cfg.nft.adaptive_weighting, beta=t.beta, noise_seed=noise_seed, stats=stats)
                         accelerator.backward(loss_sum * world / max(weight, 1.0))
                 grad_norm = (accelerator.clip_grad_norm_(run.params, t.max_grad_norm)
                              if t.max_grad_norm > 0 else None)
@@ -116,8 +116,8 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
     return finish_run(run, metrics)
 
 
-def forward_process_loss(policy, ema, x0, cond, optimality, weights, *, guidance: float, strength: float, beta: float,
-                         noise_seed: list[int], stats: StatsAccumulator) -> torch.Tensor:
+def forward_process_loss(policy, ema, x0, cond, optimality, weights, *, guidance: float, strength: float,
+                         adaptive: bool, beta: float, noise_seed: list[int], stats: StatsAccumulator) -> torch.Tensor:
     """Summed (not averaged) DiffusionNFT loss of clean latents ``x0`` [B, C, h, w] at fresh (t, noise).
 
     ``t`` and the noise come from a generator seeded by ``noise_seed`` (reproducible on any device).
@@ -134,7 +134,8 @@ def forward_process_loss(policy, ema, x0, cond, optimality, weights, *, guidance
     with torch.no_grad(), ema_weights(ema), policy.local_forward():
         old_velocity = policy.velocity(noised, sigma, cond, guidance).float()
     velocity = policy.velocity(noised, sigma, cond, guidance).float()
-    loss = nft_loss(velocity, old_velocity, target, optimality.to(device), strength=strength)  # [B]
+    loss = nft_loss(velocity, old_velocity, target, optimality.to(device), strength=strength,
+                    sigma=sigma if adaptive else None)  # [B]
     weights = weights.to(device)
     kl = torch.zeros_like(loss)
     if beta > 0:
