@@ -17,6 +17,7 @@ from flowrl.recipes.grpo import StatsAccumulator, make_accelerator, train, trans
 from flowrl.sampling import rollout
 from flowrl.training.metrics import read_metrics
 from tests.reward_fixtures import RedMinusBlue
+from tests.policy_capture import capture_training_policy, lora_and_base
 
 SMOKE = "configs/smoke/sd3_tiny.yaml"
 
@@ -27,30 +28,13 @@ def smoke_config(tmp_path, *overrides, path=SMOKE):
     return load_config(Config, path, base + list(overrides))
 
 
-def _lora_and_base(policy):
-    lora = {n: p.detach().clone() for n, p in policy.transformer.named_parameters() if "lora_" in n}
-    base = {n: p.detach().clone() for n, p in policy.transformer.named_parameters() if "lora_" not in n}
-    return lora, base
-
-
 @pytest.mark.parametrize("path", ["configs/smoke/sd3_tiny.yaml", "configs/smoke/flux_tiny.yaml"])
 def test_smoke_run_trains_only_the_lora(tmp_path, path, monkeypatch):
-    captured = {}
-    import flowrl.recipes.common as common
-
-    real_build = common.build_training_policy
-
-    def build_and_capture(cfg, device):
-        policy = real_build(cfg, device)
-        captured["policy"] = policy
-        captured["before"] = _lora_and_base(policy)
-        return policy
-
-    monkeypatch.setattr(common, "build_training_policy", build_and_capture)
+    captured = capture_training_policy(monkeypatch)
     metrics = train(smoke_config(tmp_path, path=path))
     assert math.isfinite(metrics["loss/total"]) and math.isfinite(metrics["reward/brightness_mean"])
     lora_before, base_before = captured["before"]
-    lora_after, base_after = _lora_and_base(captured["policy"])
+    lora_after, base_after = lora_and_base(captured["policy"])
     assert any(not torch.equal(lora_before[n], lora_after[n]) for n in lora_before)
     assert all(torch.equal(base_before[n], base_after[n]) for n in base_before)
     # The first inner pass is on-policy: the recomputed log-prob equals the recorded one.
@@ -143,12 +127,7 @@ def test_reward_rises_where_it_must(tmp_path, monkeypatch):
     two per-sample standard deviations). Before/after is measured on the same 32 seeds (common
     random numbers) so sampling noise does not drown the comparison; the margin is ~5 standard
     errors of that paired difference."""
-    import flowrl.recipes.common as common
-
-    captured = {}
-    real_build = common.build_training_policy
-    monkeypatch.setattr(common, "build_training_policy",
-                        lambda cfg, device: captured.setdefault("policy", real_build(cfg, device)))
+    captured = capture_training_policy(monkeypatch)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a cat\n")
     train(smoke_config(tmp_path / "run", "train.epochs=8", "train.learning_rate=2e-2", "train.clip_range=0.2",
@@ -208,12 +187,7 @@ def test_training_starts_from_an_existing_lora(tmp_path, layout, monkeypatch):
         save_file({k: v.contiguous() for k, v in state.items()}, str(path / "adapter_model.safetensors"))
         (path / "adapter_config.json").write_text(json.dumps(lora_config_dict(source.transformer)))
 
-    import flowrl.recipes.common as common
-
-    captured = {}
-    real_build = common.build_training_policy
-    monkeypatch.setattr(common, "build_training_policy",
-                        lambda cfg, device: captured.setdefault("policy", real_build(cfg, device)))
+    captured = capture_training_policy(monkeypatch)
     cfg = smoke_config(tmp_path / "run", f"lora.init_from={path}", "train.epochs=1", "train.learning_rate=1e-12",
                        "log.eval_every=0")
     train(cfg)

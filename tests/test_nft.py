@@ -10,6 +10,7 @@ from flowrl.algorithms.losses import nft_loss
 from flowrl.config import Config, ConfigError, load_config
 from flowrl.recipes.nft import train
 from flowrl.training.metrics import read_metrics
+from tests.policy_capture import capture_training_policy
 
 SMOKE = "configs/smoke/sd3_tiny.yaml"
 
@@ -60,26 +61,13 @@ def test_nft_gradient_is_advantage_signed_flow_matching_at_the_old_policy():
 
 @pytest.mark.parametrize("path", [SMOKE, "configs/smoke/flux_tiny.yaml"])
 def test_nft_smoke_run_trains_the_lora_and_writes_the_run(tmp_path, monkeypatch, path):
-    import flowrl.recipes.common as common
-
-    captured = {}
-    real_build = common.build_training_policy
-
-    def build_and_capture(cfg, device):
-        policy = real_build(cfg, device)
-        captured["policy"] = policy
-        captured["lora"] = {n: p.detach().clone() for n, p in policy.transformer.named_parameters() if "lora_" in n}
-        captured["base"] = {n: p.detach().clone() for n, p in policy.transformer.named_parameters()
-                            if "lora_" not in n}
-        return policy
-
-    monkeypatch.setattr(common, "build_training_policy", build_and_capture)
+    captured = capture_training_policy(monkeypatch)
     metrics = train(nft_config(tmp_path, "train.beta=0.1", path=path))
     assert math.isfinite(metrics["loss/total"]) and metrics["loss/kl"] >= 0
     assert 0 < metrics["nft/optimality_abs_dev"] <= 0.5
-    after = dict(captured["policy"].transformer.named_parameters())
-    assert any(not torch.equal(captured["lora"][n], after[n]) for n in captured["lora"])
-    assert all(torch.equal(captured["base"][n], after[n]) for n in captured["base"])
+    (lora_before, base_before), after = captured["before"], dict(captured["policy"].transformer.named_parameters())
+    assert any(not torch.equal(lora_before[n], after[n]) for n in lora_before)
+    assert all(torch.equal(base_before[n], after[n]) for n in base_before)
     assert [r["epoch"] for r in read_metrics(tmp_path)] == [0, 1]
     for name in ("config.yaml", "lora/pytorch_lora_weights.safetensors", "grids/epoch_00001.png", "report.md"):
         assert (tmp_path / name).is_file(), name

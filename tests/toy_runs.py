@@ -9,6 +9,7 @@ from flowrl.commands.train import recipe_train
 from flowrl.config import Config, load_config
 from flowrl.sampling import rollout
 from flowrl.toy.prompts import train_prompts
+from tests.policy_capture import capture_training_policy
 
 
 def train_on_prompts(config: str, prompts, tmp_path, monkeypatch, epochs: int, overrides=()):
@@ -16,17 +17,12 @@ def train_on_prompts(config: str, prompts, tmp_path, monkeypatch, epochs: int, o
 
     The policy keeps its live (last) weights: sampling it shows what training did, EMA or not.
     """
-    import flowrl.recipes.common as common
-
     meta = dict(train_prompts(0))
     missing = [p for p in prompts if p not in meta]
     assert not missing, f"not training prompts of the toy split: {missing}"
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text("".join(json.dumps({"prompt": p, "metadata": meta[p]}) + "\n" for p in prompts))
-    captured = {}
-    real_build = common.build_training_policy
-    monkeypatch.setattr(common, "build_training_policy",
-                        lambda cfg, device: captured.setdefault("policy", real_build(cfg, device)))
+    captured = capture_training_policy(monkeypatch)
     cfg = load_config(Config, config, [
         f"run_dir={tmp_path / 'run'}", f"train.epochs={epochs}", f"data.prompts={prompts_file}",
         f"data.test_prompts={prompts_file}", f"sampling.prompts_per_batch={len(prompts)}", "log.progress=false",

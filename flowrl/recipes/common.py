@@ -293,10 +293,35 @@ def log_base_model(run: Run) -> None:
                         **{f"perf/{k}": v for k, v in run.counters.items()}}, step=-1)
 
 
-def end_epoch(run: Run, epoch: int, metrics: dict, *, rollouts: int, epoch_start: float, train_done: float) -> None:
-    """Count, score the held-out prompts, render the eval grid, log, checkpoint (in that order)."""
+def optimizer_step(run: Run, stats: StatsAccumulator) -> None:
+    """Clip the accumulated gradients (``train.max_grad_norm``, 0: no clipping), step, clear them;
+    the pre-clip norm goes into ``stats``."""
+    max_norm = run.cfg.train.max_grad_norm
+    grad_norm = run.accelerator.clip_grad_norm_(run.params, max_norm) if max_norm > 0 else None
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    if grad_norm is not None:
+        stats.add_scalar("optim/grad_norm", float(grad_norm))
+
+
+def end_epoch(run: Run, epoch: int, *, gathered: dict[str, torch.Tensor], combined: torch.Tensor,
+              stats: StatsAccumulator, extra: dict[str, float], rollouts: int,
+              times: tuple[float, float, float, float], bar) -> dict[str, float]:
+    """Collect the epoch's metrics (rewards, training stats, the recipe's ``extra``, stage times), count,
+    score the held-out prompts, render the eval grid, log, checkpoint, update the progress bar.
+
+    ``times``: when the epoch started, sampling ended, scoring ended and training ended.
+    """
     cfg, accelerator, t = run.cfg, run.accelerator, run.cfg.train
+    epoch_start, sample_done, reward_done, train_done = times
+    metrics = {"epoch": epoch}
+    metrics.update(reward_metrics(gathered, combined, [r.name for r in run.rewards]))  # NaN counts: main scores
+    metrics.update(stats.reduce(accelerator))
+    metrics.update(extra)
     metrics["optim/lr"] = run.optimizer.param_groups[0]["lr"]
+    metrics["perf/sample_s"] = sample_done - epoch_start
+    metrics["perf/reward_wait_s"] = reward_done - sample_done
+    metrics["perf/train_s"] = train_done - reward_done
     run.counters["rollouts"] += rollouts
     run.counters["train_wall_s"] += train_done - epoch_start
     metrics.update({f"perf/{k}": v for k, v in run.counters.items()})
@@ -309,6 +334,9 @@ def end_epoch(run: Run, epoch: int, metrics: dict, *, rollouts: int, epoch_start
     run.logger.log(metrics, step=epoch)  # before the checkpoint: a resumed run redoes later epochs only
     if epoch + 1 == t.epochs or (t.checkpoint_every and (epoch + 1) % t.checkpoint_every == 0):
         save_run_checkpoint(cfg, run.policy, run.optimizer, run.ema, accelerator, epoch=epoch, counters=run.counters)
+    bar.set_postfix(reward=f"{metrics['reward/combined_mean']:.3f}", loss=f"{metrics.get('loss/total', 0):.4f}",
+                    sample=f"{metrics['perf/sample_s']:.1f}s", train=f"{metrics['perf/train_s']:.1f}s")
+    return metrics
 
 
 def finish_run(run: Run, metrics: dict) -> dict[str, float]:

@@ -31,7 +31,7 @@ from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS, edge_advantages
 from flowrl.algorithms.losses import POLICY_LOSSES, gaussian_mean_kl
 from flowrl.config import Config
 from flowrl.recipes.common import (  # noqa: F401  (re-exported for callers of this module)
-    StatsAccumulator, end_epoch, finish_run, group_advantages, log_base_model, make_accelerator, reward_metrics,
+    StatsAccumulator, end_epoch, finish_run, group_advantages, log_base_model, make_accelerator, optimizer_step,
     sample_and_score, start_run, step_plan,
 )
 from flowrl.rewards_api import AsyncScorer
@@ -42,7 +42,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
     """Run the GRPO loop described by ``cfg``; returns the last epoch's metrics as a flat dict."""
     # 0. Set-up: processes, run directory, model + LoRA, optimizer, EMA, rewards, prompts, resume.
     run = start_run(cfg, accelerator)
-    accelerator, policy, params, optimizer, ema = run.accelerator, run.policy, run.params, run.optimizer, run.ema
+    accelerator, policy, ema = run.accelerator, run.policy, run.ema
     rank, world, guidance = accelerator.process_index, accelerator.num_processes, run.guidance
     s, t = cfg.sampling, cfg.train
     estimator = ADVANTAGE_ESTIMATORS[t.advantage]
@@ -88,26 +88,16 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                                                    clip_high=clip_high, stats=stats,
                                                    on_policy=inner == 0 and chunk_index == 0)
                         accelerator.backward(loss_sum * world / max(weight, 1.0))
-                grad_norm = accelerator.clip_grad_norm_(params, t.max_grad_norm) if t.max_grad_norm > 0 else None
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                optimizer_step(run, stats)
                 if ema is not None:
                     ema.step()
-                if grad_norm is not None:
-                    stats.add_scalar("optim/grad_norm", float(grad_norm))
         train_done = time.perf_counter()
 
         # 7. Log, render eval grids, checkpoint.
-        metrics = {"epoch": epoch}
-        metrics.update(reward_metrics(gathered, combined, [r.name for r in run.rewards]))  # NaN counts: main scores
-        metrics.update(stats.reduce(accelerator))
-        metrics["advantages/abs_mean"] = float(combined_adv.clamp(-t.advantage_clip, t.advantage_clip).abs().mean())
-        metrics["perf/sample_s"] = sample_done - epoch_start
-        metrics["perf/reward_wait_s"] = reward_done - sample_done
-        metrics["perf/train_s"] = train_done - reward_done
-        end_epoch(run, epoch, metrics, rollouts=traj.num_rows * world, epoch_start=epoch_start, train_done=train_done)
-        bar.set_postfix(reward=f"{metrics['reward/combined_mean']:.3f}", loss=f"{metrics.get('loss/total', 0):.4f}",
-                        sample=f"{metrics['perf/sample_s']:.1f}s", train=f"{metrics['perf/train_s']:.1f}s")
+        advantage_size = float(combined_adv.clamp(-t.advantage_clip, t.advantage_clip).abs().mean())
+        metrics = end_epoch(run, epoch, gathered=gathered, combined=combined, stats=stats,
+                            extra={"advantages/abs_mean": advantage_size}, rollouts=traj.num_rows * world,
+                            times=(epoch_start, sample_done, reward_done, train_done), bar=bar)
 
     # 8. Export the final adapter (EMA weights when kept) and report before/after on held-out prompts.
     scorer.close()

@@ -44,7 +44,7 @@ from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from flowrl.algorithms.losses import nft_loss
 from flowrl.config import Config
 from flowrl.recipes.common import (
-    StatsAccumulator, end_epoch, finish_run, group_advantages, log_base_model, reward_metrics, sample_and_score,
+    StatsAccumulator, end_epoch, finish_run, group_advantages, log_base_model, optimizer_step, sample_and_score,
     start_run,
 )
 from flowrl.rewards_api import AsyncScorer
@@ -55,7 +55,7 @@ from flowrl.training.ema import ema_weights
 def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, float]:
     """Run the DiffusionNFT loop described by ``cfg``; returns the last epoch's metrics as a flat dict."""
     run = start_run(cfg, accelerator)
-    accelerator, policy, optimizer, ema = run.accelerator, run.policy, run.optimizer, run.ema
+    accelerator, policy, ema = run.accelerator, run.policy, run.ema
     rank, world = accelerator.process_index, accelerator.num_processes
     s, t = cfg.sampling, cfg.train
     estimator = ADVANTAGE_ESTIMATORS[t.advantage]
@@ -96,26 +96,15 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                             optimality[micro], keep[micro].float(), guidance=run.guidance, strength=cfg.nft.strength,
                             adaptive=cfg.nft.adaptive_weighting, beta=t.beta, noise_seed=noise_seed, stats=stats)
                         accelerator.backward(loss_sum * world / max(weight, 1.0))
-                grad_norm = (accelerator.clip_grad_norm_(run.params, t.max_grad_norm)
-                             if t.max_grad_norm > 0 else None)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                if grad_norm is not None:
-                    stats.add_scalar("optim/grad_norm", float(grad_norm))
+                optimizer_step(run, stats)
         ema.step()  # the old policy follows the trained one, once per epoch
         train_done = time.perf_counter()
 
         # 4. Log, render eval grids, checkpoint.
-        metrics = {"epoch": epoch}
-        metrics.update(reward_metrics(gathered, combined, [r.name for r in run.rewards]))
-        metrics.update(stats.reduce(accelerator))
-        metrics["nft/optimality_abs_dev"] = float((optimality - 0.5).abs().mean())
-        metrics["perf/sample_s"] = sample_done - epoch_start
-        metrics["perf/reward_wait_s"] = reward_done - sample_done
-        metrics["perf/train_s"] = train_done - reward_done
-        end_epoch(run, epoch, metrics, rollouts=traj.num_rows * world, epoch_start=epoch_start, train_done=train_done)
-        bar.set_postfix(reward=f"{metrics['reward/combined_mean']:.3f}", loss=f"{metrics.get('loss/total', 0):.4f}",
-                        sample=f"{metrics['perf/sample_s']:.1f}s", train=f"{metrics['perf/train_s']:.1f}s")
+        metrics = end_epoch(run, epoch, gathered=gathered, combined=combined, stats=stats,
+                            extra={"nft/optimality_abs_dev": float((optimality - 0.5).abs().mean())},
+                            rollouts=traj.num_rows * world, times=(epoch_start, sample_done, reward_done, train_done),
+                            bar=bar)
 
     scorer.close()
     return finish_run(run, metrics)

@@ -1,0 +1,28 @@
+"""Keep the policy a recipe builds, with a copy of its weights as built, so a test can inspect training."""
+
+import torch
+
+
+def lora_and_base(policy) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Copies of the transformer's LoRA and base weights, by parameter name."""
+    lora = {n: p.detach().clone() for n, p in policy.transformer.named_parameters() if "lora_" in n}
+    base = {n: p.detach().clone() for n, p in policy.transformer.named_parameters() if "lora_" not in n}
+    return lora, base
+
+
+def capture_training_policy(monkeypatch) -> dict:
+    """Patch the recipes' policy builder; the returned dict gets ``policy`` (the live object the run
+    trains) and ``before`` (``lora_and_base`` of it as built) from the first policy built."""
+    import flowrl.recipes.common as common
+
+    captured = {}
+    real_build = common.build_training_policy
+
+    def build_and_capture(cfg, device):
+        policy = real_build(cfg, device)
+        if "policy" not in captured:
+            captured.update(policy=policy, before=lora_and_base(policy))
+        return policy
+
+    monkeypatch.setattr(common, "build_training_policy", build_and_capture)
+    return captured
