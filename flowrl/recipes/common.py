@@ -21,7 +21,7 @@ from flowrl.config.schema import RewardSpec
 from flowrl.data import PromptSet, epoch_prompt_indices, load_prompts, train_test_split
 from flowrl.models import build_policy
 from flowrl.models.lora_io import load_lora_into, lora_config_dict, lora_state_dict, save_diffusers_lora
-from flowrl.report import evaluate, render
+from flowrl.report import evaluate, render, write_report
 from flowrl.rewards_api import build_reward, nan_summary
 from flowrl.sampling import StepPlan, concat_trajectories, rollout, root_seeds, window_start
 from flowrl.training.ema import LoraEMA, ema_weights
@@ -341,8 +341,6 @@ def end_epoch(run: Run, epoch: int, *, gathered: dict[str, torch.Tensor], combin
 
 def finish_run(run: Run, metrics: dict) -> dict[str, float]:
     """Export the final adapter (EMA weights when kept) and report before/after on held-out prompts."""
-    from flowrl.report import write_report
-
     cfg, accelerator = run.cfg, run.accelerator
     if cfg.train.export_lora and accelerator.is_main_process:
         export_final_lora(run.policy, run.ema, run.run_dir / "lora")
