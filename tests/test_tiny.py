@@ -128,6 +128,27 @@ def test_clip_tokenizer_and_round_trip(tmp_path):
     assert loaded(PROMPTS, padding="max_length", max_length=77).input_ids == ids
 
 
+def test_clip_tokenizer_cut_to_a_grammar_splits_its_prompts_like_clip(tmp_path):
+    from flowrl.toy.prompts import all_prompts
+
+    texts = [p for p, _ in all_prompts()]
+    full, cut = tiny.tiny_clip_tokenizer(), tiny.clip_tokenizer_for(texts, model_max_length=16)
+    assert len(cut) < 600 and cut.model_max_length == 16
+    for text in texts:  # same pieces; only the ids are renumbered
+        assert cut.convert_ids_to_tokens(cut(text).input_ids) == full.convert_ids_to_tokens(full(text).input_ids)
+    # a hand-checked case: CLIP keeps "purple" and "diamonds" whole
+    assert cut.convert_ids_to_tokens(cut("Purple diamonds").input_ids) == [
+        "<|startoftext|>", "purple</w>", "diamonds</w>", "<|endoftext|>"]
+    # words outside the grammar fall back to byte-level pieces, never to an unknown token
+    pieces = cut.convert_ids_to_tokens(cut("zebra").input_ids)[1:-1]
+    assert "".join(pieces) == "zebra</w>" and len(pieces) > 1
+    cut.save_pretrained(tmp_path / "cut")
+    loaded = AutoTokenizer.from_pretrained(tmp_path / "cut")
+    assert loaded(texts[:5]).input_ids == cut(texts[:5]).input_ids
+    with pytest.raises(ValueError, match="ASCII"):
+        tiny.clip_tokenizer_for(["a red circle, please"])
+
+
 def test_t5_tokenizer_and_round_trip(tmp_path):
     tok = tiny.tiny_t5_tokenizer()
     assert tok.model_max_length == tiny.T5_MODEL_MAX_LENGTH

@@ -107,6 +107,47 @@ def tiny_clip_tokenizer(pad_token: str = "<|endoftext|>") -> CLIPTokenizer:
                          model_max_length=CLIP_MAX_LENGTH)
 
 
+def clip_bpe_merges_of(words, merges: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The merges CLIP's BPE applies to ``words`` (lowercase ASCII), in rank order.
+
+    BPE merges the lowest-ranked adjacent pair until none is left. A merge table cut to the merges
+    this loop applies tokenizes the same words into the same pieces: at every step the applied pair
+    is the lowest-ranked one of the full table, so it is also the lowest of the cut one.
+    """
+    rank = {pair: i for i, pair in enumerate(merges)}
+    used: set[tuple[str, str]] = set()
+    for word in set(words):
+        parts = [*word[:-1], word[-1] + "</w>"]
+        while len(parts) > 1:
+            pairs = [(rank.get((a, b), len(rank)), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
+            best, i = min(pairs)
+            if best == len(rank):
+                break
+            used.add(merges[best])
+            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+    return sorted(used, key=rank.__getitem__)
+
+
+def clip_tokenizer_for(texts, pad_token: str = "<|endoftext|>", model_max_length: int = CLIP_MAX_LENGTH) -> CLIPTokenizer:
+    """CLIP's BPE tokenizer cut to the words of ``texts``: same pieces, a vocabulary of ~500 + merges.
+
+    For models trained from scratch on a closed grammar (the toy world): the full 49408-entry table
+    would put almost all of a tiny text encoder's weights in embedding rows no prompt ever uses.
+    Ids: the 256 byte symbols, the same with ``</w>``, the kept merges in CLIP's rank order, then
+    ``<|startoftext|>`` and ``<|endoftext|>``. Words outside ``texts`` still tokenize, into bytes.
+    """
+    _, merges = _clip_bpe()
+    words = {w for text in texts for w in text.lower().split()}
+    if not all(w.isascii() and w.isalnum() for w in words):
+        raise ValueError("clip_tokenizer_for takes lowercase-able ASCII words without punctuation")
+    kept = clip_bpe_merges_of(words, merges)
+    alphabet = _byte_alphabet()
+    tokens = alphabet + [c + "</w>" for c in alphabet] + ["".join(m) for m in kept]
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    return CLIPTokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=kept, pad_token=pad_token,
+                         model_max_length=model_max_length)
+
+
 def _clip_text_model(cls, hidden: int, projection: int):
     vocab, _ = _clip_bpe()
     config = CLIPTextConfig(
