@@ -94,10 +94,15 @@ def _clip_bpe() -> tuple[dict[str, int], list[tuple[str, str]]]:
     with gzip.open(path, "rt", encoding="utf-8") as fh:
         lines = fh.read().split("\n")
     merges = [tuple(line.split()) for line in lines[1 : 49152 - 256 - 2 + 1]]  # same cut as CLIP
+    return _clip_vocab(merges), merges  # <|startoftext|>, <|endoftext|>: ids 49406, 49407
+
+
+def _clip_vocab(merges) -> dict[str, int]:
+    """CLIP's id layout: 256 byte symbols, the same with ``</w>``, one token per merge, two specials."""
     alphabet = _byte_alphabet()
     tokens = alphabet + [c + "</w>" for c in alphabet] + ["".join(m) for m in merges]
-    tokens += ["<|startoftext|>", "<|endoftext|>"]  # ids 49406, 49407
-    return {tok: i for i, tok in enumerate(tokens)}, merges
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    return {tok: i for i, tok in enumerate(tokens)}
 
 
 def tiny_clip_tokenizer(pad_token: str = "<|endoftext|>") -> CLIPTokenizer:
@@ -128,7 +133,8 @@ def clip_bpe_merges_of(words, merges: list[tuple[str, str]]) -> list[tuple[str, 
     return sorted(used, key=rank.__getitem__)
 
 
-def clip_tokenizer_for(texts, pad_token: str = "<|endoftext|>", model_max_length: int = CLIP_MAX_LENGTH) -> CLIPTokenizer:
+def clip_tokenizer_for(texts, pad_token: str = "<|endoftext|>",
+                       model_max_length: int = CLIP_MAX_LENGTH) -> CLIPTokenizer:
     """CLIP's BPE tokenizer cut to the words of ``texts``: same pieces, a vocabulary of ~500 + merges.
 
     For models trained from scratch on a closed grammar (the toy world): the full 49408-entry table
@@ -141,11 +147,7 @@ def clip_tokenizer_for(texts, pad_token: str = "<|endoftext|>", model_max_length
     if not all(w.isascii() and w.isalnum() for w in words):
         raise ValueError("clip_tokenizer_for takes lowercase-able ASCII words without punctuation")
     kept = clip_bpe_merges_of(words, merges)
-    alphabet = _byte_alphabet()
-    tokens = alphabet + [c + "</w>" for c in alphabet] + ["".join(m) for m in kept]
-    tokens += ["<|startoftext|>", "<|endoftext|>"]
-    return CLIPTokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=kept, pad_token=pad_token,
-                         model_max_length=model_max_length)
+    return CLIPTokenizer(vocab=_clip_vocab(kept), merges=kept, pad_token=pad_token, model_max_length=model_max_length)
 
 
 def _clip_text_model(cls, hidden: int, projection: int):
