@@ -1,7 +1,7 @@
 """A short RL run on the shipped toy model raises ToyEval on its training prompts.
 
 This is the toy world's promise in miniature: the base model is imperfect on shapes, counts and
-pairs, the verifiable reward says exactly where, and about 2.5 minutes of DiffusionNFT
+pairs, the verifiable reward says exactly where, and about 75 seconds of DiffusionNFT
 (configs/toy/nft.yaml) on a CPU raise the partial ToyEval score it trains on. Before and after are
 scored on the same seeds (common random numbers) with ODE sampling, so the comparison is paired.
 
@@ -25,9 +25,10 @@ EVAL_SEEDS = list(range(5000, 5024))
 
 
 def test_toy_nft_raises_toyeval_on_its_training_prompts(tmp_path, monkeypatch):
-    # lr 2e-3 (the config's 1e-3 suits the whole prompt set): four prompts have to move in 20 epochs.
+    # lr 4e-3 (the config's 1e-3 suits the whole prompt set): four prompts have to move in 20 epochs.
+    # 4 optimizer steps per epoch instead of 8 halve the update time and keep the gain (see docstring).
     policy, cfg, metas = train_on_prompts("configs/toy/nft.yaml", PROMPTS, tmp_path, monkeypatch, epochs=EPOCHS,
-                                          overrides=["train.learning_rate=2e-3"])
+                                          overrides=["train.learning_rate=4e-3", "train.inner_epochs=4"])
     prompts = [p for p in PROMPTS for _ in EVAL_SEEDS]
     meta = [m for m in metas for _ in EVAL_SEEDS]
 
