@@ -84,7 +84,7 @@ from diffusers import (  # noqa: E402
 )
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel  # noqa: E402
 
-from flowrl.models.tiny import tiny_clip_tokenizer, tiny_t5_tokenizer  # noqa: E402
+from flowrl.models.tiny import clip_tokenizer_for, tiny_t5_tokenizer  # noqa: E402
 from flowrl.toy import prompts as toy_prompts  # noqa: E402
 from flowrl.toy.world import render_batch  # noqa: E402
 
@@ -95,7 +95,7 @@ MIN_VAE_RECON = 0.9  # ToyEval strict of held-out VAE reconstructions below this
 TEXT_LEN = 16  # longest grammar prompt is 12 CLIP tokens with BOS/EOS
 CLIP_WIDTHS = (16, 32)  # text_encoder (CLIP-L stand-in), text_encoder_2 (CLIP-G stand-in)
 SHIFT = 2.0
-DEFAULT_STEPS, DEFAULT_GUIDANCE, DEFAULT_MAX_SEQ = 10, 4.5, 1
+DEFAULT_STEPS, DEFAULT_GUIDANCE, DEFAULT_MAX_SEQ = 10, 3.0, 1
 
 
 def log(msg: str) -> None:
@@ -104,11 +104,12 @@ def log(msg: str) -> None:
 
 # ------------------------------------------------------------------------------ models
 def make_tokenizers():
-    tok = tiny_clip_tokenizer()
-    tok_2 = tiny_clip_tokenizer(pad_token="!")
-    for t in (tok, tok_2):
-        t.model_max_length = TEXT_LEN
-    return tok, tok_2
+    """CLIP's BPE cut to the grammar's words: the same pieces as the full tokenizer, but ~600 embedding
+    rows instead of 49 408, which would otherwise hold most of the text encoders' weights (and of
+    AdamW's time: their gradients are dense)."""
+    texts = [p for p, _ in toy_prompts.all_prompts()]
+    return (clip_tokenizer_for(texts, model_max_length=TEXT_LEN),
+            clip_tokenizer_for(texts, pad_token="!", model_max_length=TEXT_LEN))
 
 
 def make_text_encoder(width: int, vocab: dict[str, int]) -> CLIPTextModelWithProjection:
@@ -135,16 +136,19 @@ def make_vae(channels: tuple[int, ...] = VAE_CHANNELS) -> AutoencoderKL:
     )
 
 
-def make_transformer() -> SD3Transformer2DModel:
+ARCH = {"patch": 2, "heads": 3, "layers": 4}  # transformer shape: width = 32 x heads = 96
+
+
+def make_transformer(patch: int, heads: int, layers: int) -> SD3Transformer2DModel:
     width = sum(CLIP_WIDTHS)
     return SD3Transformer2DModel(
         sample_size=RESOLUTION // 2,  # default height = 16 * vae_scale_factor(2) = 32 px
-        # 4x4 patches of the 16x16 latent: 16 image tokens of 64 values, each 8x8 pixels. Tokens must
-        # not be wider than the model (96): the velocity carries the noise of every latent value, and
-        # 8x8x4 = 256-value tokens of a 1-level VAE squeezed through width 96 leave visible noise.
-        patch_size=4,
+        # patch 2: 64 image tokens of 2x2x4 = 16 values, each 4x4 pixels, so a 6-10 px shape spans
+        # several tokens. Tokens must stay narrower than the model: the velocity carries the noise of
+        # every latent value, and 256-value tokens squeezed through width 96 left visible noise.
+        patch_size=patch,
         in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS,
-        num_layers=4, attention_head_dim=32, num_attention_heads=3, caption_projection_dim=96,
+        num_layers=layers, attention_head_dim=32, num_attention_heads=heads, caption_projection_dim=32 * heads,
         joint_attention_dim=width, pooled_projection_dim=width, pos_embed_max_size=16,
         qk_norm="rms_norm",
     )
@@ -274,10 +278,10 @@ def vae_check(vae: AutoencoderKL, seed: int, n: int = 256) -> dict:
 class Trainable(torch.nn.Module):
     """The transformer and both CLIP text encoders, trained jointly (random init from the torch seed)."""
 
-    def __init__(self):
+    def __init__(self, patch: int, heads: int, layers: int):
         super().__init__()
         vocab = make_tokenizers()[0].get_vocab()
-        self.transformer = make_transformer()
+        self.transformer = make_transformer(patch, heads, layers)
         self.te1, self.te2 = (make_text_encoder(width, vocab) for width in CLIP_WIDTHS)
 
 
@@ -313,7 +317,7 @@ def stage_flow(work: Path, out: Path, data: dict, vae: AutoencoderKL, args) -> T
     empty1, empty2 = tokenize([""])
 
     torch.manual_seed(args.seed + 3)
-    model = Trainable()
+    model = Trainable(**arch_of(args))
     ema = copy.deepcopy(model).requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
     start = 0
@@ -339,7 +343,7 @@ def stage_flow(work: Path, out: Path, data: dict, vae: AutoencoderKL, args) -> T
         drop = torch.rand(args.batch, generator=gen) < args.cfg_drop
         ids1 = torch.where(drop[:, None], empty1, ids1_all[idx])
         ids2 = torch.where(drop[:, None], empty2, ids2_all[idx])
-        pad = 1 if torch.rand((), generator=gen) < 0.5 else int(2 ** torch.randint(7, (), generator=gen))
+        pad = 1 if torch.rand((), generator=gen) >= args.pad_random else int(2 ** torch.randint(7, (), generator=gen))
         # logit-normal(0, 1) t (SD3), 10% uniform so the ends of the schedule are trained too
         t = torch.sigmoid(torch.randn(args.batch, generator=gen))
         t = torch.where(torch.rand(args.batch, generator=gen) < 0.1, torch.rand(args.batch, generator=gen), t)
@@ -365,7 +369,7 @@ def stage_flow(work: Path, out: Path, data: dict, vae: AutoencoderKL, args) -> T
             run_loss = []
         if (step + 1) % args.ckpt_every == 0 or step + 1 == args.steps:
             torch.save({"model": model.state_dict(), "ema": ema.state_dict(), "opt": opt.state_dict(),
-                        "step": step + 1}, work / "ckpt.tmp")
+                        "step": step + 1, "arch": arch_of(args)}, work / "ckpt.tmp")
             os.replace(work / "ckpt.tmp", ckpt_path)
             export(ema, vae, out)
             log(f"flow: checkpoint + EMA pipeline exported at step {step + 1} -> {out}")
@@ -374,7 +378,7 @@ def stage_flow(work: Path, out: Path, data: dict, vae: AutoencoderKL, args) -> T
 
 # -------------------------------------------------------------------------------- eval
 @torch.no_grad()
-def evaluate(pipe: StableDiffusion3Pipeline, n: int = 128, seed: int = 0, steps: int = DEFAULT_STEPS,
+def evaluate(pipe: StableDiffusion3Pipeline, n: int = 512, seed: int = 0, steps: int = DEFAULT_STEPS,
              guidance: float = DEFAULT_GUIDANCE, max_seq: int = DEFAULT_MAX_SEQ, batch: int = 64) -> dict:
     """ToyEval strict / partial on n task-stratified held-out and n train prompts (seeded)."""
     from rewards.toyeval import ToyEval
@@ -413,13 +417,25 @@ def load_pipeline(path: str | Path) -> StableDiffusion3Pipeline:
 
 
 # -------------------------------------------------------------------------------- main
+def arch_of(args) -> dict[str, int]:
+    return {"patch": args.patch, "heads": args.heads, "layers": args.layers}
+
+
+def reuse_vae(work: Path, pipeline_dir: str) -> None:
+    """Seed the VAE stage with the VAE of a trained pipeline (skips ~20 min when only the flow changes)."""
+    if not (work / "vae.pt").exists():
+        vae = AutoencoderKL.from_pretrained(pipeline_dir, subfolder="vae")
+        torch.save(vae.state_dict(), work / "vae.pt")
+        log(f"vae: reusing {pipeline_dir}/vae")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="assets/toy")
     ap.add_argument("--work-dir", default="runs/toy_model")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--n-images", type=int, default=20000)
+    ap.add_argument("--n-images", type=int, default=40000)
     ap.add_argument("--vae-channels", type=lambda s: tuple(int(c) for c in s.split(",")), default=VAE_CHANNELS,
                     help="AutoencoderKL block_out_channels, comma separated; 2 levels -> 16x16x4 latents")
     ap.add_argument("--vae-steps", type=int, default=4000)
@@ -428,13 +444,20 @@ def main() -> None:
     ap.add_argument("--min-vae-recon", type=float, default=MIN_VAE_RECON,
                     help="stop unless held-out VAE reconstructions score at least this ToyEval strict (0: warn only)")
     ap.add_argument("--stop-after-vae", action="store_true", help="run the data and VAE stages only")
-    ap.add_argument("--steps", type=int, default=14000)
+    ap.add_argument("--vae-from", help="pipeline directory whose VAE to reuse instead of training one")
+    ap.add_argument("--patch", type=int, default=ARCH["patch"], help="transformer patch size on the 16x16 latent")
+    ap.add_argument("--heads", type=int, default=ARCH["heads"], help="attention heads of 32 channels (width/32)")
+    ap.add_argument("--layers", type=int, default=ARCH["layers"], help="joint transformer blocks")
+    ap.add_argument("--pad-random", type=float, default=0.1,
+                    help="fraction of steps whose zero T5 padding is 1..64 tokens instead of 1")
+    ap.add_argument("--steps", type=int, default=12000)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--ema", type=float, default=0.999)
     ap.add_argument("--cfg-drop", type=float, default=0.1)
     ap.add_argument("--ckpt-every", type=int, default=2000)
-    ap.add_argument("--eval-n", type=int, default=128)
+    ap.add_argument("--eval-n", type=int, default=512, help="prompts per split (a quarter per task)")
+    ap.add_argument("--guidance", type=float, default=DEFAULT_GUIDANCE, help="CFG scale of the evaluation")
     ap.add_argument("--export-only", action="store_true", help="export the latest checkpoint's EMA and stop")
     ap.add_argument("--eval-only", action="store_true", help="evaluate the pipeline in --out and stop")
     args = ap.parse_args()
@@ -444,10 +467,12 @@ def main() -> None:
     t_start = time.time()
 
     if args.eval_only:
-        log(json.dumps(evaluate(load_pipeline(out), n=args.eval_n, seed=args.seed)))
+        log(json.dumps(evaluate(load_pipeline(out), n=args.eval_n, seed=args.seed, guidance=args.guidance)))
         return
 
     data = stage_data(work, args.n_images, args.seed)
+    if args.vae_from:
+        reuse_vae(work, args.vae_from)
     vae = stage_vae(work, data, args.vae_channels, args.vae_steps, args.vae_batch, args.vae_lr, args.seed)
     t_vae = time.time()
     if "latents" not in data:
@@ -473,7 +498,7 @@ def main() -> None:
         return
     if args.export_only:
         ck = torch.load(work / "ckpt.pt")
-        ema = Trainable()
+        ema = Trainable(**ck.get("arch", arch_of(args)))
         ema.load_state_dict(ck["ema"])
         export(ema, vae, out)
         log(f"exported EMA of step {ck['step']} to {out}")
@@ -481,7 +506,7 @@ def main() -> None:
     stage_flow(work, out, data, vae, args)
     t_flow = time.time()
     pipe = load_pipeline(out)
-    res = evaluate(pipe, n=args.eval_n, seed=args.seed)
+    res = evaluate(pipe, n=args.eval_n, seed=args.seed, guidance=args.guidance)
     t_eval = time.time()
     res["seconds"] = {"data+vae": round(t_vae - t_start), "flow": round(t_flow - t_vae),
                       "eval": round(t_eval - t_flow), "total": round(t_eval - t_start)}

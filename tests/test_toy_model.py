@@ -24,7 +24,7 @@ from rewards.toyeval import ToyEval
 
 TOY = Path(__file__).resolve().parents[1] / "assets" / "toy"
 # Documented sampling defaults of the toy model (assets/toy/README.md).
-STEPS, GUIDANCE, MAX_SEQ, RESOLUTION = 10, 4.5, 1, 32
+STEPS, GUIDANCE, MAX_SEQ, RESOLUTION = 10, 3.0, 1, 32
 
 
 @pytest.fixture(scope="module")
