@@ -14,8 +14,8 @@ model scores 0.31 strict on held-out prompts (see below).
 
 Stages (each cached under ``--work-dir``, so a rerun resumes where it stopped):
   1. data:  render ``--n-images`` scenes (task-balanced over the train split, seeded) -> data.pt
-            (``--vae-from DIR`` reuses a trained pipeline's VAE when only the flow changes)
-  2. vae:   train a small AutoencoderKL (32x32x3 -> 16x16x4, channels (32, 32), 0.8 MB;
+  2. vae:   (``--vae-from DIR`` reuses a trained pipeline's VAE when only the flow changes)
+            train a small AutoencoderKL (32x32x3 -> 16x16x4, channels (32, 32), 0.8 MB;
             MSE + L1 + 1e-5 KL) -> vae.pt, then freeze it and set scaling_factor = 1/std,
             shift_factor = mean of the latents (SD3). The VAE must reconstruct held-out renders to
             ToyEval strict >= 0.9 (``--min-vae-recon``), else the script stops: a VAE that rounds

@@ -45,7 +45,8 @@ def test_toy_nft_raises_toyeval_on_its_training_prompts(tmp_path, monkeypatch):
           f"(fixed {fixed}, broken {broken}), partial {partial_before:.3f} -> {partial_after:.3f}")
     assert torch.isfinite(after["toyeval/partial"]).all()
     assert partial_after > partial_before + MARGIN, (partial_before, partial_after)
-    assert strict_after.mean() > strict_before.mean() + MARGIN and fixed > broken, (fixed, broken)
+    assert strict_after.mean() > strict_before.mean() + MARGIN and fixed > broken, (
+        strict_before.mean(), strict_after.mean(), fixed, broken)
 
 
 EPOCHS = 20
