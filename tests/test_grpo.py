@@ -89,7 +89,8 @@ def test_recipe_loss_matches_a_hand_computation(beta):
     x, x_next = traj.latents[:, k], traj.latents[:, k + 1]
     s, s_next = float(traj.sigmas[k]), float(traj.sigmas[k + 1])
     dt = s_next - s
-    std = a * math.sqrt(s / (1 - s)) * math.sqrt(-dt)
+    std_t = a * math.sqrt(s / (1 - s))  # Flow-GRPO's std_dev_t; the transition std adds sqrt(-dt)
+    std = std_t * math.sqrt(-dt)
 
     def velocity(model_cond):
         t = torch.full((1,), s * 1000)
@@ -115,7 +116,7 @@ def test_recipe_loss_matches_a_hand_computation(beta):
         unclipped, clipped = -adv * ratio, -adv * ratio.clamp(1 - clip, 1 + clip)
         clipped_seen |= bool(clipped > unclipped)
         unclipped_seen |= bool(unclipped >= clipped)
-        kl = ((mean - mean_ref) ** 2).mean() / (2 * std**2)
+        kl = ((mean - mean_ref) ** 2).mean() / (2 * std_t**2)  # Flow-GRPO's KL: std_t, not the transition std
         expected += float(torch.maximum(unclipped, clipped) + beta * kl)
     assert clipped_seen and unclipped_seen, "the fixture must exercise both PPO branches"
     assert loss_sum.item() == pytest.approx(expected, rel=1e-4, abs=1e-6)

@@ -5,8 +5,12 @@
 ``max(-A * rho, -A * clip(rho, 1 - clip_low, 1 + clip_high))`` with ``rho = exp(logp - logp_old)``.
 ``nft_loss`` is DiffusionNFT's forward-process loss (see its docstring); it needs no log-probs.
 
-The KL regulariser between two Gaussian steps of equal std is ``||mu - mu_ref||^2 / (2 std^2)``,
-averaged over the non-batch dimensions like the log-probs.
+The KL regulariser is Flow-GRPO's: per step ``||mu - mu_ref||^2 / (2 s^2)``, averaged over the
+non-batch dimensions like the log-probs, with ``s`` from :func:`flowrl.sampling.steps.kl_std`. For
+SDE steps ``s = std_t = a * sqrt(sigma / (1 - sigma))`` WITHOUT the transition's ``sqrt(-dt)``, so
+the value is ``|dt|`` times the exact KL between the two Gaussian transitions; that is the scale
+Flow-GRPO's published ``beta`` values (0.04 OCR/GenEval, 0.01 PickScore) were tuned on. For CPS
+steps ``s`` is the step std, as in Flow-GRPO's CPS variant.
 """
 
 from __future__ import annotations
@@ -35,7 +39,12 @@ POLICY_LOSSES: dict[str, Callable] = {"grpo-clip": grpo_clip_loss}
 
 
 def gaussian_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """KL between N(mean, std^2) and N(ref_mean, std^2), averaged over non-batch dims -> [B]."""
+    """``||mean - ref_mean||^2 / (2 std^2)``, averaged over non-batch dims -> [B].
+
+    With ``std`` the transition std this is the KL between N(mean, std^2) and N(ref_mean, std^2).
+    The GRPO recipe passes :func:`flowrl.sampling.steps.kl_std` instead (``std_t`` without
+    ``sqrt(-dt)`` for SDE steps), which makes it Flow-GRPO's KL so its ``beta`` values carry over.
+    """
     dims = tuple(range(1, mean.ndim))
     return ((mean - ref_mean) ** 2).mean(dim=dims) / (2 * std.reshape(-1) ** 2)
 

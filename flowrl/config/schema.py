@@ -184,7 +184,9 @@ class TrainConfig:
     combine: str = "weighted"
     """How several rewards become one advantage (registry name)."""
     beta: float = 0.04
-    """KL coefficient to the reference model (adapter off); 0 disables the reference pass."""
+    """KL coefficient to the reference model (adapter off), Flow-GRPO's beta: GRPO's KL per step is
+    ||mu - mu_ref||^2 / (2 std_t^2) with std_t = a sqrt(sigma / (1 - sigma)), without sqrt(-dt) (CPS: the
+    step std); NFT adds beta ||v - v_ref||^2 instead. 0 disables the reference pass."""
     cfg: bool = True
     """Classifier-free guidance in sampling and training (SD3); off trains the conditional model alone."""
     skip_last_step: bool = True

@@ -6,7 +6,11 @@ Choices, all set in the config (``flowrl/config/schema.py``):
 - advantages: per-prompt group mean, batch (global) or per-group std, clipped to +-advantage_clip;
   tree edges get the mean advantage of the leaves below them and are trained once;
 - loss: PPO-clipped ratio with separate lower/upper ranges, plus beta * KL to the reference
-  (the same transformer with the LoRA switched off), CFG inside the trained velocity;
+  (the same transformer with the LoRA switched off), CFG inside the trained velocity. The KL is
+  Flow-GRPO's, so its published beta carries over: per step ``||mu - mu_ref||^2 / (2 std_t^2)``
+  (mean over non-batch dims) with ``std_t = a * sqrt(sigma / (1 - sigma))`` for SDE steps, i.e.
+  WITHOUT the ``sqrt(-dt)`` of the transition std (``|dt|`` times the exact Gaussian KL), and the
+  step std ``sigma_next * sin(a * pi / 2)`` for CPS steps (``flowrl.sampling.steps.kl_std``);
 - optimisation: several inner passes over shuffled transitions, gradient accumulation over
   micro-batches and steps, clipping, AdamW, EMA of the LoRA weights for eval and export.
 
@@ -36,6 +40,7 @@ from flowrl.recipes.common import (  # noqa: F401  (re-exported for callers of t
 )
 from flowrl.rewards_api import AsyncScorer
 from flowrl.sampling import sde_step, transition
+from flowrl.sampling.steps import kl_std
 
 
 def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, float]:
@@ -138,7 +143,9 @@ def transition_loss(policy, traj, rows, k, mask, *, accelerator, guidance, noise
         with torch.no_grad(), policy.reference(), accelerator.autocast():
             ref_velocity = policy.velocity(x, sigma, cond, guidance)
         ref_mean, _ = transition(ref_velocity, x, sigma, sigma_next, noise_level=noise_level, kind=kind)
-        kl = gaussian_mean_kl(step.mean, ref_mean, step.std)
+        # Flow-GRPO's scale, not step.std: for SDE steps it leaves out sqrt(-dt) (see kl_std).
+        kl = gaussian_mean_kl(step.mean, ref_mean,
+                              kl_std(x, sigma, sigma_next, noise_level=noise_level, kind=kind))
     total = loss + beta * kl
     stats.add("loss/policy", loss, weights)
     stats.add("loss/kl", kl, weights)

@@ -27,6 +27,9 @@ value, so recomputing the log-prob from a stored sample reproduces the recorded 
 
 :class:`ScheduleSteps` is :func:`sde_step` for a rollout that knows its whole sigma schedule: the
 sigma-only arithmetic is done once for every step, with bit-identical results.
+
+:func:`kl_std` is the std Flow-GRPO's KL regulariser divides by: ``std_t`` without ``sqrt(-dt)``
+for ``"sde"``, the step std for ``"cps"`` (see its docstring).
 """
 
 from __future__ import annotations
@@ -77,6 +80,20 @@ def _mean_log_density(sample, mean, deterministic, neg_two_var, log_std) -> torc
     return log_density.mean(dim=tuple(range(1, sample.ndim)))
 
 
+def _sde_std_t(s: torch.Tensor, s_next: torch.Tensor, noise_level: float) -> torch.Tensor:
+    """Flow-GRPO's ``std_t = a * sqrt(sigma / (1 - sigma))``, the SDE's diffusion coefficient before ``sqrt(-dt)``.
+
+    At sigma = 1 the ratio blows up; like Flow-GRPO the denominator is evaluated at ``sigma_next``.
+    """
+    denominator_sigma = torch.where(s == 1, s_next, s)  # Flow-GRPO's guard at sigma = 1
+    return noise_level * torch.sqrt(s / (1 - denominator_sigma))
+
+
+def _cps_std(s_next: torch.Tensor, noise_level: float) -> torch.Tensor:
+    """The CPS step's std ``sigma_next * sin(a * pi / 2)`` (no ``dt`` in it: CPS is not an SDE discretisation)."""
+    return s_next * math.sin(noise_level * math.pi / 2)
+
+
 def _coefficients(s: torch.Tensor, s_next: torch.Tensor, noise_level: float, kind: StepKind):
     """The sigma-only part of a step: (coefficients of the mean, std), elementwise in ``s``/``s_next``.
 
@@ -89,11 +106,10 @@ def _coefficients(s: torch.Tensor, s_next: torch.Tensor, noise_level: float, kin
     if kind == "ode":
         return (dt,), torch.zeros_like(s)
     if kind == "sde":
-        denominator_sigma = torch.where(s == 1, s_next, s)  # Flow-GRPO's guard at sigma = 1
-        std_t = noise_level * torch.sqrt(s / (1 - denominator_sigma))
+        std_t = _sde_std_t(s, s_next, noise_level)
         return (dt, std_t**2 / (2 * s), 1 - s), std_t * torch.sqrt(-dt)
     # cps
-    std = s_next * math.sin(noise_level * math.pi / 2)
+    std = _cps_std(s_next, noise_level)
     return (s, 1 - s, 1 - s_next, torch.sqrt(torch.clamp(s_next**2 - std**2, min=0))), std
 
 
@@ -118,6 +134,36 @@ def transition(velocity, sample, sigma, sigma_next, *, noise_level: float, kind:
     s_next = _as_batch_column(sigma_next, x, dtype)
     coefficients, std = _coefficients(s, s_next, noise_level, kind)
     return _mean(x, v, coefficients, kind), std
+
+
+def kl_std(sample, sigma, sigma_next, *, noise_level: float, kind: StepKind) -> torch.Tensor:
+    """The std [B, 1, ...] that Flow-GRPO's KL regulariser divides by, in compute precision.
+
+    Flow-GRPO's KL per step is ``||mu_theta - mu_ref||^2 / (2 s^2)`` (mean over non-batch dims) with
+    ``s`` the ``std_dev_t`` its step function returns, and its published ``beta`` values are tuned
+    against that scale. That ``s`` is not always the std of the transition:
+
+    - ``"sde"``: ``s = std_t = a * sqrt(sigma / (1 - sigma))`` (guard at sigma = 1 as in the step),
+      WITHOUT the ``sqrt(-dt)`` of the transition std ``std_t * sqrt(-dt)``. Flow-GRPO's KL is
+      therefore ``|dt|`` times the exact KL between the two transitions; we follow Flow-GRPO so
+      its ``beta`` carries over.
+    - ``"cps"``: Flow-GRPO's CPS variant returns its step std ``sigma_next * sin(a * pi / 2)`` and
+      divides by it, so here ``s`` is the transition std itself and the KL is the true Gaussian KL.
+    - ``"ode"``: zero, like the step's std (a deterministic step has no KL; it is never trained).
+
+    ``sample`` [B, ...] fixes the batch shape, device and dtype; ``sigma``/``sigma_next`` are floats
+    or [B] tensors. The step's own std (:class:`StepOutput` ``std``) is unchanged by this.
+    """
+    if kind not in STEP_KINDS:
+        raise ValueError(f"unknown step kind {kind!r}; choose one of {STEP_KINDS}")
+    dtype = torch.promote_types(sample.dtype, torch.float32)
+    s = _as_batch_column(sigma, sample, dtype)
+    s_next = _as_batch_column(sigma_next, sample, dtype)
+    if kind == "sde":
+        return _sde_std_t(s, s_next, noise_level)
+    if kind == "cps":
+        return _cps_std(s_next, noise_level)
+    return torch.zeros_like(s)
 
 
 def sde_step(
