@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Hashable, Sequence
 
 import numpy as np
 
@@ -73,14 +74,47 @@ def train_test_split(prompts: PromptSet, test_fraction: float, seed: int) -> tup
 
 
 def epoch_prompt_indices(num_prompts: int, per_batch: int, *, seed: int, epoch: int, rank: int = 0,
-                         world_size: int = 1) -> list[int]:
+                         world_size: int = 1, strata: Sequence[Hashable] | None = None) -> list[int]:
     """Indices of this process's ``per_batch`` prompts at ``epoch``.
 
     The global batch is ``per_batch * world_size`` prompts drawn from a per-epoch permutation
     (cycled if the set is smaller); process ``rank`` takes the ``rank``-th contiguous slice.
+    With ``strata`` (one label per prompt, e.g. its task) the global batch is stratified instead,
+    see `stratified_order`.
     """
     global_batch = per_batch * world_size
-    rng = np.random.default_rng([seed, epoch, 0xDA7A])
-    repeats = -(-global_batch // num_prompts)
-    order = np.concatenate([rng.permutation(num_prompts) for _ in range(repeats)])[:global_batch]
+    if strata is not None:
+        if len(strata) != num_prompts:
+            raise ValueError(f"strata has {len(strata)} labels for {num_prompts} prompts")
+        order = stratified_order(strata, global_batch, seed=seed, epoch=epoch)
+    else:
+        rng = np.random.default_rng([seed, epoch, 0xDA7A])
+        order = _cycled_permutation(rng, np.arange(num_prompts), global_batch)
     return order[rank * per_batch:(rank + 1) * per_batch].tolist()
+
+
+def stratified_order(strata: Sequence[Hashable], size: int, *, seed: int, epoch: int) -> np.ndarray:
+    """``size`` prompt indices in which every stratum (distinct label) has an equal share.
+
+    Shares differ by at most one: the strata that get the remainder come first in a per-epoch random
+    order of the strata. Each stratum's prompts come from its own per-epoch permutation, cycled if the
+    share is larger. The order deals the strata round-robin, so any contiguous slice (a rank's shard)
+    is itself as balanced as its length allows. A pure function of (seed, epoch).
+    """
+    labels = sorted(set(strata), key=repr)
+    members = {label: [] for label in labels}
+    for index, label in enumerate(strata):
+        members[label].append(index)
+    rng = np.random.default_rng([seed, epoch, 0x57A7])
+    turn = rng.permutation(len(labels))  # dealing order; its first `size % len` strata get one more
+    drawn = [_cycled_permutation(rng, np.asarray(members[labels[j]]), -(-(size - k) // len(labels)))
+             for k, j in enumerate(turn)]
+    return np.array([drawn[k % len(labels)][k // len(labels)] for k in range(size)], dtype=np.int64)
+
+
+def _cycled_permutation(rng: np.random.Generator, items: np.ndarray, size: int) -> np.ndarray:
+    """``size`` items from fresh permutations of ``items``, concatenated: no repeats until exhausted."""
+    if size <= 0:
+        return items[:0]
+    repeats = -(-size // len(items))
+    return np.concatenate([items[rng.permutation(len(items))] for _ in range(repeats)])[:size]

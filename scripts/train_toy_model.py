@@ -4,7 +4,8 @@ What: a real ``StableDiffusion3Pipeline`` (MMDiT ``SD3Transformer2DModel``, ``Au
 two CLIP text encoders, the offline CLIP BPE tokenizer, ``FlowMatchEulerDiscreteScheduler``;
 the T5 slot holds a 1-layer stand-in whose output is exactly zero, see ``make_null_t5``) trained
 from scratch with rectified flow matching on 32 px renders of the toy world (``flowrl.toy.world``)
-for prompts of the TRAIN split of ``flowrl.toy.prompts.split(0)``.
+for prompts of the TRAIN split of ``flowrl.toy.prompts.split(0, **PRETRAIN_SPLIT)`` (2 held-out
+combos; the RL split of assets/prompts/toy holds out those and 4 more).
 
 Why: the RL loop needs a *pretrained* base model that is cheap (a 64-image CFG rollout in ~1.5 s
 on 2 CPU cores) and imperfect in a measurable way: the aim is a model that draws single objects
@@ -210,7 +211,7 @@ def stage_data(work: Path, n_images: int, seed: int) -> dict:
         return torch.load(path)
     t0 = time.time()
     rng = np.random.default_rng(seed)
-    items = task_balanced_specs(toy_prompts.train_prompts(0), n_images, rng)
+    items = task_balanced_specs(toy_prompts.train_prompts(0, **toy_prompts.PRETRAIN_SPLIT), n_images, rng)
     images = []
     for i in range(0, n_images, 1000):
         imgs, _ = render_batch([s for _, s in items[i:i + 1000]], rng, size=RESOLUTION)
@@ -274,7 +275,7 @@ def vae_check(vae: AutoencoderKL, seed: int, n: int = 256) -> dict:
     from rewards.toyeval import ToyEval
 
     rng = np.random.default_rng(seed + 7)
-    items = task_balanced_specs(toy_prompts.heldout_prompts(0), n, rng)
+    items = task_balanced_specs(toy_prompts.heldout_prompts(0, **toy_prompts.PRETRAIN_SPLIT), n, rng)
     imgs, _ = render_batch([s for _, s in items], rng, size=RESOLUTION)
     rec = (vae.decode(vae.encode(imgs * 2 - 1).latent_dist.mean).sample / 2 + 0.5).clamp(0, 1)
     ev = ToyEval()
@@ -394,7 +395,8 @@ def evaluate(pipe: StableDiffusion3Pipeline, n: int = 512, seed: int = 0, steps:
 
     ev = ToyEval()
     result = {}
-    for name, items in (("heldout", toy_prompts.heldout_prompts(0)), ("train", toy_prompts.train_prompts(0))):
+    split = toy_prompts.split(0, **toy_prompts.PRETRAIN_SPLIT)  # the split the shipped model was trained on
+    for name, items in (("heldout", split[1]), ("train", split[0])):
         by_task: dict[str, list] = {}
         for it in items:
             by_task.setdefault(it[1]["task"], []).append(it)

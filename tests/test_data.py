@@ -1,6 +1,7 @@
 """Prompt files, deterministic splits, and per-epoch shuffling sharded across processes."""
 
 import json
+from collections import Counter
 
 import pytest
 
@@ -54,3 +55,57 @@ def test_epoch_shards_partition_the_single_process_batch():
     assert epoch_prompt_indices(10, 6, seed=0, epoch=8) != single  # reshuffled each epoch
     # A batch larger than the set cycles through fresh permutations: every prompt appears.
     assert set(epoch_prompt_indices(4, 8, seed=1, epoch=0)) == {0, 1, 2, 3}
+
+
+TASKS4 = ["position"] * 40 + ["two_object"] * 12 + ["counting"] * 6 + ["single_object"] * 2  # toy-like skew
+
+
+def _counts(index, strata):
+    return Counter(strata[i] for i in index)
+
+
+def test_stratified_batches_give_every_stratum_an_equal_share():
+    for epoch in range(20):
+        assert set(_counts(epoch_prompt_indices(60, 8, seed=0, epoch=epoch, strata=TASKS4), TASKS4).values()) == {2}
+        six = _counts(epoch_prompt_indices(60, 6, seed=0, epoch=epoch, strata=TASKS4), TASKS4)
+        assert len(six) == 4 and max(six.values()) - min(six.values()) <= 1 and sum(six.values()) == 6
+    # Which strata get the remainder is drawn per epoch, so over epochs every stratum gets it.
+    extra = Counter(t for e in range(20) for t, n in
+                    _counts(epoch_prompt_indices(60, 6, seed=0, epoch=e, strata=TASKS4), TASKS4).items() if n == 2)
+    assert set(extra) == set(TASKS4)
+
+
+def test_stratified_batches_cycle_rare_strata_without_repeats():
+    # The 2 single_object prompts fill a share of 4: both appear, each exactly twice (no repeat before exhausting).
+    index = epoch_prompt_indices(60, 16, seed=1, epoch=0, strata=TASKS4)
+    assert Counter(i for i in index if TASKS4[i] == "single_object") == {58: 2, 59: 2}
+    counting = [i for i in index if TASKS4[i] == "counting"]
+    assert len(counting) == 4 == len(set(counting))
+
+
+def test_stratified_batches_are_deterministic_and_sharded():
+    first = epoch_prompt_indices(60, 8, seed=0, epoch=3, strata=TASKS4)
+    assert epoch_prompt_indices(60, 8, seed=0, epoch=3, strata=TASKS4) == first
+    assert epoch_prompt_indices(60, 8, seed=0, epoch=4, strata=TASKS4) != first
+    assert epoch_prompt_indices(60, 8, seed=1, epoch=3, strata=TASKS4) != first
+    shards = [epoch_prompt_indices(60, 4, seed=0, epoch=3, rank=r, world_size=2, strata=TASKS4) for r in range(2)]
+    assert shards[0] + shards[1] == first
+    assert all(set(_counts(s, TASKS4).values()) == {1} for s in shards)  # each shard is balanced too
+    with pytest.raises(ValueError, match="strata has 3 labels for 60 prompts"):
+        epoch_prompt_indices(60, 8, seed=0, epoch=0, strata=["a", "b", "c"])
+
+
+def test_balance_by_missing_key_is_a_one_line_error(tmp_path):
+    from flowrl.config import Config
+    from flowrl.recipes.common import load_prompt_splits
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "a cat", "metadata": {"task": "animal"}}) + "\n"
+                    + json.dumps({"prompt": "a dog"}) + "\n")
+    cfg = Config()
+    cfg.data.prompts, cfg.data.test_fraction = str(path), 0.0
+    assert len(load_prompt_splits(cfg)[0]) == 2  # not balanced: no key needed
+    cfg.data.balance_by = "task"
+    with pytest.raises(ValueError, match=r"lack metadata key 'task' \(first: prompt 2, 'a dog'\)") as error:
+        load_prompt_splits(cfg)
+    assert str(path) in str(error.value) and "\n" not in str(error.value)

@@ -130,9 +130,14 @@ class DataConfig:
     """Fraction held out when test_prompts is not given."""
     eval_prompts: list[str] = field(default_factory=list)
     """Fixed prompts rendered into image grids during training (default: first test prompts)."""
+    balance_by: str | None = None
+    """Metadata key to stratify each epoch's prompts by, e.g. 'task': every value gets an equal share of
+    each batch (GenEval balances by task)."""
 
     def validate(self):
         check(0 <= self.test_fraction < 1, "test_fraction", "must be in [0, 1)")
+        check(self.balance_by is None or bool(self.balance_by.strip()), "balance_by",
+              "must be a metadata key or null")
 
 
 @dataclass

@@ -78,6 +78,11 @@ def accepts_keyword(reward_name: str, keyword: str) -> bool:
 def load_prompt_splits(cfg: Config) -> tuple[PromptSet, PromptSet]:
     """(train prompts, held-out prompts): an explicit test file or a deterministic split."""
     prompts = load_prompts(cfg.data.prompts)
+    key = cfg.data.balance_by
+    missing = [i for i, m in enumerate(prompts.metadata) if key not in m] if key else []
+    if missing:
+        raise ValueError(f"data.balance_by: {len(missing)} prompts of {cfg.data.prompts} lack metadata key {key!r} "
+                         f"(first: prompt {missing[0] + 1}, {prompts.prompts[missing[0]]!r})")
     if cfg.data.test_prompts:
         return prompts, load_prompts(cfg.data.test_prompts)
     if cfg.data.test_fraction > 0 and len(prompts) >= 2:
@@ -250,10 +255,12 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
     s, rank, world = cfg.sampling, accelerator.process_index, accelerator.num_processes
     roots_per_group = s.group_size // plan.leaves_per_root
     parts, futures = [], []
+    key = cfg.data.balance_by  # equal shares of each batch per metadata value (checked in load_prompt_splits)
+    strata = [m[key] for m in run.train_prompts.metadata] if key else None
     for b in range(cfg.train.batches_per_epoch):
         batch_index = epoch * cfg.train.batches_per_epoch + b
         index = epoch_prompt_indices(len(run.train_prompts), s.prompts_per_batch, seed=cfg.seed, epoch=batch_index,
-                                     rank=rank, world_size=world)
+                                     rank=rank, world_size=world, strata=strata)
         batch = run.train_prompts.subset(index)
         first_root = (batch_index * world + rank) * s.prompts_per_batch * roots_per_group
         with policy.local_forward():

@@ -100,25 +100,57 @@ def spec_combos(spec: dict[str, Any]) -> list[Combo]:
     return [(g["color"], g["shape"]) for g in spec["objects"]]
 
 
-def heldout_rule(seed: int = 0, n_combos: int = 2, pair_frac: float = 0.1,
-                 colors: Sequence[str] | None = None, shapes: Sequence[str] | None = None) -> dict[str, list]:
-    """Which combinations are held out, drawn deterministically from `seed`.
+PRETRAIN_SPLIT: dict[str, Any] = dict(n_combos=2, pair_frac=0.1, pair_base=2)
+"""Split kwargs of the shipped base model's pre-training data (scripts/train_toy_model.py, assets/toy).
 
-    * `n_combos` (color, shape) bindings, with distinct colours and distinct
-      shapes, so every colour and every shape is still seen in training;
-    * a fraction `pair_frac` of the unordered pairs of *training* bindings, so
-      each binding is trained but some pairings are new (novel composition).
+The default split (RL, assets/prompts/toy) holds out 6 combos and everything this one holds out, so
+the prompts the base never saw in pre-training stay held out from RL too."""
+
+
+def combo_order(seed: int = 0, colors: Sequence[str] | None = None,
+                shapes: Sequence[str] | None = None) -> list[Combo]:
+    """Every (color, shape) pair in the order `heldout_rule` holds them out, drawn from `seed`.
+
+    Shape-major diagonals of a random colour x shape grid: combo k has shape k % S and colour
+    (k % S + k // S) % C (after shuffling both). So the first min(C, S) combos have distinct
+    colours and distinct shapes, each shape is held out at most ceil(n / S) times, and colours
+    nearly as evenly (5 colours x 4 shapes: at most twice each in the first 8).
     """
-    colors, shapes = list(colors or COLORS), list(shapes or SHAPES)
-    if not 0 <= n_combos < min(len(colors), len(shapes)):
-        raise ValueError(f"n_combos must be in [0, {min(len(colors), len(shapes)) - 1}], got {n_combos}")
+    return _draw_combo_order(seed, list(colors or COLORS), list(shapes or SHAPES))[0]
+
+
+def _draw_combo_order(seed: int, colors: list[str], shapes: list[str]) -> tuple[list[Combo], np.random.Generator]:
+    """`combo_order`, and the generator after its draws (the held-out pairs are drawn next)."""
     rng = np.random.default_rng(seed)
     pc, ps = rng.permutation(len(colors)), rng.permutation(len(shapes))
-    held = [(colors[pc[i]], shapes[ps[i]]) for i in range(n_combos)]
-    train_combos = [c for c in all_combos(colors, shapes) if c not in held]
-    pairs = list(itertools.combinations(train_combos, 2))
+    nc, ns = len(colors), len(shapes)
+    return [(colors[pc[(k % ns + k // ns) % nc]], shapes[ps[k % ns]]) for k in range(nc * ns)], rng
+
+
+def heldout_rule(seed: int = 0, n_combos: int = 6, pair_frac: float = 0.1, colors: Sequence[str] | None = None,
+                 shapes: Sequence[str] | None = None, pair_base: int = 2) -> dict[str, list]:
+    """Which combinations are held out, drawn deterministically from `seed`.
+
+    * the first `n_combos` (color, shape) bindings of `combo_order`; every colour and every shape
+      must still be seen in training;
+    * a fraction `pair_frac` of the unordered pairs of the bindings after the first `pair_base` of
+      `combo_order`, so bindings are trained but some pairings are new (novel composition). Pairs
+      with a held-out binding add nothing and are dropped. `pair_base` fixes the draw, so a rule
+      holds out everything the rule with n_combos = pair_base (same seed) holds out: the default
+      holds out all of `PRETRAIN_SPLIT`'s held-out prompts.
+    """
+    colors, shapes = list(colors or COLORS), list(shapes or SHAPES)
+    order, rng = _draw_combo_order(seed, colors, shapes)
+    if not 0 <= n_combos <= len(order) or not 0 <= pair_base <= len(order):
+        raise ValueError(f"n_combos and pair_base must be in [0, {len(order)}], got {n_combos}, {pair_base}")
+    held = order[:n_combos]
+    seen = set(order[n_combos:])
+    unseen = sorted(set(colors) - {c for c, _ in seen}) + sorted(set(shapes) - {s for _, s in seen})
+    if unseen:
+        raise ValueError(f"n_combos={n_combos} holds out every combination of {unseen}")
+    pairs = list(itertools.combinations([c for c in all_combos(colors, shapes) if c not in order[:pair_base]], 2))
     pick = rng.choice(len(pairs), size=int(round(pair_frac * len(pairs))), replace=False)
-    held_pairs = [pairs[i] for i in sorted(pick)]
+    held_pairs = [pairs[i] for i in sorted(pick) if not set(pairs[i]) & set(held)]
     return {"combos": [list(c) for c in held], "pairs": [[list(a), list(b)] for a, b in held_pairs]}
 
 
@@ -132,14 +164,14 @@ def is_heldout(spec: dict[str, Any], rule: dict[str, list]) -> bool:
     return len(combos) == 2 and frozenset(combos) in pairs
 
 
-def split(seed: int = 0, n_combos: int = 2, pair_frac: float = 0.1,
+def split(seed: int = 0, n_combos: int = 6, pair_frac: float = 0.1, pair_base: int = 2,
           tasks: Iterable[str] = TASKS, **kwargs: Any) -> tuple[list[Item], list[Item]]:
     """Deterministic (train, heldout) lists of (prompt, metadata); disjoint by construction.
 
     Each list takes its tasks in turn (see `interleave_tasks`), so any prefix is a task-stratified
     subset: recipes score the first N held-out prompts, and position prompts outnumber the others.
     """
-    rule = heldout_rule(seed, n_combos, pair_frac, kwargs.get("colors"), kwargs.get("shapes"))
+    rule = heldout_rule(seed, n_combos, pair_frac, kwargs.get("colors"), kwargs.get("shapes"), pair_base)
     train: list[Item] = []
     held: list[Item] = []
     for spec in all_specs(tasks=tasks, **kwargs):
@@ -186,7 +218,7 @@ def write_split(out_dir: str | Path, seed: int = 0, **kwargs: Any) -> dict[str, 
     """Write train.jsonl, heldout.jsonl and heldout_rule.json under `out_dir`."""
     out = Path(out_dir)
     train, held = split(seed, **kwargs)
-    rule_kw = {k: kwargs[k] for k in ("n_combos", "pair_frac", "colors", "shapes") if k in kwargs}
+    rule_kw = {k: kwargs[k] for k in ("n_combos", "pair_frac", "colors", "shapes", "pair_base") if k in kwargs}
     out.mkdir(parents=True, exist_ok=True)
     rule_path = out / "heldout_rule.json"
     rule_path.write_text(json.dumps(heldout_rule(seed, **rule_kw), indent=1) + "\n", encoding="utf-8")
