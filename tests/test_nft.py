@@ -8,7 +8,8 @@ import torch
 
 from flowrl.algorithms.losses import nft_loss
 from flowrl.config import Config, ConfigError, load_config
-from flowrl.recipes.nft import train
+from flowrl.recipes.nft import schedule_timesteps, train
+from flowrl.training.ema import LoraEMA
 from flowrl.training.metrics import read_metrics
 from tests.policy_capture import capture_training_policy
 
@@ -74,13 +75,14 @@ def test_nft_smoke_run_trains_the_lora_and_writes_the_run(tmp_path, monkeypatch,
 
 
 def test_nft_runs_are_reproducible_and_resume_exactly(tmp_path):
-    common = ["log.eval_every=0", "log.report_prompts=0", "train.epochs=3"]
-    full = train(nft_config(tmp_path / "full", *common))
-    again = train(nft_config(tmp_path / "again", *common))
+    # The old policy's decay ramp depends on the step count that a resume must restore.
+    common = ["log.eval_every=0", "log.report_prompts=0", "nft.timesteps_per_sample=2", "nft.old_decay_ramp=[0.3,0.5]"]
+    full = train(nft_config(tmp_path / "full", *common, "train.epochs=3"))
+    again = train(nft_config(tmp_path / "again", *common, "train.epochs=3"))
     strip = lambda m: {k: v for k, v in m.items() if not k.startswith("perf/")}  # noqa: E731
     assert strip(full) == strip(again)
-    train(nft_config(tmp_path / "resumed", *common[:2], "train.epochs=2", "train.checkpoint_every=1"))
-    resumed = train(nft_config(tmp_path / "resumed", *common, "train.resume=latest"))
+    train(nft_config(tmp_path / "resumed", *common, "train.epochs=2", "train.checkpoint_every=1"))
+    resumed = train(nft_config(tmp_path / "resumed", *common, "train.epochs=3", "train.resume=latest"))
     assert strip(resumed) == strip(full)
 
 
@@ -91,3 +93,30 @@ def test_nft_config_errors_name_the_key(tmp_path):
         nft_config(tmp_path, "nft.strength=0")
     with pytest.raises(ConfigError, match="nft"):
         nft_config(tmp_path, "nft.unknown_key=1")
+    with pytest.raises(ConfigError, match="nft.timesteps_per_sample"):  # the smoke schedule has 4 sigmas
+        nft_config(tmp_path, "sampling.num_steps=4", "nft.timesteps_per_sample=5")
+    with pytest.raises(ConfigError, match="nft.old_decay_ramp"):
+        nft_config(tmp_path, "nft.old_decay_ramp=[0.001,1.0]")
+
+
+def test_schedule_timesteps_give_each_sample_its_own_order_of_the_schedule():
+    schedule = torch.tensor([1.0, 0.75, 0.5, 0.25])
+    table = schedule_timesteps(schedule, 64, seed=[0, 1])  # [64, 4]
+    assert table.shape == (64, 4)
+    assert all(sorted(row.tolist()) == sorted(schedule.tolist()) for row in table)  # no sigma twice
+    assert len({tuple(row.tolist()) for row in table}) > 10  # orders differ between samples
+    assert torch.equal(table, schedule_timesteps(schedule, 64, seed=[0, 1]))
+    assert not torch.equal(table, schedule_timesteps(schedule, 64, seed=[0, 2]))
+    first = table[:, 0]  # the first timestep of each sample covers the schedule evenly (16 each +- noise)
+    assert all(4 <= int((first == value).sum()) <= 28 for value in schedule)
+
+
+def test_old_policy_decay_can_be_set_per_step():
+    # diffusers' EMA copies the weights at its first step; later steps average with the decay given:
+    # p = 1 -> shadow 1; p = 3, decay 0.25 -> 0.25 * 1 + 0.75 * 3 = 2.5; p = 5, decay 0.5 -> 3.75.
+    weight = torch.nn.Parameter(torch.zeros(1))
+    ema = LoraEMA([("w.lora_A.default.weight", weight)], decay=0.9)
+    for value, decay in ((1.0, 0.25), (3.0, 0.25), (5.0, 0.5)):
+        weight.data.fill_(value)
+        ema.step(decay)
+    assert ema.state_tensors()["w.lora_A.weight"].item() == pytest.approx(3.75)

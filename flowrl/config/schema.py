@@ -238,10 +238,19 @@ class NFTConfig:
     """Fresh (t, noise) draws per clean sample in each pass: more lowers the gradient's variance."""
     adaptive_weighting: bool = True
     """Measure each loss term in x0-space, divided by its own detached mean error (keeps training stable)."""
+    timestep_schedule: Literal["sampling", "uniform"] = "sampling"
+    """Where training t comes from: 'sampling' draws, per sample and without repeats, from the sigmas of
+    the (shifted) sampling schedule, as DiffusionNFT does; 'uniform' draws t ~ U(0, 1)."""
+    old_decay_ramp: list[float] | None = None
+    """[rate, max]: the old adapter's decay after optimizer step s is min(rate * s, max) (DiffusionNFT:
+    [0.001, 0.5]); null keeps train.ema_decay."""
 
     def validate(self):
         check(self.strength > 0, "strength", "must be > 0")
         check(self.timesteps_per_sample >= 1, "timesteps_per_sample", "must be >= 1")
+        ramp = self.old_decay_ramp
+        check(ramp is None or (len(ramp) == 2 and ramp[0] >= 0 and 0 <= ramp[1] < 1), "old_decay_ramp",
+              "must be [rate >= 0, max in [0, 1)] or null")
 
 
 @dataclass
@@ -300,6 +309,10 @@ class Config:
         check(len({r.name for r in self.rewards}) == len(self.rewards), "rewards", "each reward may appear once")
         check(self.recipe != "nft" or self.train.ema, "train.ema",
               "recipe nft samples with the EMA ('old') adapter: set train.ema=true (ema_decay 0 follows the live one)")
+        check(self.recipe != "nft" or self.nft.timestep_schedule != "sampling"
+              or self.nft.timesteps_per_sample <= self.sampling.num_steps, "nft.timesteps_per_sample",
+              f"exceeds the {self.sampling.num_steps} sigmas of the sampling schedule; lower it or set "
+              "nft.timestep_schedule=uniform")
         check(self.sampling.group_size >= 2 or self.train.advantage == "mean", "sampling.group_size",
               "group advantages need at least 2 trajectories per prompt")
         check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device",

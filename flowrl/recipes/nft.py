@@ -10,13 +10,18 @@ left ToyEval flat.
 
 One epoch:
 1. ODE rollouts of ``group_size`` images per prompt, sampled with the "old" adapter: the EMA of the
-   trained one, stepped once per epoch (``train.ema_decay`` per epoch; 0 makes it the trained adapter
-   as it was at the end of the last epoch). Only clean latents are kept.
+   trained one, stepped once per epoch. Its decay is ``train.ema_decay``, or DiffusionNFT's ramp
+   ``min(rate * optimizer_steps, max)`` with ``nft.old_decay_ramp: [0.001, 0.5]``; 0 makes it the
+   trained adapter as it was at the end of the last epoch. Only clean latents are kept.
 2. Rewards -> group advantages (the same estimators and combiners as GRPO) -> optimality
-   ``r = 1/2 + A / (2 * advantage_clip)`` in [0, 1].
-3. For each sample and each of ``nft.timesteps_per_sample`` draws: ``t ~ U(0, 1)``, fresh noise,
-   ``x_t = (1 - t) x0 + t eps``, target ``eps - x0``; the loss compares the trained velocity and the
-   old one (EMA weights swapped in, no grad) through the implicit policies of strength ``nft.strength``.
+   ``r = 1/2 + A / (2 * advantage_clip)`` in [0, 1] (DiffusionNFT: clip 5, so ``r = 1/2 + A/10``).
+3. For each sample and each of ``nft.timesteps_per_sample`` timesteps: a sigma of the sampling
+   schedule (``nft.timestep_schedule: sampling``, DiffusionNFT's shifted timesteps; each sample
+   takes its own random order of them, no sigma twice) or ``t ~ U(0, 1)`` (``uniform``), fresh
+   noise, ``x_t = (1 - t) x0 + t eps``, target ``eps - x0``; the loss compares the trained velocity
+   and the old one (EMA weights swapped in, no grad) through the implicit policies of strength
+   ``nft.strength``. DiffusionNFT takes one optimizer step per epoch over every (sample, t) pair
+   (``train.inner_epochs: 1``, ``train.optimizer_steps_per_epoch: 1``).
    The old adapter stays fixed within the epoch: then each sample's loss has a bounded minimum,
    ``v = v_old + (2r - 1) / strength * (target - v_old)``. An old adapter that trailed every optimizer
    step would move that minimum with the weights, and the toy model drifts off and collapses.
@@ -58,7 +63,9 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
     accelerator, policy, ema = run.accelerator, run.policy, run.ema
     rank, world = accelerator.process_index, accelerator.num_processes
     s, t = cfg.sampling, cfg.train
+    n = cfg.nft
     estimator = ADVANTAGE_ESTIMATORS[t.advantage]
+    schedule = policy.sigmas(s.num_steps)[:-1] if n.timestep_schedule == "sampling" else None  # [num_steps]
     # Deterministic rollouts: noise 0 everywhere; the plan stores only the last step, the least memory.
     plan = StepPlan(s.num_steps, sde_start=s.num_steps - 1)
     scorer = AsyncScorer(run.rewards, on_error=t.reward_errors, asynchronous=t.async_rewards)
@@ -79,25 +86,35 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         keep = torch.isfinite(combined[local])  # [N]
 
         # 3. Passes over (sample, fresh t and noise) pairs: shuffled chunks -> one optimizer step each.
+        #    Pair p trains sample p % N at its (p // N)-th timestep: with the sampling schedule, the
+        #    sample's own random order of the schedule's sigmas (no sigma twice for one sample).
         stats = StatsAccumulator()
-        pairs = traj.num_rows * cfg.nft.timesteps_per_sample
+        pairs = traj.num_rows * n.timesteps_per_sample
         for inner in range(t.inner_epochs):
             order = np.random.default_rng([cfg.seed, epoch, inner, rank, 0x4F7]).permutation(pairs)
+            timesteps = None if schedule is None else schedule_timesteps(
+                schedule, traj.num_rows, seed=[cfg.seed, epoch, inner, rank, 0x7153])  # [N, num_steps]
             for chunk_index, chunk in enumerate(np.array_split(order, t.optimizer_steps_per_epoch)):
-                rows = torch.as_tensor(chunk, dtype=torch.long) % traj.num_rows
-                weight = accelerator.reduce(keep[rows].sum().float().to(accelerator.device), "sum").item()
-                micro_batches = list(rows.split(t.micro_batch_size))
+                chunk = torch.as_tensor(chunk, dtype=torch.long)
+                weight = accelerator.reduce(keep[chunk % traj.num_rows].sum().float().to(accelerator.device),
+                                            "sum").item()
+                micro_batches = list(chunk.split(t.micro_batch_size))
                 for i, micro in enumerate(micro_batches):
+                    rows = micro % traj.num_rows
+                    sigma = None if timesteps is None else timesteps[rows, micro // traj.num_rows]
                     noise_seed = [cfg.seed, epoch, inner, chunk_index, i, rank, 0x4F7]
                     with (torch.enable_grad() if i == len(micro_batches) - 1
                           else accelerator.no_sync(policy.forward_module)):
                         loss_sum = forward_process_loss(
-                            policy, ema, traj.final_latents[micro], traj.cond.select(traj.prompt_ids[micro]),
-                            optimality[micro], keep[micro].float(), guidance=run.guidance, strength=cfg.nft.strength,
-                            adaptive=cfg.nft.adaptive_weighting, beta=t.beta, noise_seed=noise_seed, stats=stats)
+                            policy, ema, traj.final_latents[rows], traj.cond.select(traj.prompt_ids[rows]),
+                            optimality[rows], keep[rows].float(), guidance=run.guidance, strength=n.strength,
+                            adaptive=n.adaptive_weighting, beta=t.beta, noise_seed=noise_seed, stats=stats,
+                            sigma=sigma)
                         accelerator.backward(loss_sum * world / max(weight, 1.0))
                 optimizer_step(run, stats)
-        ema.step()  # the old policy follows the trained one, once per epoch
+        # The old policy follows the trained one once per epoch, at DiffusionNFT's ramp when configured.
+        steps_so_far = (epoch + 1) * t.inner_epochs * t.optimizer_steps_per_epoch
+        ema.step(None if n.old_decay_ramp is None else min(n.old_decay_ramp[0] * steps_so_far, n.old_decay_ramp[1]))
         train_done = time.perf_counter()
 
         # 4. Log, render eval grids, checkpoint.
@@ -110,15 +127,24 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
     return finish_run(run, metrics)
 
 
-def forward_process_loss(policy, ema, x0, cond, optimality, weights, *, guidance: float, strength: float,
-                         adaptive: bool, beta: float, noise_seed: list[int], stats: StatsAccumulator) -> torch.Tensor:
-    """Summed (not averaged) DiffusionNFT loss of clean latents ``x0`` [B, C, h, w] at fresh (t, noise).
+def schedule_timesteps(schedule: torch.Tensor, num_rows: int, *, seed: list[int]) -> torch.Tensor:
+    """[num_rows, len(schedule)]: each row the schedule's sigmas in its own random order (seeded)."""
+    keys = np.random.default_rng(seed).random((num_rows, len(schedule)))
+    return schedule[torch.as_tensor(np.argsort(keys, axis=1))]
 
-    ``t`` and the noise come from a generator seeded by ``noise_seed`` (reproducible on any device).
+
+def forward_process_loss(policy, ema, x0, cond, optimality, weights, *, guidance: float, strength: float,
+                         adaptive: bool, beta: float, noise_seed: list[int], stats: StatsAccumulator,
+                         sigma: torch.Tensor | None = None) -> torch.Tensor:
+    """Summed (not averaged) DiffusionNFT loss of clean latents ``x0`` [B, C, h, w] at (t, fresh noise).
+
+    The noise, and ``t ~ U(0, 1)`` when ``sigma`` [B] is not given, come from a generator seeded by
+    ``noise_seed`` (reproducible on any device).
     """
     device = policy.device
     generator = torch.Generator().manual_seed(int(np.random.SeedSequence(noise_seed).generate_state(1)[0]))
-    sigma = torch.rand(x0.shape[0], generator=generator)  # [B]
+    drawn = torch.rand(x0.shape[0], generator=generator)  # [B], drawn either way: one noise stream per seed
+    sigma = drawn if sigma is None else sigma.float()
     noise = torch.randn(x0.shape, generator=generator, dtype=torch.float32)
     x0 = x0.to(device=device, dtype=torch.float32)
     noise, sigma = noise.to(device), sigma.to(device)

@@ -59,8 +59,13 @@ class LoraEMA:
     def optimization_step(self) -> int:
         return self.model.optimization_step
 
-    def step(self) -> None:
-        """Fold the current weights into the average (after ``optimizer.step()``)."""
+    def step(self, decay: float | None = None) -> None:
+        """Fold the current weights into the average (after ``optimizer.step()``).
+
+        ``decay`` pins this step's decay (a schedule the caller computes, e.g. DiffusionNFT's ramp for
+        its old policy); None uses the decay the EMA was built with."""
+        if decay is not None:
+            self.model.decay = self.model.min_decay = float(decay)
         self.model.step(self.parameters)
 
     # --- tensors, by name -------------------------------------------------------------
