@@ -4,8 +4,9 @@ Written into the run directory after training:
 - ``reward_curve.png``: every ``reward/*_mean`` of ``metrics.jsonl`` against epoch;
 - ``before.png`` / ``after.png``: the same held-out prompts and seeds rendered with the adapter off
   (the base model) and on (EMA weights when kept), one grid row per prompt;
-- ``report.json`` / ``report.md``: mean rewards before and after on those images and, when asked,
-  the toy world's ground-truth diversity of each prompt's group (exact mode collapse).
+- ``report.json`` / ``report.md``: mean rewards before and after on those images (with task metadata
+  also per task and as the mean over tasks, GenEval's overall score) and, when asked, the toy world's
+  ground-truth diversity of each prompt's group (exact mode collapse).
 
 Before and after share prompts, seeds and the deterministic ODE sampler, so their difference is
 the adapter's effect, not sampling noise.
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 from flowrl.data import PromptSet
+from flowrl.eval_tasks import by_task, row_tasks
 from flowrl.rewards_api import score
 from flowrl.sampling import StepPlan, rollout, root_seeds
 from flowrl.training.ema import ema_weights
@@ -40,11 +42,15 @@ def render(policy, prompts: PromptSet, *, images_per_prompt: int, num_steps: int
 
 
 def evaluate(images: torch.Tensor, prompts: PromptSet, images_per_prompt: int, rewards, diversity: str) -> dict:
-    """Mean of every reward key (NaN-aware) and, for ``diversity="toy"``, ground-truth diversity."""
+    """Mean of every reward key (NaN-aware); with task metadata, each key's per-task means and their mean
+    (``eval/<key>/task/<task>``, ``eval/<key>/task_mean``); for ``diversity="toy"``, ground-truth diversity."""
     row_prompts = [p for p in prompts.prompts for _ in range(images_per_prompt)]
     row_metadata = [m for m in prompts.metadata for _ in range(images_per_prompt)]
     scores = score(rewards, images, row_prompts, row_metadata, on_error="nan")
     out = {f"eval/{k}": float(torch.nanmean(v)) for k, v in scores.items()}
+    tasks = row_tasks(row_metadata)
+    if tasks is not None:  # GenEval's convention: per-task means and their mean, eval/<key>/task_mean
+        out.update({f"eval/{k}": v for k, v in by_task(scores, tasks).items()})
     if diversity == "toy":
         from flowrl.toy.diversity import diversity as toy_diversity
 
@@ -91,6 +97,9 @@ def write_report(run_dir: str | Path, *, policy, ema, rewards, prompts: PromptSe
     results = {"before": evaluate(before, prompts, images_per_prompt, rewards, diversity),
                "after": evaluate(after, prompts, images_per_prompt, rewards, diversity),
                "prompts": len(prompts), "images_per_prompt": images_per_prompt}
+    tasks = row_tasks(prompts.metadata)
+    if tasks is not None:
+        results["prompts_per_task"] = {t: tasks.count(t) for t in dict.fromkeys(tasks) if t is not None}
     if save:
         grid_rows = min(len(prompts), 8) * images_per_prompt
         save_image(before[:grid_rows], run_dir / "before.png", nrow=images_per_prompt, padding=2)
@@ -100,8 +109,11 @@ def write_report(run_dir: str | Path, *, policy, ema, rewards, prompts: PromptSe
         lines = ["| metric | before | after |", "| --- | --- | --- |"]
         for key in results["before"]:
             lines.append(f"| {key} | {results['before'][key]:.4f} | {results['after'][key]:.4f} |")
+        by_task_note = "" if "prompts_per_task" not in results else (
+            " Prompts per task: " + ", ".join(f"{t} {c}" for t, c in results["prompts_per_task"].items())
+            + "; `<key>/task_mean` is the mean over tasks of the per-task means (GenEval's overall score).")
         (run_dir / "report.md").write_text(
             f"# Run report\n\n{len(prompts)} held-out prompts x {images_per_prompt} images, ODE, "
-            f"{num_steps} steps, same seeds before and after.\n\n" + "\n".join(lines) + "\n\n"
+            f"{num_steps} steps, same seeds before and after.{by_task_note}\n\n" + "\n".join(lines) + "\n\n"
             "![before](before.png) ![after](after.png)\n\n![reward curve](reward_curve.png)\n")
     return results

@@ -269,9 +269,10 @@ class LogConfig:
     """Score the held-out prompts (ODE, fixed seeds, EMA weights) every this many epochs, and once
     before training; logged as test/* with the cumulative perf/rollouts and perf/train_wall_s (0: never)."""
     test_prompts: int = 32
-    """Held-out prompts scored by test_every."""
+    """Held-out prompts scored by test_every (an equal share per metadata "task", as the report's)."""
     report_prompts: int = 16
-    """Held-out prompts rendered before/after training for the end-of-run report (0: no report)."""
+    """Held-out prompts rendered before/after training for the end-of-run report (0: no report); taken
+    round-robin over metadata "task" values, scored per task and as the mean over tasks."""
     report_diversity: Literal["none", "toy"] = "none"
     """Add the toy world's ground-truth diversity (background, position, size) to the report."""
 

@@ -19,6 +19,7 @@ from flowrl.algorithms.combine import COMBINERS
 from flowrl.config import Config, SamplingConfig, save_config, to_dict
 from flowrl.config.schema import RewardSpec
 from flowrl.data import PromptSet, epoch_prompt_indices, load_prompts, train_test_split
+from flowrl.eval_tasks import stratified_prefix
 from flowrl.models import build_policy
 from flowrl.models.lora_io import load_lora_into, lora_config_dict, lora_state_dict, save_diffusers_lora
 from flowrl.report import evaluate, render, write_report
@@ -238,7 +239,7 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
         cfg=cfg, accelerator=accelerator, run_dir=run_dir, policy=policy, params=params, optimizer=optimizer, ema=ema,
         rewards=rewards, weights=weights, train_prompts=train_prompts, test_prompts=test_prompts,
         eval_prompts=eval_prompt_set(cfg, test_prompts),
-        test_set=test_prompts.subset(range(min(cfg.log.test_prompts, len(test_prompts)))), logger=logger,
+        test_set=stratified_prefix(test_prompts, cfg.log.test_prompts), logger=logger,
         guidance=cfg.sampling.guidance_scale if (t.cfg or policy.family == "flux") else 1.0, start_epoch=start_epoch,
         counters={"rollouts": resumed.get("rollouts", 0), "train_wall_s": resumed.get("train_wall_s", 0.0)},
     )
@@ -352,7 +353,7 @@ def finish_run(run: Run, metrics: dict) -> dict[str, float]:
     if cfg.train.export_lora and accelerator.is_main_process:
         export_final_lora(run.policy, run.ema, run.run_dir / "lora")
     if cfg.log.report_prompts:
-        prompts = run.test_prompts.subset(range(min(cfg.log.report_prompts, len(run.test_prompts))))
+        prompts = stratified_prefix(run.test_prompts, cfg.log.report_prompts)  # equal share per task
         report = write_report(run.run_dir, policy=run.policy, ema=run.ema, rewards=run.rewards, prompts=prompts,
                               images_per_prompt=cfg.log.eval_images_per_prompt, num_steps=cfg.sampling.num_steps,
                               guidance=run.guidance, seed=cfg.seed + 2, diversity=cfg.log.report_diversity,
@@ -364,7 +365,8 @@ def finish_run(run: Run, metrics: dict) -> dict[str, float]:
 
 
 def held_out_metrics(policy, ema, rewards, prompts, cfg: Config, guidance: float, accelerator) -> dict[str, float]:
-    """test/<reward> on held-out prompts: ODE samples with fixed seeds and the EMA weights."""
+    """test/<reward> on held-out prompts: ODE samples with fixed seeds and the EMA weights; with task
+    metadata also test/<reward>/task/<task> and test/<reward>/task_mean (the mean over tasks)."""
     n = cfg.log.eval_images_per_prompt
     with ema_weights(ema):
         images = render(policy, prompts, images_per_prompt=n, num_steps=cfg.sampling.num_steps, guidance=guidance,
