@@ -35,6 +35,27 @@ def by_task(scores: dict[str, torch.Tensor], tasks: Sequence[str | None]) -> dic
     return out
 
 
+def paired_task_mean_gain(before: torch.Tensor, after: torch.Tensor, tasks: Sequence[str | None]) -> dict[str, float]:
+    """Change of the task-mean score between two scorings of the same images' prompts and seeds, with its
+    standard error from the paired per-image differences: ``{gain, standard_error, standard_errors}``.
+
+    With T tasks, n_t finite pairs and difference variance s_t^2 in task t, the gain is the mean over tasks
+    of the per-task mean differences and its s.e. is ``sqrt(sum_t s_t^2 / n_t) / T``. Pairing removes the
+    prompt-and-seed variance that two independent samples would carry (common random numbers)."""
+    difference = (after.detach().float().cpu() - before.detach().float().cpu())  # [N]
+    gains, variances = [], []
+    for task in dict.fromkeys(t for t in tasks if t is not None):
+        rows = difference[torch.tensor([t == task for t in tasks])]
+        rows = rows[torch.isfinite(rows)]
+        if len(rows):
+            gains.append(float(rows.mean()))
+            variances.append(float(rows.var(unbiased=True)) / len(rows) if len(rows) > 1 else 0.0)
+    if not gains:
+        return {"gain": math.nan, "standard_error": math.nan, "standard_errors": math.nan}
+    gain, error = sum(gains) / len(gains), math.sqrt(sum(variances)) / len(gains)
+    return {"gain": gain, "standard_error": error, "standard_errors": gain / error if error > 0 else math.nan}
+
+
 def row_tasks(metadata: Sequence[dict | None], key: str = "task") -> list[str | None] | None:
     """The task of each row, or None when no row has one (then nothing is split by task)."""
     tasks = [(m or {}).get(key) for m in metadata]

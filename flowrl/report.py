@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from flowrl.data import PromptSet
-from flowrl.eval_tasks import by_task, row_tasks
+from flowrl.eval_tasks import by_task, paired_task_mean_gain, row_tasks
 from flowrl.rewards_api import score
 from flowrl.sampling import StepPlan, rollout, root_seeds
 from flowrl.training.ema import ema_weights
@@ -44,6 +44,12 @@ def render(policy, prompts: PromptSet, *, images_per_prompt: int, num_steps: int
 def evaluate(images: torch.Tensor, prompts: PromptSet, images_per_prompt: int, rewards, diversity: str) -> dict:
     """Mean of every reward key (NaN-aware); with task metadata, each key's per-task means and their mean
     (``eval/<key>/task/<task>``, ``eval/<key>/task_mean``); for ``diversity="toy"``, ground-truth diversity."""
+    return evaluate_rows(images, prompts, images_per_prompt, rewards, diversity)[0]
+
+
+def evaluate_rows(images: torch.Tensor, prompts: PromptSet, images_per_prompt: int, rewards,
+                  diversity: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """:func:`evaluate`'s summary and the per-image scores ``{key: [P * n]}`` behind it."""
     row_prompts = [p for p in prompts.prompts for _ in range(images_per_prompt)]
     row_metadata = [m for m in prompts.metadata for _ in range(images_per_prompt)]
     scores = score(rewards, images, row_prompts, row_metadata, on_error="nan")
@@ -56,7 +62,7 @@ def evaluate(images: torch.Tensor, prompts: PromptSet, images_per_prompt: int, r
 
         groups = torch.arange(len(prompts)).repeat_interleave(images_per_prompt)
         out.update({k: float(v) for k, v in toy_diversity(images, groups).items()})
-    return out
+    return out, scores
 
 
 def plot_reward_curve(run_dir: Path) -> Path | None:
@@ -94,12 +100,17 @@ def write_report(run_dir: str | Path, *, policy, ema, rewards, prompts: PromptSe
         before = render(policy, prompts, **kwargs)
     with ema_weights(ema):
         after = render(policy, prompts, **kwargs)
-    results = {"before": evaluate(before, prompts, images_per_prompt, rewards, diversity),
-               "after": evaluate(after, prompts, images_per_prompt, rewards, diversity),
+    (summary_before, scores_before), (summary_after, scores_after) = (
+        evaluate_rows(images, prompts, images_per_prompt, rewards, diversity) for images in (before, after))
+    results = {"before": summary_before, "after": summary_after,
                "prompts": len(prompts), "images_per_prompt": images_per_prompt}
     tasks = row_tasks(prompts.metadata)
     if tasks is not None:
         results["prompts_per_task"] = {t: tasks.count(t) for t in dict.fromkeys(tasks) if t is not None}
+        # Same prompts and seeds before and after: the change of each task-mean score, with its paired s.e.
+        row_task = [t for t in tasks for _ in range(images_per_prompt)]
+        results["paired"] = {f"eval/{k}/task_mean": paired_task_mean_gain(scores_before[k], scores_after[k], row_task)
+                             for k in scores_before}
     if save:
         grid_rows = min(len(prompts), 8) * images_per_prompt
         save_image(before[:grid_rows], run_dir / "before.png", nrow=images_per_prompt, padding=2)
@@ -112,8 +123,12 @@ def write_report(run_dir: str | Path, *, policy, ema, rewards, prompts: PromptSe
         by_task_note = "" if "prompts_per_task" not in results else (
             " Prompts per task: " + ", ".join(f"{t} {c}" for t, c in results["prompts_per_task"].items())
             + "; `<key>/task_mean` is the mean over tasks of the per-task means (GenEval's overall score).")
+        paired = [f"- {key}: {v['gain']:+.4f} ({v['standard_errors']:.1f} paired standard errors)"
+                  for key, v in results.get("paired", {}).items()]
+        paired_note = "" if not paired else "\n\nChange of each task-mean score, after minus before:\n" + "\n".join(paired)
         (run_dir / "report.md").write_text(
             f"# Run report\n\n{len(prompts)} held-out prompts x {images_per_prompt} images, ODE, "
-            f"{num_steps} steps, same seeds before and after.{by_task_note}\n\n" + "\n".join(lines) + "\n\n"
+            f"{num_steps} steps, same seeds before and after.{by_task_note}\n\n" + "\n".join(lines) + paired_note
+            + "\n\n"
             "![before](before.png) ![after](after.png)\n\n![reward curve](reward_curve.png)\n")
     return results

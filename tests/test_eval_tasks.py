@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from flowrl.data import PromptSet
-from flowrl.eval_tasks import by_task, pass_at_k, stratified_prefix
+from flowrl.eval_tasks import by_task, paired_task_mean_gain, pass_at_k, stratified_prefix
 from flowrl.report import evaluate
 from flowrl.training.metrics import read_metrics
 from tests.reward_fixtures import RedMinusBlue
@@ -110,8 +110,26 @@ def test_tiny_run_reports_and_curves_per_task(tmp_path):
         assert scores["eval/brightness/task_mean"] == pytest.approx(
             (scores["eval/brightness/task/a"] + scores["eval/brightness/task/b"]) / 2)
     assert "report/after/eval/brightness/task_mean" in metrics
+    paired = report["paired"]["eval/brightness/task_mean"]  # same prompts and seeds: the paired change
+    change = report["after"]["eval/brightness/task_mean"] - report["before"]["eval/brightness/task_mean"]
+    assert paired["gain"] == pytest.approx(change, abs=1e-6)
+    assert "paired standard errors" in (tmp_path / "run" / "report.md").read_text()
     assert "task_mean" in (tmp_path / "run" / "report.md").read_text()
     curve = [r for r in read_metrics(tmp_path / "run") if "test/brightness" in r]
     assert [r["epoch"] for r in curve] == [-1, 0]
     assert all({"test/brightness/task/a", "test/brightness/task/b", "test/brightness/task_mean"} <= set(r)
                for r in curve)
+
+
+def test_paired_task_mean_gain_matches_a_hand_computation():
+    # Task a: differences (1, 0, 1, 0): mean 0.5, sample variance 1/3 over 4 pairs -> 1/12.
+    # Task b: differences (0, -1): mean -0.5, sample variance 0.5 over 2 pairs -> 0.25. A NaN pair is dropped.
+    # gain = (0.5 - 0.5) / 2 = 0; s.e. = sqrt(1/12 + 1/4) / 2 = 0.288675.
+    before = torch.tensor([0.0, 1.0, 0.0, 1.0, 1.0, 1.0, float("nan")])
+    after = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0])
+    out = paired_task_mean_gain(before, after, ["a", "a", "a", "a", "b", "b", "b"])
+    assert out["gain"] == pytest.approx(0.0, abs=1e-7)
+    assert out["standard_error"] == pytest.approx(math.sqrt(1 / 12 + 1 / 4) / 2)
+    # Only task a: gain 0.5, s.e. sqrt(1/12) -> 1.732 standard errors.
+    out = paired_task_mean_gain(before[:4], after[:4], ["a"] * 4)
+    assert out["gain"] == pytest.approx(0.5) and out["standard_errors"] == pytest.approx(0.5 / math.sqrt(1 / 12))
