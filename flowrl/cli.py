@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-DEFAULT_CONFIG = "configs/toy/grpo.yaml"
+DEFAULT_CONFIG = "configs/toy/nft.yaml"
 
 
 def _config_args(parser: argparse.ArgumentParser, *, optional_config: bool = False) -> None:
