@@ -1,6 +1,6 @@
 """The toy world's headline number: held-out ToyEval against wall-clock and number of rollouts.
 
-Runs a toy config's recipe (``configs/toy/grpo.yaml`` unless another config is given, e.g. nft.yaml) with a
+Runs a toy config's recipe (the main job's ``configs/toy/nft.yaml`` unless another is given, e.g. grpo.yaml) with a
 held-out evaluation before training and every ``--test-every`` epochs, then prints the curve:
 
     epoch | rollouts | train wall-clock (s) | held-out ToyEval strict | task-mean strict | partial | diversity
@@ -11,7 +11,7 @@ task's mean (the held-out prompts are an equal share per task). Wall-clock count
 training only, not the held-out evaluations.
 
     python scripts/toy_curve.py                          # the README's main job, measured
-    python scripts/toy_curve.py configs/toy/grpo.yaml train.epochs=20 --test-every 2
+    python scripts/toy_curve.py --test-every 10 configs/toy/grpo.yaml train.epochs=20   # options first
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from flowrl.cli import DEFAULT_CONFIG  # noqa: E402
 from flowrl.config import Config, load_config  # noqa: E402
 from flowrl.commands.train import recipe_train  # noqa: E402
 from flowrl.training.metrics import read_metrics  # noqa: E402
@@ -28,7 +29,7 @@ from flowrl.training.metrics import read_metrics  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", nargs="?", default="configs/toy/grpo.yaml")
+    parser.add_argument("config", nargs="?", default=DEFAULT_CONFIG)
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--test-every", type=int, default=5)
     parser.add_argument("--run-dir", default="runs/toy_curve")
