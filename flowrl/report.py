@@ -71,6 +71,8 @@ def plot_reward_curve(run_dir: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if not (run_dir / "metrics.jsonl").is_file():  # a report of an adapter outside a run has no curve
+        return None
     records = read_metrics(run_dir)
     keys = sorted({k for r in records for k in r if k.startswith("reward/") and k.endswith("_mean")})
     if not records or not keys:
