@@ -118,3 +118,16 @@ def _cycled_permutation(rng: np.random.Generator, items: np.ndarray, size: int) 
         return items[:0]
     repeats = -(-size // len(items))
     return np.concatenate([items[rng.permutation(len(items))] for _ in range(repeats)])[:size]
+
+
+def round_robin(labels: Sequence[Hashable], order: Sequence[Hashable] | None = None) -> list[int]:
+    """Row indices taken one label at a time in turn, each label's rows in their own order; a label
+    whose rows run out drops out. Labels come in ``order`` (rows of other labels are left out), else
+    in order of first appearance. Any prefix is then as balanced over the labels as they allow."""
+    queues: dict[Hashable, list[int]] = {label: [] for label in (order if order is not None else labels)}
+    for index, label in enumerate(labels):
+        if label in queues:
+            queues[label].append(index)
+    columns = [column for column in queues.values() if column]
+    return [column[depth] for depth in range(max(map(len, columns), default=0)) for column in columns
+            if depth < len(column)]

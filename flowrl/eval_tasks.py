@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from flowrl.data import PromptSet
+from flowrl.data import PromptSet, round_robin
 
 
 def by_task(scores: dict[str, torch.Tensor], tasks: Sequence[str | None]) -> dict[str, float]:
@@ -66,12 +66,7 @@ def stratified_prefix(prompts: PromptSet, n: int, key: str = "task") -> PromptSe
     """Up to ``n`` prompts taken round-robin over the values of ``metadata[key]`` (tasks in order of first
     appearance, each task's prompts in file order), so every task gets an equal share until it runs out.
     Without the key this is the plain prefix ``prompts[:n]``."""
-    queues: dict[object, list[int]] = {}
-    for i, meta in enumerate(prompts.metadata):
-        queues.setdefault(meta.get(key), []).append(i)
-    columns = list(queues.values())
-    index = [column[depth] for depth in range(max(map(len, columns), default=0)) for column in columns
-             if depth < len(column)]
+    index = round_robin([meta.get(key) for meta in prompts.metadata])
     return prompts.subset(index[:max(n, 0)])
 
 

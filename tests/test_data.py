@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from flowrl.data import PromptSet, epoch_prompt_indices, load_prompts, train_test_split
+from flowrl.data import PromptSet, epoch_prompt_indices, load_prompts, round_robin, train_test_split
 
 
 def test_txt_and_jsonl_prompt_files(tmp_path):
@@ -109,3 +109,10 @@ def test_balance_by_missing_key_is_a_one_line_error(tmp_path):
     with pytest.raises(ValueError, match=r"lack metadata key 'task' \(first: prompt 2, 'a dog'\)") as error:
         load_prompt_splits(cfg)
     assert str(path) in str(error.value) and "\n" not in str(error.value)
+
+
+def test_round_robin_takes_one_row_per_label_in_turn():
+    labels = ["b", "a", "b", "c", "b", "a"]  # rows of b: 0, 2, 4; a: 1, 5; c: 3
+    assert round_robin(labels) == [0, 1, 3, 2, 5, 4]  # first appearance b, a, c; exhausted labels drop out
+    assert round_robin(labels, order=["a", "b"]) == [1, 0, 5, 2, 4]  # given order; c is left out
+    assert round_robin([None] * 3) == [0, 1, 2]

@@ -26,6 +26,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from flowrl.data import round_robin
 from flowrl.toy.world import COLORS, MAX_COUNT, RELATIONS, SHAPES
 
 TASKS: tuple[str, ...] = ("single_object", "counting", "two_object", "position")
@@ -181,11 +182,7 @@ def split(seed: int = 0, n_combos: int = 6, pair_frac: float = 0.1, pair_base: i
 
 def interleave_tasks(items: Sequence[Item]) -> list[Item]:
     """Round-robin over tasks (in TASKS order), keeping each task's own order; exhausted tasks drop out."""
-    by_task: dict[str, list[Item]] = {}
-    for item in items:
-        by_task.setdefault(item[1]["task"], []).append(item)
-    queues = [by_task[t] for t in TASKS if t in by_task]
-    return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
+    return [items[i] for i in round_robin([item[1]["task"] for item in items], order=TASKS)]
 
 
 def train_prompts(seed: int = 0, **kwargs: Any) -> list[Item]:
