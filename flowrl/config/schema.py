@@ -175,7 +175,13 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     """Gradient clipping norm (0 disables)."""
     loss: str = "grpo-clip"
-    """Policy loss (registry name)."""
+    """Policy loss (registry name): grpo-clip, or tmpo (TMPO's Softmax Trajectory Balance targets as
+    advantages under the same clipped ratio; recipe grpo)."""
+    tmpo_beta: float = 15.0
+    """TMPO: inverse temperature of the reward's Boltzmann distribution softmax(tmpo_beta * R)."""
+    ratio_norm: bool = False
+    """GRPO-Guard: centre each step's log-ratio and divide it by the step's velocity sensitivity, so
+    the clip binds evenly across steps (recipe grpo)."""
     clip_range: float = 1e-4
     """PPO ratio clip epsilon (1e-4 full SDE, 1e-5 window/CPS in Flow-GRPO)."""
     clip_range_high: float | None = None
@@ -226,6 +232,14 @@ class TrainConfig:
         check(self.beta >= 0, "beta", "must be >= 0")
         check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0 (0: only at the end)")
         check(0 <= self.ema_decay < 1, "ema_decay", "must be in [0, 1)")
+        from flowrl.algorithms.combine import COMBINERS
+        from flowrl.algorithms.losses import POLICY_LOSSES
+
+        check(self.loss in POLICY_LOSSES, "loss", f"unknown policy loss {self.loss!r}; choose one of "
+              f"{sorted(POLICY_LOSSES)}")
+        check(self.combine in COMBINERS, "combine", f"unknown reward combiner {self.combine!r}; choose one of "
+              f"{sorted(COMBINERS)}")
+        check(self.tmpo_beta > 0, "tmpo_beta", "must be > 0")
 
 
 @dataclass
@@ -314,6 +328,9 @@ class Config:
               or self.nft.timesteps_per_sample <= self.sampling.num_steps, "nft.timesteps_per_sample",
               f"exceeds the {self.sampling.num_steps} sigmas of the sampling schedule; lower it or set "
               "nft.timestep_schedule=uniform")
+        check(self.recipe != "nft" or (self.train.loss == "grpo-clip" and not self.train.ratio_norm), "train.loss",
+              "train.loss=tmpo and train.ratio_norm act on log-prob ratios, which recipe nft has none of; use "
+              "recipe grpo")
         check(self.sampling.group_size >= 2 or self.train.advantage == "mean", "sampling.group_size",
               "group advantages need at least 2 trajectories per prompt")
         check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device",

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
+from flowrl.algorithms.advantages import zero_std_fraction
 from flowrl.algorithms.combine import COMBINERS
 from flowrl.config import Config, SamplingConfig, save_config, to_dict
 from flowrl.config.schema import RewardSpec
@@ -282,7 +283,7 @@ def group_advantages(run: Run, traj, estimator):
     """Advantages over whole groups: gather every process's rewards, combine them, normalise per group.
 
     Returns (gathered rewards {name: [N_all]}, advantages [N_all], combined reward [N_all], this
-    process's slice of the rows).
+    process's slice of the rows, group ids [N_all]).
     """
     accelerator, t = run.accelerator, run.cfg.train
     gathered = {k: accelerator.gather(v.to(accelerator.device)).cpu() for k, v in traj.rewards.items()}
@@ -290,7 +291,7 @@ def group_advantages(run: Run, traj, estimator):
     advantages, combined = COMBINERS[t.combine]({key: gathered[key] for key in run.weights}, run.weights, all_groups,
                                                 lambda r, g: estimator(r, g, std_scope=t.std_scope))
     rank = accelerator.process_index
-    return gathered, advantages, combined, slice(rank * traj.num_rows, (rank + 1) * traj.num_rows)
+    return gathered, advantages, combined, slice(rank * traj.num_rows, (rank + 1) * traj.num_rows), all_groups
 
 
 def log_base_model(run: Run) -> None:
@@ -313,7 +314,7 @@ def optimizer_step(run: Run, stats: StatsAccumulator) -> None:
 
 
 def end_epoch(run: Run, epoch: int, *, gathered: dict[str, torch.Tensor], combined: torch.Tensor,
-              stats: StatsAccumulator, extra: dict[str, float], rollouts: int,
+              group_ids: torch.Tensor, stats: StatsAccumulator, extra: dict[str, float], rollouts: int,
               times: tuple[float, float, float, float], bar) -> dict[str, float]:
     """Collect the epoch's metrics (rewards, training stats, the recipe's ``extra``, stage times), count,
     score the held-out prompts, render the eval grid, log, checkpoint, update the progress bar.
@@ -324,6 +325,7 @@ def end_epoch(run: Run, epoch: int, *, gathered: dict[str, torch.Tensor], combin
     epoch_start, sample_done, reward_done, train_done = times
     metrics = {"epoch": epoch}
     metrics.update(reward_metrics(gathered, combined, [r.name for r in run.rewards]))  # NaN counts: main scores
+    metrics["policy/zero_std_groups"] = zero_std_fraction(combined, group_ids)  # groups that teach nothing
     metrics.update(stats.reduce(accelerator))
     metrics.update(extra)
     metrics["optim/lr"] = run.optimizer.param_groups[0]["lr"]

@@ -4,8 +4,10 @@ Choices, all set in the config (``flowrl/config/schema.py``):
 - rollouts: full SDE, an SDE window (Flow-GRPO-Fast random start / MixGRPO sliding start) or a
   tree that branches at fixed steps (BranchGRPO / TreeGRPO); only stochastic steps are stored;
 - advantages: per-prompt group mean, batch (global) or per-group std, clipped to +-advantage_clip;
-  tree edges get the mean advantage of the leaves below them and are trained once;
-- loss: PPO-clipped ratio with separate lower/upper ranges, plus beta * KL to the reference
+  tree edges get the mean advantage of the leaves below them and are trained once; ``loss: tmpo``
+  takes TMPO's Softmax Trajectory Balance target on each path's log-prob instead;
+- loss: PPO-clipped ratio with separate lower/upper ranges (optionally GRPO-Guard's per-step
+  normalisation of the log-ratio, ``train.ratio_norm``), plus beta * KL to the reference
   (the same transformer with the LoRA switched off), CFG inside the trained velocity. The KL is
   Flow-GRPO's, so its published beta carries over: per step ``||mu - mu_ref||^2 / (2 std_t^2)``
   (mean over non-batch dims) with ``std_t = a * sqrt(sigma / (1 - sigma))`` for SDE steps, i.e.
@@ -31,8 +33,8 @@ import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS, edge_advantages
-from flowrl.algorithms.losses import POLICY_LOSSES, gaussian_mean_kl
+from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS, edge_advantages, tmpo_advantages
+from flowrl.algorithms.losses import POLICY_LOSSES, gaussian_mean_kl, guard_log_ratio
 from flowrl.config import Config
 from flowrl.recipes.common import (  # noqa: F401  (re-exported for callers of this module)
     StatsAccumulator, end_epoch, finish_run, group_advantages, log_base_model, make_accelerator, optimizer_step,
@@ -40,7 +42,7 @@ from flowrl.recipes.common import (  # noqa: F401  (re-exported for callers of t
 )
 from flowrl.rewards_api import AsyncScorer
 from flowrl.sampling import sde_step, transition
-from flowrl.sampling.steps import kl_std
+from flowrl.sampling.steps import kl_std, velocity_sensitivity
 
 
 def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, float]:
@@ -68,11 +70,20 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
             same_noise_in_group=s.same_noise_in_group)
 
         # 4. Advantages over whole groups: gather every process's rewards, keep this process's slice.
-        gathered, combined_adv, combined, local = group_advantages(run, traj, estimator)
-        row_adv = combined_adv[local].clamp(-t.advantage_clip, t.advantage_clip)
-        traj.advantages = edge_advantages(row_adv, traj.edge_ids)  # [N, K]
+        #    TMPO replaces the group-normalised reward by Softmax-TB's target on each path's log-prob.
+        gathered, combined_adv, combined, local, all_groups = group_advantages(run, traj, estimator)
         trained_cols = trained_columns(traj.step_indices, s.num_steps, t.skip_last_step, t.timestep_fraction,
                                        seed=cfg.seed, epoch=epoch)
+        if t.loss == "tmpo":
+            path_log_probs = accelerator.gather(traj.log_probs[:, trained_cols].sum(1).to(accelerator.device)).cpu()
+            combined_adv = tmpo_advantages(path_log_probs, combined, all_groups, beta=t.tmpo_beta)
+            row_adv = combined_adv[local]
+        else:
+            row_adv = combined_adv[local].clamp(-t.advantage_clip, t.advantage_clip)
+        traj.advantages = edge_advantages(row_adv, traj.edge_ids)  # [N, K]
+        # GRPO-Guard: each trained step's velocity sensitivity over their mean (1 everywhere without it).
+        sensitivity = step_sensitivities(traj.sigmas, trained_cols, noise_level=s.noise_level, kind=s.kind,
+                                         normalise=t.ratio_norm)
         mask = traj.first_visit_mask() & torch.isfinite(combined[local])[:, None]  # [N, K]
         mask[:, [k for k in range(traj.num_stored_steps) if k not in trained_cols]] = False
 
@@ -91,7 +102,8 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                                                    guidance=guidance, noise_level=s.noise_level, kind=s.kind,
                                                    beta=t.beta, policy_loss=policy_loss, clip_low=t.clip_range,
                                                    clip_high=clip_high, stats=stats,
-                                                   on_policy=inner == 0 and chunk_index == 0)
+                                                   on_policy=inner == 0 and chunk_index == 0,
+                                                   ratio_scale=sensitivity.get(k))
                         accelerator.backward(loss_sum * world / max(weight, 1.0))
                 optimizer_step(run, stats)
                 if ema is not None:
@@ -99,8 +111,9 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         train_done = time.perf_counter()
 
         # 7. Log, render eval grids, checkpoint.
-        advantage_size = float(combined_adv.clamp(-t.advantage_clip, t.advantage_clip).abs().mean())
-        metrics = end_epoch(run, epoch, gathered=gathered, combined=combined, stats=stats,
+        advantage_size = float(combined_adv.abs().mean() if t.loss == "tmpo"
+                               else combined_adv.clamp(-t.advantage_clip, t.advantage_clip).abs().mean())
+        metrics = end_epoch(run, epoch, gathered=gathered, combined=combined, group_ids=all_groups, stats=stats,
                             extra={"advantages/abs_mean": advantage_size}, rollouts=traj.num_rows * world,
                             times=(epoch_start, sample_done, reward_done, train_done), bar=bar)
 
@@ -123,9 +136,22 @@ def trained_columns(step_indices: torch.Tensor, num_steps: int, skip_last_step: 
     return columns
 
 
+def step_sensitivities(sigmas: torch.Tensor, columns: list[int], *, noise_level: float, kind: str,
+                       normalise: bool) -> dict[int, float]:
+    """{stored column: its step's velocity sensitivity over the mean of the trained ones} for GRPO-Guard
+    (:func:`flowrl.algorithms.losses.guard_log_ratio`); empty without ``normalise``."""
+    if not normalise:
+        return {}
+    raw = {k: velocity_sensitivity(float(sigmas[k]), float(sigmas[k + 1]), noise_level=noise_level, kind=kind)
+           for k in columns}
+    mean = sum(raw.values()) / len(raw)
+    return {k: value / mean for k, value in raw.items()}
+
+
 def transition_loss(policy, traj, rows, k, mask, *, accelerator, guidance, noise_level, kind, beta, policy_loss,
-                    clip_low, clip_high, stats, on_policy) -> torch.Tensor:
-    """Summed (not averaged) loss of stored transitions ``rows`` at stored step ``k``."""
+                    clip_low, clip_high, stats, on_policy, ratio_scale: float | None = None) -> torch.Tensor:
+    """Summed (not averaged) loss of stored transitions ``rows`` at stored step ``k``; with
+    ``ratio_scale`` the log-ratio is GRPO-Guard-normalised by it first."""
     device = accelerator.device
     x = traj.latents[rows, k].to(device)  # [B, C, h, w]
     x_next = traj.latents[rows, k + 1].to(device)
@@ -136,7 +162,10 @@ def transition_loss(policy, traj, rows, k, mask, *, accelerator, guidance, noise
     step = sde_step(velocity, x, sigma, sigma_next, noise_level=noise_level, kind=kind, prev_sample=x_next)
     old_log_probs = traj.log_probs[rows, k].to(device)
     advantages = traj.advantages[rows, k].to(device)
-    loss, loss_stats = policy_loss(step.log_prob, old_log_probs, advantages, clip_low=clip_low, clip_high=clip_high)
+    log_probs = step.log_prob
+    if ratio_scale is not None:
+        log_probs = old_log_probs + guard_log_ratio(log_probs - old_log_probs, ratio_scale)
+    loss, loss_stats = policy_loss(log_probs, old_log_probs, advantages, clip_low=clip_low, clip_high=clip_high)
     weights = mask[rows, k].to(device).float()  # [B]
     kl = torch.zeros_like(loss)
     if beta > 0:

@@ -81,7 +81,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
             traj, sample_done, reward_done = sample_and_score(run, scorer, epoch, plan=plan, noise_level=0.0)
 
         # 2. Advantages over whole groups -> optimality in [0, 1]; unscored (NaN) rows are left out.
-        gathered, advantages, combined, local = group_advantages(run, traj, estimator)
+        gathered, advantages, combined, local, all_groups = group_advantages(run, traj, estimator)
         optimality = 0.5 + 0.5 * advantages[local].clamp(-t.advantage_clip, t.advantage_clip) / t.advantage_clip
         keep = torch.isfinite(combined[local])  # [N]
 
@@ -118,7 +118,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         train_done = time.perf_counter()
 
         # 4. Log, render eval grids, checkpoint.
-        metrics = end_epoch(run, epoch, gathered=gathered, combined=combined, stats=stats,
+        metrics = end_epoch(run, epoch, gathered=gathered, combined=combined, group_ids=all_groups, stats=stats,
                             extra={"nft/optimality_abs_dev": float((optimality - 0.5).abs().mean())},
                             rollouts=traj.num_rows * world, times=(epoch_start, sample_done, reward_done, train_done),
                             bar=bar)

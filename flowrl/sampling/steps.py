@@ -136,6 +136,20 @@ def transition(velocity, sample, sigma, sigma_next, *, noise_level: float, kind:
     return _mean(x, v, coefficients, kind), std
 
 
+def velocity_sensitivity(sigma: float, sigma_next: float, *, noise_level: float, kind: StepKind) -> float:
+    """How far a unit change of the velocity moves the step's mean, in units of the step's std.
+
+    The mean is affine in the velocity, so one difference of two transitions gives the slope. The
+    log-ratio of a transition whose velocity moved by ``dv`` has a spread of about this times
+    ``|dv|``: on the SD3 schedule it is several times larger at the last, low-noise steps than at
+    the first ones, which is why they dominate GRPO's gradient (GRPO-Guard's observation).
+    """
+    x = torch.zeros(1, 1, dtype=torch.float64)
+    moved, std = transition(torch.ones_like(x), x, sigma, sigma_next, noise_level=noise_level, kind=kind)
+    still, _ = transition(torch.zeros_like(x), x, sigma, sigma_next, noise_level=noise_level, kind=kind)
+    return float((moved - still).abs().item() / std.clamp(min=1e-12).item())
+
+
 def kl_std(sample, sigma, sigma_next, *, noise_level: float, kind: StepKind) -> torch.Tensor:
     """The std [B, 1, ...] that Flow-GRPO's KL regulariser divides by, in compute precision.
 
