@@ -73,6 +73,15 @@ class TreeConfig:
 
 
 @dataclass
+class PilotConfig:
+    candidates: int | None = 0
+    """Pilot-Commit: candidate prompts piloted per rollout batch on each process (>= prompts_per_batch); the
+    prompts_per_batch with the highest pilot reward variance get the rest of their group. 0 or null: off."""
+    group_size: int = 4
+    """Pilot rollouts per candidate (>= 2, < sampling.group_size); they stay in a committed prompt's group."""
+
+
+@dataclass
 class SamplingConfig:
     num_steps: int = 10
     """Denoising steps per rollout."""
@@ -92,6 +101,8 @@ class SamplingConfig:
     """SDE window (Flow-GRPO-Fast / MixGRPO)."""
     tree: TreeConfig = field(default_factory=TreeConfig)
     """Tree rollouts (BranchGRPO / TreeGRPO / TMPO)."""
+    pilot: PilotConfig = field(default_factory=PilotConfig)
+    """Pilot-Commit rollout allocation: skip candidate prompts whose pilot rewards do not vary."""
 
     def validate(self):
         check(self.num_steps >= 1, "num_steps", "must be >= 1")
@@ -118,6 +129,17 @@ class SamplingConfig:
                   f"must be a multiple of the tree's {leaves} leaves per root")
             check(size is None or self.window.mode == "fixed", "tree.branch_steps",
                   "a tree needs a full-SDE rollout or a fixed window containing every branch step")
+        pilot = self.pilot
+        check(pilot.candidates is None or pilot.candidates >= 0, "pilot.candidates", "must be >= 0 (0 or null: off)")
+        if pilot.candidates:
+            check(pilot.candidates >= self.prompts_per_batch, "pilot.candidates",
+                  f"must be >= sampling.prompts_per_batch={self.prompts_per_batch} (the prompts committed)")
+            check(2 <= pilot.group_size < self.group_size, "pilot.group_size",
+                  f"must be >= 2 (a variance) and < sampling.group_size={self.group_size}")
+            check(not tree.branch_steps, "pilot.candidates",
+                  "Pilot-Commit needs flat groups; set it to 0 or drop sampling.tree.branch_steps")
+            check(not self.same_noise_in_group, "pilot.candidates",
+                  "Pilot-Commit draws a group in two passes; set it to 0 or sampling.same_noise_in_group=false")
 
 
 @dataclass
@@ -222,6 +244,13 @@ class TrainConfig:
     """'latest' or a checkpoint directory to continue from."""
     export_lora: bool = True
     """Export the final (EMA) LoRA in diffusers format to RUN_DIR/lora at the end."""
+    credit: Literal["terminal", "dense_cosine", "dense_ode"] = "terminal"
+    """Per-step credit (recipe grpo, see flowrl/algorithms/dense.py): terminal gives every trained step its
+    row's advantage; dense_cosine splits it by how far each step moves the predicted x0 toward the final
+    latent; dense_ode (DenseGRPO) trains each step on its group-normalised reward gain from ODE look-ahead."""
+    dense_lookahead: int | None = None
+    """dense_ode: model calls per look-ahead (the last one steps straight to sigma 0); null runs the full
+    remaining ODE, which DenseGRPO finds better than a short look-ahead."""
 
     def validate(self):
         for key in ("epochs", "batches_per_epoch", "inner_epochs", "optimizer_steps_per_epoch", "micro_batch_size"):
@@ -240,18 +269,34 @@ class TrainConfig:
         check(self.combine in COMBINERS, "combine", f"unknown reward combiner {self.combine!r}; choose one of "
               f"{sorted(COMBINERS)}")
         check(self.tmpo_beta > 0, "tmpo_beta", "must be > 0")
+        check(self.credit == "terminal" or self.loss != "tmpo", "credit",
+              f"{self.credit} gives per-step advantages, but train.loss=tmpo trains on per-trajectory targets; "
+              "use train.loss=grpo-clip or train.credit=terminal")
+        if self.dense_lookahead is not None:
+            check(self.dense_lookahead >= 1, "dense_lookahead", "must be >= 1 model call, or null for the full ODE")
+            check(self.credit == "dense_ode", "dense_lookahead",
+                  f"only applies to train.credit=dense_ode (got {self.credit}); remove it or set the credit")
 
 
 @dataclass
 class NFTConfig:
-    """DiffusionNFT (recipe: nft): ODE rollouts, flow-matching updates on their clean samples."""
+    """Forward-process RL (recipe: nft): ODE rollouts, flow-matching updates on their clean samples,
+    with DiffusionNFT's loss or AWM's."""
 
+    loss: Literal["nft", "awm"] = "nft"
+    """'nft': DiffusionNFT's implicit positive/negative policies; 'awm': Advantage Weighted Matching, the
+    flow-matching loss weighted by the clipped advantage over train.advantage_clip, plus nft.awm_kl
+    times ||v - v_old||^2 toward the old (EMA) adapter."""
+    awm_kl: float = 1.0
+    """AWM: weight of ||v - v_old||^2 (AWM's published value). A sample's loss is bounded below while its
+    advantage weight (in [-1, 1]) plus awm_kl is > 0, so 1 covers every weight above -1."""
     strength: float = 1.0
-    """beta of the implicit policies v+ = beta v + (1 - beta) v_old, v- = (1 + beta) v_old - beta v."""
+    """beta of the implicit policies v+ = beta v + (1 - beta) v_old, v- = (1 + beta) v_old - beta v (loss nft)."""
     timesteps_per_sample: int = 1
     """Fresh (t, noise) draws per clean sample in each pass: more lowers the gradient's variance."""
     adaptive_weighting: bool = True
-    """Measure each loss term in x0-space, divided by its own detached mean error (keeps training stable)."""
+    """Measure each loss term in x0-space, divided by its own detached mean error (keeps training stable;
+    loss nft)."""
     timestep_schedule: Literal["sampling", "uniform"] = "sampling"
     """Where training t comes from: 'sampling' draws, per sample and without repeats, from the sigmas of
     the (shifted) sampling schedule, as DiffusionNFT does; 'uniform' draws t ~ U(0, 1)."""
@@ -261,6 +306,7 @@ class NFTConfig:
 
     def validate(self):
         check(self.strength > 0, "strength", "must be > 0")
+        check(self.awm_kl >= 0, "awm_kl", "must be >= 0 (it pulls v toward the old adapter)")
         check(self.timesteps_per_sample >= 1, "timesteps_per_sample", "must be >= 1")
         ramp = self.old_decay_ramp
         check(ramp is None or (len(ramp) == 2 and ramp[0] >= 0 and 0 <= ramp[1] < 1), "old_decay_ramp",
@@ -331,6 +377,9 @@ class Config:
         check(self.recipe != "nft" or (self.train.loss == "grpo-clip" and not self.train.ratio_norm), "train.loss",
               "train.loss=tmpo and train.ratio_norm act on log-prob ratios, which recipe nft has none of; use "
               "recipe grpo")
+        from flowrl.algorithms.dense import check_credit
+
+        check_credit(self.train.credit, recipe=self.recipe, branch_steps=self.sampling.tree.branch_steps)
         check(self.sampling.group_size >= 2 or self.train.advantage == "mean", "sampling.group_size",
               "group advantages need at least 2 trajectories per prompt")
         check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device",

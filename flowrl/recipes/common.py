@@ -26,6 +26,7 @@ from flowrl.models.lora_io import load_lora_into, lora_config_dict, lora_state_d
 from flowrl.report import evaluate, render, write_report
 from flowrl.rewards_api import build_reward, nan_summary
 from flowrl.sampling import StepPlan, concat_trajectories, rollout, root_seeds, window_start
+from flowrl.sampling.pilot import commit_candidates, join_committed, pilot_variances, slot_seeds
 from flowrl.training.ema import LoraEMA, ema_weights
 from flowrl.training.metrics import MetricsLogger
 
@@ -247,18 +248,24 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
 
 
 def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_level: float, kind: str = "sde",
-                     same_noise_in_group: bool = False):
+                     same_noise_in_group: bool = False, store_x0_preds: bool = False):
     """This epoch's rollouts on this process, scored: batch b is scored in a worker while b+1 is sampled.
 
     Prompts are sharded over processes and row seeds come from global row indices, so N processes
-    reproduce one. Returns (trajectory with rewards, time sampling ended, time scoring ended).
+    reproduce one. With ``sampling.pilot.candidates`` the batches are allocated by Pilot-Commit
+    (:func:`pilot_sample_and_score`). Returns (trajectory with rewards, time sampling ended, time
+    scoring ended); the trajectory also carries ``rollouts_sampled`` (rollouts of every process this
+    epoch, dropped pilot ones included) and ``sampling_metrics`` (``perf/*`` for ``end_epoch``'s extra).
     """
     cfg, accelerator, policy = run.cfg, run.accelerator, run.policy
     s, rank, world = cfg.sampling, accelerator.process_index, accelerator.num_processes
-    roots_per_group = s.group_size // plan.leaves_per_root
-    parts, futures = [], []
     key = cfg.data.balance_by  # equal shares of each batch per metadata value (checked in load_prompt_splits)
     strata = [m[key] for m in run.train_prompts.metadata] if key else None
+    if s.pilot.candidates:
+        return pilot_sample_and_score(run, scorer, epoch, plan=plan, noise_level=noise_level, kind=kind,
+                                      strata=strata, store_x0_preds=store_x0_preds)
+    roots_per_group = s.group_size // plan.leaves_per_root
+    parts, futures = [], []
     for b in range(cfg.train.batches_per_epoch):
         batch_index = epoch * cfg.train.batches_per_epoch + b
         index = epoch_prompt_indices(len(run.train_prompts), s.prompts_per_batch, seed=cfg.seed, epoch=batch_index,
@@ -269,6 +276,7 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
             part = rollout(policy, batch.prompts, group_size=s.group_size, num_steps=s.num_steps,
                            guidance_scale=run.guidance, noise_level=noise_level, kind=kind, plan=plan,
                            same_noise_in_group=same_noise_in_group, metadata=batch.metadata,
+                           store_x0_preds=store_x0_preds,
                            seeds=root_seeds(cfg.seed, first_root, len(batch) * roots_per_group))
         part.group_ids = part.group_ids + (batch_index * world + rank) * s.prompts_per_batch
         futures.append(scorer.submit(part.images, part.row_prompts, part.row_metadata))
@@ -276,7 +284,82 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
     sample_done = time.perf_counter()
     for part, future in zip(parts, futures):
         part.rewards = future.result()
-    return concat_trajectories(parts), sample_done, time.perf_counter()
+    traj = concat_trajectories(parts)
+    traj.rollouts_sampled, traj.sampling_metrics = traj.num_rows * world, {}
+    return traj, sample_done, time.perf_counter()
+
+
+def pilot_sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_level: float, kind: str,
+                           strata: list | None, store_x0_preds: bool = False):
+    """Pilot-Commit (``flowrl.sampling.pilot``): every batch pilots ``pilot.candidates`` prompts with
+    ``pilot.group_size`` rollouts each, commits the ``prompts_per_batch`` whose pilot rewards vary most
+    and rolls out the rest of their groups; uncommitted pilot rollouts are dropped.
+
+    Each process pilots its own shard of candidates (the same balanced sampler) and commits locally,
+    so every process keeps ``prompts_per_batch`` groups of ``group_size`` rows (N processes draw the
+    candidates and seeds of one with N times the candidates, but choose among their own). All pilots are sampled
+    first, so pilot b+1 samples while pilot b is scored and each commit waits only for its own pilot.
+    Same return value as :func:`sample_and_score`; ``sampling_metrics`` holds, summed over processes
+    and batches, ``perf/rollouts_saved`` (skipped candidates x the commit rollouts each would have
+    had), ``perf/pilot_dropped`` (pilot rollouts not trained on) and ``perf/pilot_zero_std`` (the
+    fraction of candidates whose pilot rewards did not vary).
+    """
+    cfg, accelerator, policy = run.cfg, run.accelerator, run.policy
+    s, rank, world = cfg.sampling, accelerator.process_index, accelerator.num_processes
+    candidates, pilot_size, commit_size = s.pilot.candidates, s.pilot.group_size, s.group_size - s.pilot.group_size
+    steps = dict(num_steps=s.num_steps, guidance_scale=run.guidance, noise_level=noise_level, kind=kind, plan=plan,
+                 store_x0_preds=store_x0_preds)
+
+    # 1. Pilot: a few rollouts per candidate; candidate c owns root rows first_root + c * group_size + [0, G).
+    pilots = []
+    for b in range(cfg.train.batches_per_epoch):
+        batch_index = epoch * cfg.train.batches_per_epoch + b
+        slot = batch_index * world + rank  # this process's batch among all processes' batches of the run
+        index = epoch_prompt_indices(len(run.train_prompts), candidates, seed=cfg.seed, epoch=batch_index, rank=rank,
+                                     world_size=world, strata=strata)
+        batch = run.train_prompts.subset(index)
+        first_root = slot * candidates * s.group_size
+        with policy.local_forward():
+            pilot = rollout(policy, batch.prompts, group_size=pilot_size, metadata=batch.metadata, **steps,
+                            seeds=slot_seeds(cfg.seed, first_root, range(len(batch)), s.group_size, 0, pilot_size))
+        pilots.append((slot, first_root, pilot, scorer.submit(pilot.images, pilot.row_prompts, pilot.row_metadata)))
+
+    # 2. Commit the candidates whose combined pilot reward varies most; roll out the rest of their groups.
+    commits, skipped, flat = [], 0, 0
+    for slot, first_root, pilot, future in pilots:
+        pilot.rewards = future.result()
+        n = pilot.num_rows
+        signal = {k: pilot.rewards.get(k, torch.full((n,), math.nan)) for k in run.weights}  # a failed reward: NaN
+        _, combined = COMBINERS[cfg.train.combine](signal, run.weights, pilot.prompt_ids.cpu(), lambda r, g: r)
+        variances = pilot_variances(combined, pilot.prompt_ids, len(pilot.prompts))  # [C]
+        committed = commit_candidates(variances, s.prompts_per_batch)  # [P]
+        skipped += len(pilot.prompts) - len(committed)
+        flat += int((variances == 0).sum())
+        chosen = committed.tolist()
+        with policy.local_forward():
+            commit = rollout(policy, [pilot.prompts[c] for c in chosen], group_size=commit_size, **steps,
+                             metadata=[pilot.metadata[c] for c in chosen] if pilot.metadata else None,
+                             cond=pilot.cond.select(committed),
+                             seeds=slot_seeds(cfg.seed, first_root, chosen, s.group_size, pilot_size, s.group_size))
+        group_ids = slot * s.prompts_per_batch + torch.arange(len(chosen))  # [P] globally unique
+        commits.append((pilot, committed, group_ids, commit,
+                        scorer.submit(commit.images, commit.row_prompts, commit.row_metadata)))
+    sample_done = time.perf_counter()
+
+    # 3. Each committed group: its pilot rows (already scored) then its commit rows.
+    parts = []
+    for pilot, committed, group_ids, commit, future in commits:
+        commit.rewards = future.result()
+        parts.append(join_committed(pilot, commit, committed, group_ids))
+    traj = concat_trajectories(parts)
+    batches = cfg.train.batches_per_epoch
+    counts = accelerator.reduce(torch.tensor([skipped, flat], dtype=torch.float64, device=accelerator.device),
+                                "sum").cpu()
+    traj.rollouts_sampled = (candidates * pilot_size + s.prompts_per_batch * commit_size) * batches * world
+    traj.sampling_metrics = {"perf/rollouts_saved": float(counts[0]) * commit_size,
+                             "perf/pilot_dropped": float(counts[0]) * pilot_size,
+                             "perf/pilot_zero_std": float(counts[1]) / (candidates * batches * world)}
+    return traj, sample_done, time.perf_counter()
 
 
 def group_advantages(run: Run, traj, estimator):

@@ -6,6 +6,10 @@ Choices, all set in the config (``flowrl/config/schema.py``):
 - advantages: per-prompt group mean, batch (global) or per-group std, clipped to +-advantage_clip;
   tree edges get the mean advantage of the leaves below them and are trained once; ``loss: tmpo``
   takes TMPO's Softmax Trajectory Balance target on each path's log-prob instead;
+- credit (``train.credit``): every trained step gets its row's advantage (terminal), a share of it by
+  how far the step moves the predicted clean latent toward the final one (dense_cosine), or its own
+  group-normalised reward gain measured by ODE look-ahead from the states around it (dense_ode,
+  DenseGRPO); see ``flowrl/algorithms/dense.py``;
 - loss: PPO-clipped ratio with separate lower/upper ranges (optionally GRPO-Guard's per-step
   normalisation of the log-ratio, ``train.ratio_norm``), plus beta * KL to the reference
   (the same transformer with the LoRA switched off), CFG inside the trained velocity. The KL is
@@ -27,6 +31,7 @@ Run: ``flowrl train configs/smoke/sd3_tiny.yaml`` (CPU, seconds) or
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import numpy as np
 import torch
@@ -34,6 +39,11 @@ from accelerate import Accelerator
 from tqdm.auto import tqdm
 
 from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS, edge_advantages, tmpo_advantages
+from flowrl.algorithms.combine import COMBINERS
+from flowrl.algorithms.dense import (
+    cosine_advantages, cosine_gain_weights, lookahead_rewards, lookahead_states, predict_x0,
+    reward_gains, stepwise_advantages, top_step_share,
+)
 from flowrl.algorithms.losses import POLICY_LOSSES, gaussian_mean_kl, guard_log_ratio
 from flowrl.config import Config
 from flowrl.recipes.common import (  # noqa: F401  (re-exported for callers of this module)
@@ -52,6 +62,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
     accelerator, policy, ema = run.accelerator, run.policy, run.ema
     rank, world, guidance = accelerator.process_index, accelerator.num_processes, run.guidance
     s, t = cfg.sampling, cfg.train
+    rollout_batch = s.prompts_per_batch * s.group_size  # rows one rollout call holds: the look-ahead's batch
     estimator = ADVANTAGE_ESTIMATORS[t.advantage]
     policy_loss = POLICY_LOSSES[t.loss]
     clip_high = t.clip_range if t.clip_range_high is None else t.clip_range_high
@@ -67,7 +78,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         # 1-3. Sample prompts, roll out groups, score batch b while batch b+1 is sampled.
         traj, sample_done, reward_done = sample_and_score(
             run, scorer, epoch, plan=plan, noise_level=s.noise_level, kind=s.kind,
-            same_noise_in_group=s.same_noise_in_group)
+            same_noise_in_group=s.same_noise_in_group, store_x0_preds=t.credit == "dense_cosine")
 
         # 4. Advantages over whole groups: gather every process's rewards, keep this process's slice.
         #    TMPO replaces the group-normalised reward by Softmax-TB's target on each path's log-prob.
@@ -87,8 +98,27 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         mask = traj.first_visit_mask() & torch.isfinite(combined[local])[:, None]  # [N, K]
         mask[:, [k for k in range(traj.num_stored_steps) if k not in trained_cols]] = False
 
-        # 5-6. Inner passes: shuffled chunks -> micro-batches x trained steps -> one optimizer step per chunk.
+        # 5. Dense credit (train.credit): per-step advantages in place of the row's one on every trained step.
         stats = StatsAccumulator()
+        dense_start = time.perf_counter()
+        if t.credit == "dense_cosine":
+            traj.advantages = cosine_credit(policy, traj, row_adv, trained_cols, guidance=guidance,
+                                            batch_size=rollout_batch)
+        elif t.credit == "dense_ode":
+            traj.advantages, gains = ode_credit(
+                policy, traj, scorer, trained_cols, all_groups, local, accelerator=accelerator,
+                schedule=policy.sigmas(s.num_steps), guidance=guidance, weights=run.weights,
+                combine=COMBINERS[t.combine], estimator=partial(estimator, std_scope=t.std_scope),
+                clip=t.advantage_clip, steps=t.dense_lookahead, batch_size=rollout_batch)
+            mask &= torch.isfinite(gains)  # a look-ahead that could not be scored trains nothing
+            stats.add("reward/dense_gain_mean", gains.nan_to_num().flatten(), mask.flatten().float())
+        if t.credit != "terminal":
+            stats.add("advantages/dense_abs_mean", traj.advantages.abs().flatten(), mask.flatten().float())
+            share, has_credit = top_step_share(traj.advantages, mask)
+            stats.add("advantages/dense_top_share", share, has_credit.float())
+            stats.add_scalar("perf/dense_s", time.perf_counter() - dense_start, reduce="max")
+
+        # 6-7. Inner passes: shuffled chunks -> micro-batches x trained steps -> one optimizer step per chunk.
         for inner in range(t.inner_epochs):
             order = np.random.default_rng([cfg.seed, epoch, inner, rank, 0x7EA1]).permutation(traj.num_rows)
             for chunk_index, chunk in enumerate(np.array_split(order, t.optimizer_steps_per_epoch)):
@@ -110,14 +140,15 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                     ema.step()
         train_done = time.perf_counter()
 
-        # 7. Log, render eval grids, checkpoint.
+        # 8. Log, render eval grids, checkpoint.
         advantage_size = float(combined_adv.abs().mean() if t.loss == "tmpo"
                                else combined_adv.clamp(-t.advantage_clip, t.advantage_clip).abs().mean())
         metrics = end_epoch(run, epoch, gathered=gathered, combined=combined, group_ids=all_groups, stats=stats,
-                            extra={"advantages/abs_mean": advantage_size}, rollouts=traj.num_rows * world,
+                            extra={"advantages/abs_mean": advantage_size, **traj.sampling_metrics},
+                            rollouts=traj.rollouts_sampled,
                             times=(epoch_start, sample_done, reward_done, train_done), bar=bar)
 
-    # 8. Export the final adapter (EMA weights when kept) and report before/after on held-out prompts.
+    # 9. Export the final adapter (EMA weights when kept) and report before/after on held-out prompts.
     scorer.close()
     return finish_run(run, metrics)
 
@@ -134,6 +165,38 @@ def trained_columns(step_indices: torch.Tensor, num_steps: int, skip_last_step: 
         chosen = np.random.default_rng([seed, epoch, 0x51E9]).choice(len(columns), size=keep, replace=False)
         columns = [columns[i] for i in sorted(chosen.tolist())]
     return columns
+
+
+def cosine_credit(policy, traj, row_advantages, columns, *, guidance, batch_size) -> torch.Tensor:
+    """dense_cosine advantages [N, K]: the row's clipped advantage split over its trained steps by their
+    x0-prediction gains, from the rollout's stored predictions or, when it kept none, recomputed."""
+    x0_preds = traj.x0_preds
+    if x0_preds is None:
+        with policy.local_forward():
+            x0_preds = predict_x0(policy, traj.latents, traj.sigmas, traj.cond.select(traj.prompt_ids), guidance,
+                                  batch_size=batch_size)
+    weights = cosine_gain_weights(x0_preds, traj.final_latents, columns)  # [N, K]
+    return cosine_advantages(row_advantages.cpu(), weights.cpu(), len(columns))
+
+
+def ode_credit(policy, traj, scorer, columns, all_groups, local, *, accelerator, schedule, guidance, weights, combine,
+               estimator, clip, steps, batch_size) -> tuple[torch.Tensor, torch.Tensor]:
+    """dense_ode advantages [N, K] and combined reward gains [N, K] (NaN where unknown) of this process's
+    rows: look-ahead rewards of the stored states, gains against the next state's, normalised per step
+    over whole groups (every process's gains gathered, as the terminal rewards are)."""
+    def score(images: torch.Tensor) -> dict[str, torch.Tensor]:  # same rewards, same error policy as the rollouts
+        return scorer.submit(images, traj.row_prompts, traj.row_metadata).result()
+
+    with policy.local_forward():  # gradient-free passes need no distributed syncing
+        step_rewards = lookahead_rewards(policy, traj.latents, schedule, traj.step_indices,
+                                         traj.cond.select(traj.prompt_ids), guidance, score,
+                                         states=lookahead_states(columns, traj.num_stored_steps), steps=steps,
+                                         batch_size=batch_size)
+    unscored = torch.full(traj.log_probs.shape, float("nan"))  # a reward that failed (reward_errors: nan)
+    gains = {key: accelerator.gather(reward_gains(step_rewards.get(key, unscored), traj.rewards[key].cpu())
+                                     .to(accelerator.device)).cpu() for key in weights}  # {key: [N_all, K]}
+    advantages, combined = stepwise_advantages(gains, weights, all_groups, combine, estimator, clip=clip)
+    return advantages[local], combined[local]
 
 
 def step_sensitivities(sigmas: torch.Tensor, columns: list[int], *, noise_level: float, kind: str,

@@ -1,39 +1,60 @@
-"""DiffusionNFT: online RL on the forward (noising) process of a flow model.
+"""Forward-process RL on a flow model: DiffusionNFT and AWM (Advantage Weighted Matching).
 
 GRPO needs stochastic rollouts and per-step log-probabilities, and its gradient is a noisy score
-function. DiffusionNFT needs neither: it samples clean images with the plain ODE, scores them, and
-trains with the flow-matching loss itself on freshly noised copies of those images, pulling the
-velocity toward good samples and away from bad ones (:func:`flowrl.algorithms.losses.nft_loss`).
-Its gradient is a supervised one: on the toy world, 12 epochs on four training prompts take strict
-ToyEval from 0.31 to 0.51 where full-SDE GRPO reaches 0.41, and on the whole prompt set it raises the
-held-out task mean while GRPO stays flat (assets/toy/README.md, tests/test_toy_rl.py).
+function. The forward-process losses need neither: they sample clean images with the plain ODE,
+score them, and train with the flow-matching loss itself on freshly noised copies of those images,
+pulling the velocity toward good samples and away from bad ones. ``nft.loss`` picks the loss
+(:data:`FORWARD_LOSSES`); everything else in this file is shared.
+
+- ``nft`` (default): DiffusionNFT's implicit positive and negative policies
+  (:func:`flowrl.algorithms.losses.nft_loss`). Its gradient is a supervised one: on the toy world,
+  12 epochs on four training prompts take strict ToyEval from 0.31 to 0.51 where full-SDE GRPO
+  reaches 0.41, and on the whole prompt set it raises the held-out task mean while GRPO stays flat
+  (assets/toy/README.md, tests/test_toy_rl.py).
+- ``awm``: Advantage Weighted Matching (:func:`flowrl.algorithms.losses.awm_loss`), the pretraining
+  loss weighted by the advantage, ``a ||v - (eps - x0)||^2``, plus ``nft.awm_kl * ||v - v_old||^2``
+  toward the old adapter. Choices, after AWM's paper and repository: ``a`` is the group advantage
+  clipped to ``train.advantage_clip`` and divided by it (AWM: clip 5, ``advantage_max`` 1), so
+  ``a`` lies in [-1, 1], equals DiffusionNFT's ``2r - 1``, and at ``v = v_old`` AWM's gradient is
+  DiffusionNFT's at strength 1 without adaptive weighting. The regulariser is AWM's velocity-space
+  ``||v - v_ema||^2`` with AWM's weight 1; its EMA is stepped once per epoch with a decay ramp
+  ``min(0.001 * step, 0.3)``, as the old adapter is here. A sample with ``a + awm_kl > 0`` has the
+  bounded minimum ``v_old + a / (a + awm_kl) * (target - v_old)``; otherwise its loss falls without
+  bound as ``v`` leaves its image, the collapse unregularised AWM is prone to. ``awm_kl = 1`` covers
+  every ``a > -1``, and per-group advantages of a group of n stay within ``sqrt(n - 1)`` (16: 3.9 < 5).
+  Left out: AWM wraps the weighted loss in a PPO ratio ``exp(l_old - l)`` with clip range 1 (at the
+  first step on fresh (t, eps) the ratio is 1 and the gradient is the one used here) and reweights
+  the loss per timestep ('ghuber', ``t/p ((l + e)^p - e^p)``); AWM samples with the trained adapter,
+  while here both losses sample with the old one. ``nft.strength`` and ``nft.adaptive_weighting``
+  act on loss ``nft`` only.
 
 One epoch:
 1. ODE rollouts of ``group_size`` images per prompt, sampled with the "old" adapter: the EMA of the
    trained one, stepped once per epoch. Its decay is ``train.ema_decay``, or DiffusionNFT's ramp
    ``min(rate * optimizer_steps, max)`` with ``nft.old_decay_ramp: [0.001, 0.5]``; 0 makes it the
    trained adapter as it was at the end of the last epoch. Only clean latents are kept.
-2. Rewards -> group advantages (the same estimators and combiners as GRPO) -> optimality
-   ``r = 1/2 + A / (2 * advantage_clip)`` in [0, 1] (DiffusionNFT: clip 5, so ``r = 1/2 + A/10``).
+2. Rewards -> group advantages (the same estimators and combiners as GRPO) -> ``a = clip(A) /
+   advantage_clip`` in [-1, 1]; loss ``nft`` turns it into the optimality ``r = (1 + a) / 2``
+   (DiffusionNFT: clip 5, so ``r = 1/2 + A/10``), loss ``awm`` weights by ``a`` itself.
 3. For each sample and each of ``nft.timesteps_per_sample`` timesteps: a sigma of the sampling
-   schedule (``nft.timestep_schedule: sampling``, DiffusionNFT's shifted timesteps; each sample
-   takes its own random order of them, no sigma twice) or ``t ~ U(0, 1)`` (``uniform``), fresh
-   noise, ``x_t = (1 - t) x0 + t eps``, target ``eps - x0``; the loss compares the trained velocity
-   and the old one (EMA weights swapped in, no grad) through the implicit policies of strength
-   ``nft.strength``. DiffusionNFT takes one optimizer step per epoch over every (sample, t) pair
+   schedule (``nft.timestep_schedule: sampling``, DiffusionNFT's shifted timesteps and close to AWM's
+   stratified draws from the schedule; each sample takes its own random order of them, no sigma
+   twice) or ``t ~ U(0, 1)`` (``uniform``), fresh noise, ``x_t = (1 - t) x0 + t eps``, target
+   ``eps - x0``; the loss compares the trained velocity and the old one (EMA weights swapped in, no
+   grad). DiffusionNFT takes one optimizer step per epoch over every (sample, t) pair
    (``train.inner_epochs: 1``, ``train.optimizer_steps_per_epoch: 1``).
-   The old adapter stays fixed within the epoch: then each sample's loss has a bounded minimum,
-   ``v = v_old + (2r - 1) / strength * (target - v_old)``. An old adapter that trailed every optimizer
-   step would move that minimum with the weights, and the toy model drifts off and collapses.
-   ``nft.adaptive_weighting`` (default) measures each term in x0-space over its own detached mean
-   error: without it the push away from bad samples grows with the error, and a 90-epoch toy run
-   diverged (loss 0.43 -> 187, held-out partial ToyEval 0.45 -> 0.19).
+   The old adapter stays fixed within the epoch: then each sample's loss has a bounded minimum
+   (for ``nft``: ``v = v_old + (2r - 1) / strength * (target - v_old)``). An old adapter that trailed
+   every optimizer step would move that minimum with the weights, and the toy model drifts off and
+   collapses. ``nft.adaptive_weighting`` (default) measures each NFT term in x0-space over its own
+   detached mean error: without it the push away from bad samples grows with the error, and a
+   90-epoch toy run diverged (loss 0.43 -> 187, held-out partial ToyEval 0.45 -> 0.19).
    ``train.beta > 0`` adds ``beta * ||v - v_ref||^2`` toward the base model (adapter off).
 
 With ``train.cfg`` the policy is the guided velocity (rollouts and loss alike); without it the
-conditional model is trained alone (DiffusionNFT's guidance-free setting).
+conditional model is trained alone (DiffusionNFT's guidance-free setting; AWM's too).
 
-Run: ``flowrl train configs/toy/nft.yaml`` (CPU, minutes).
+Run: ``flowrl train configs/toy/nft.yaml`` or ``flowrl train configs/toy/awm.yaml`` (CPU, minutes).
 """
 
 from __future__ import annotations
@@ -46,7 +67,7 @@ from accelerate import Accelerator
 from tqdm.auto import tqdm
 
 from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS
-from flowrl.algorithms.losses import nft_loss
+from flowrl.algorithms.losses import awm_loss, nft_loss
 from flowrl.config import Config
 from flowrl.recipes.common import (
     StatsAccumulator, end_epoch, finish_run, group_advantages, log_base_model, optimizer_step, sample_and_score,
@@ -58,7 +79,8 @@ from flowrl.training.ema import ema_weights
 
 
 def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, float]:
-    """Run the DiffusionNFT loop described by ``cfg``; returns the last epoch's metrics as a flat dict."""
+    """Run the forward-process loop (DiffusionNFT or AWM) described by ``cfg``; returns the last epoch's
+    metrics as a flat dict."""
     run = start_run(cfg, accelerator)
     accelerator, policy, ema = run.accelerator, run.policy, run.ema
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -80,9 +102,10 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         with ema_weights(ema):
             traj, sample_done, reward_done = sample_and_score(run, scorer, epoch, plan=plan, noise_level=0.0)
 
-        # 2. Advantages over whole groups -> optimality in [0, 1]; unscored (NaN) rows are left out.
+        # 2. Advantages over whole groups -> clipped, over the clip, in [-1, 1] (the loss's weight, or
+        #    NFT's optimality 2r - 1); unscored (NaN) rows are left out.
         gathered, advantages, combined, local, all_groups = group_advantages(run, traj, estimator)
-        optimality = 0.5 + 0.5 * advantages[local].clamp(-t.advantage_clip, t.advantage_clip) / t.advantage_clip
+        clipped = advantages[local].clamp(-t.advantage_clip, t.advantage_clip) / t.advantage_clip  # [N]
         keep = torch.isfinite(combined[local])  # [N]
 
         # 3. Passes over (sample, fresh t and noise) pairs: shuffled chunks -> one optimizer step each.
@@ -107,9 +130,9 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                           else accelerator.no_sync(policy.forward_module)):
                         loss_sum = forward_process_loss(
                             policy, ema, traj.final_latents[rows], traj.cond.select(traj.prompt_ids[rows]),
-                            optimality[rows], keep[rows].float(), guidance=run.guidance, strength=n.strength,
-                            adaptive=n.adaptive_weighting, beta=t.beta, noise_seed=noise_seed, stats=stats,
-                            sigma=sigma)
+                            clipped[rows], keep[rows].float(), loss=n.loss, guidance=run.guidance,
+                            strength=n.strength, adaptive=n.adaptive_weighting, awm_kl=n.awm_kl, beta=t.beta,
+                            noise_seed=noise_seed, stats=stats, sigma=sigma)
                         accelerator.backward(loss_sum * world / max(weight, 1.0))
                 optimizer_step(run, stats)
         # The old policy follows the trained one once per epoch, at DiffusionNFT's ramp when configured.
@@ -118,9 +141,11 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         train_done = time.perf_counter()
 
         # 4. Log, render eval grids, checkpoint.
+        weight_size = ({"nft/optimality_abs_dev": float(0.5 * clipped.abs().mean())} if n.loss == "nft"
+                       else {"awm/advantage_abs": float(clipped.abs().mean())})
         metrics = end_epoch(run, epoch, gathered=gathered, combined=combined, group_ids=all_groups, stats=stats,
-                            extra={"nft/optimality_abs_dev": float((optimality - 0.5).abs().mean())},
-                            rollouts=traj.num_rows * world, times=(epoch_start, sample_done, reward_done, train_done),
+                            extra={**weight_size, **traj.sampling_metrics},
+                            rollouts=traj.rollouts_sampled, times=(epoch_start, sample_done, reward_done, train_done),
                             bar=bar)
 
     scorer.close()
@@ -133,10 +158,30 @@ def schedule_timesteps(schedule: torch.Tensor, num_rows: int, *, seed: list[int]
     return schedule[torch.as_tensor(np.argsort(keys, axis=1))]
 
 
-def forward_process_loss(policy, ema, x0, cond, optimality, weights, *, guidance: float, strength: float,
+# The forward-process losses, one signature: velocities and target [B, ...], the clipped advantage
+# over the clip ``advantage`` [B] in [-1, 1] and the noise level ``sigma`` [B] -> loss [B].
+def nft_forward_loss(velocity, old_velocity, target, advantage, sigma, *, strength: float, adaptive: bool,
+                     awm_kl: float) -> torch.Tensor:
+    """DiffusionNFT with optimality ``r = (1 + advantage) / 2``."""
+    return nft_loss(velocity, old_velocity, target, 0.5 + 0.5 * advantage, strength=strength,
+                    sigma=sigma if adaptive else None)
+
+
+def awm_forward_loss(velocity, old_velocity, target, advantage, sigma, *, strength: float, adaptive: bool,
+                     awm_kl: float) -> torch.Tensor:
+    """AWM weighted by ``advantage``, with ``awm_kl * ||v - v_old||^2`` toward the old adapter."""
+    return awm_loss(velocity, old_velocity, target, advantage, kl_weight=awm_kl)
+
+
+FORWARD_LOSSES = {"nft": nft_forward_loss, "awm": awm_forward_loss}
+
+
+def forward_process_loss(policy, ema, x0, cond, advantage, weights, *, guidance: float, strength: float,
                          adaptive: bool, beta: float, noise_seed: list[int], stats: StatsAccumulator,
-                         sigma: torch.Tensor | None = None) -> torch.Tensor:
-    """Summed (not averaged) DiffusionNFT loss of clean latents ``x0`` [B, C, h, w] at (t, fresh noise).
+                         sigma: torch.Tensor | None = None, loss: str = "nft", awm_kl: float = 1.0) -> torch.Tensor:
+    """Summed (not averaged) forward-process loss ``FORWARD_LOSSES[loss]`` of clean latents ``x0``
+    [B, C, h, w] at (t, fresh noise), with ``advantage`` [B] the clipped advantage over the clip
+    (``2r - 1`` for DiffusionNFT's optimality ``r``: 1 trains toward the samples like plain flow matching).
 
     The noise, and ``t ~ U(0, 1)`` when ``sigma`` [B] is not given, come from a generator seeded by
     ``noise_seed`` (reproducible on any device).
@@ -154,16 +199,19 @@ def forward_process_loss(policy, ema, x0, cond, optimality, weights, *, guidance
     with torch.no_grad(), ema_weights(ema), policy.local_forward():
         old_velocity = policy.velocity(noised, sigma, cond, guidance).float()
     velocity = policy.velocity(noised, sigma, cond, guidance).float()
-    loss = nft_loss(velocity, old_velocity, target, optimality.to(device), strength=strength,
-                    sigma=sigma if adaptive else None)  # [B]
+    value = FORWARD_LOSSES[loss](velocity, old_velocity, target, advantage.to(device), sigma, strength=strength,
+                                 adaptive=adaptive, awm_kl=awm_kl)  # [B]
     weights = weights.to(device)
-    kl = torch.zeros_like(loss)
+    kl = torch.zeros_like(value)
     if beta > 0:
         with torch.no_grad(), policy.reference():
             ref_velocity = policy.velocity(noised, sigma, cond, guidance).float()
         kl = ((velocity - ref_velocity) ** 2).mean(dim=tuple(range(1, velocity.ndim)))
-    total = loss + beta * kl
-    stats.add("loss/nft", loss, weights)
+    total = value + beta * kl
+    stats.add(f"loss/{loss}", value, weights)
     stats.add("loss/kl", kl, weights)
+    # How far the trained velocity is from the old adapter's (AWM's regulariser, before its weight).
+    stats.add("loss/ema_kl", ((velocity.detach() - old_velocity) ** 2).mean(dim=tuple(range(1, velocity.ndim))),
+              weights)
     stats.add("loss/total", total, weights)
     return (total * weights).sum()

@@ -47,11 +47,14 @@ def rollout(
     cond: TextCond | None = None,
     decode: bool = True,
     decode_batch_size: int = 16,
+    store_x0_preds: bool = False,
 ) -> Trajectory:
     """Sample ``len(prompts) * group_size`` trajectories; only the plan's SDE steps are stored.
 
     ``seeds`` holds one seed per root row (``len(prompts) * group_size // plan.leaves_per_root``).
     With ``same_noise_in_group`` every row of a group starts from the first row's initial noise.
+    With ``store_x0_preds`` the trajectory also keeps the clean-latent prediction ``x - sigma v`` at
+    every stored state from the velocities the loop computes anyway (no extra model call).
     """
     plan = plan or StepPlan(num_steps)
     if plan.num_steps != num_steps:
@@ -88,6 +91,7 @@ def rollout(
     stored_latents: list[torch.Tensor] = []  # K+1 x [rows, C, h, w]
     stored_log_probs: list[torch.Tensor] = []  # K x [rows]
     stored_edges: list[torch.Tensor] = []  # K x [rows]
+    stored_x0: list[torch.Tensor] = []  # K+1 x [rows, C, h, w] float32, with store_x0_preds
     # Per-row state that only changes at a branch step: conditioning rows, seeds, noise generators
     # (re-seeded every step; manual_seed resets a generator completely, so this equals a fresh one).
     row_cond = cond.select(prompt_ids)
@@ -107,6 +111,7 @@ def rollout(
             stored_latents = [t.repeat_interleave(k, dim=0) for t in stored_latents]
             stored_log_probs = [t.repeat_interleave(k) for t in stored_log_probs]
             stored_edges = [t.repeat_interleave(k) for t in stored_edges]
+            stored_x0 = [t.repeat_interleave(k, dim=0) for t in stored_x0]
             parent = torch.where(parent >= 0, parent * k, parent).repeat_interleave(k)
             first_child = torch.arange(rows) * k
             parent = torch.where(child > 0, first_child.repeat_interleave(k), parent)
@@ -117,6 +122,8 @@ def rollout(
             step_generators = [torch.Generator(device=x.device) for _ in seed_list]
 
         velocity = policy.velocity(x, step_sigmas[i], row_cond, guidance_scale)
+        if store_x0_preds and i in range(sde_steps.start, sde_steps.stop + 1):  # stored states only
+            stored_x0.append(x.float() - step_sigmas[i].float() * velocity.float())
         if i in sde_steps:
             if not stored_latents:
                 stored_latents.append(x)
@@ -129,6 +136,9 @@ def rollout(
         else:
             out = sde_step(velocity, x, step_sigmas[i], step_sigmas[i + 1], noise_level=0.0, kind="ode")
         x = out.prev_sample
+
+    if store_x0_preds and sde_steps.stop == num_steps:  # the window reaches the end: x_K is clean
+        stored_x0.append(x.float())
 
     # 4. Decode the clean latents in chunks (the VAE is the memory peak at high resolution).
     images = None
@@ -153,4 +163,5 @@ def rollout(
         metadata=list(metadata) if metadata is not None else [],
         images=images,
         cond=cond,
+        x0_preds=torch.stack(stored_x0, dim=1) if store_x0_preds else None,
     )

@@ -33,6 +33,11 @@ class Trajectory:
     cond: Any = None  # text conditioning of ``prompts`` (policy-specific), reused by the loss
     rewards: dict[str, torch.Tensor] = field(default_factory=dict)  # {name: [N]}
     advantages: torch.Tensor | None = None  # [N, K]
+    x0_preds: torch.Tensor | None = None  # [N, K+1, C, H, W] float32 x_k - sigma_k v_k at each stored state
+    # (the last: x_K itself when clean, else from the next ODE step's velocity); filled only by
+    # ``rollout(..., store_x0_preds=True)`` for dense_cosine credit, None otherwise to save memory.
+    rollouts_sampled: int = 0  # rollouts of every process behind this set, dropped Pilot-Commit pilots included
+    sampling_metrics: dict[str, float] = field(default_factory=dict)  # perf/* of the allocation (Pilot-Commit)
 
     @property
     def num_rows(self) -> int:
@@ -92,6 +97,7 @@ def concat_trajectories(parts: list[Trajectory]) -> Trajectory:
         row_offset += part.num_rows
     first = parts[0]
     images = None if first.images is None else torch.cat([p.images for p in parts])
+    x0_preds = None if first.x0_preds is None else torch.cat([p.x0_preds for p in parts])
     return Trajectory(
         latents=torch.cat([p.latents for p in parts]),
         log_probs=torch.cat([p.log_probs for p in parts]),
@@ -109,6 +115,7 @@ def concat_trajectories(parts: list[Trajectory]) -> Trajectory:
         images=images,
         cond=TextCond.cat([p.cond for p in parts]) if first.cond is not None else None,
         rewards=_concat_rewards(parts),
+        x0_preds=x0_preds,
     )
 
 
