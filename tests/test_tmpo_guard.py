@@ -129,3 +129,15 @@ def test_zero_std_fraction_counts_groups_that_teach_nothing():
     groups = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
     # group 0 all equal, group 1 mixed, group 2 a single finite reward, group 3 none scored
     assert zero_std_fraction(rewards, groups) == 0.75
+
+
+def test_time_limit_stops_after_the_epoch_that_passes_it_and_still_reports(tmp_path):
+    from flowrl.training.metrics import read_metrics
+
+    metrics = train(smoke(tmp_path, "train.epochs=50", "train.time_limit_s=1e-9", "log.test_every=5",
+                          "log.report_prompts=2"))
+    records = read_metrics(tmp_path)
+    assert [r["epoch"] for r in records] == [-1, 0]  # the base point, then one epoch
+    assert "test/brightness" in records[-1]  # the curve ends where the run stopped
+    assert (tmp_path / "lora").is_dir() and "report/after/eval/brightness" in metrics
+    assert (tmp_path / "checkpoints" / "latest").exists()

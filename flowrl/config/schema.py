@@ -70,6 +70,42 @@ class TreeConfig:
     """Steps before which every trajectory splits (empty: no tree)."""
     branch_factor: int = 2
     """Children per branch point; w branch steps give branch_factor**w leaves per root."""
+    schedule: Literal["fixed", "random", "sliding"] = "fixed"
+    """Branch points per epoch (TMPO's dynamic stochastic tree): fixed at branch_steps; random, a fresh draw of
+    len(branch_steps) distinct steps from branch_range each epoch; sliding, branch_steps moved one step later
+    every shift_every epochs (spacing kept), wrapping inside branch_range."""
+    branch_range: list[int] | None = None
+    """random / sliding: inclusive [low, high] range the branch steps move in (default: every step)."""
+    shift_every: int = 1
+    """sliding: move the branch steps one step every this many epochs."""
+    prune_width: int | None = None
+    """BranchGRPO width pruning: train only this many leaves per group, the highest- and lowest-reward halves;
+    the others' own edges (from the last branch point on) go untrained, shared edges still train (0 or null: off)."""
+    prune_depth: int = 0
+    """BranchGRPO depth pruning: leave this many consecutive late steps untrained (sampled and scored all the
+    same), the window ending at step num_steps - 2, just before the final one (0: off)."""
+    prune_depth_shift_every: int = 0
+    """Depth pruning: move the untrained window one step earlier every this many epochs, until it reaches the
+    last branch step (0: it stays)."""
+
+    def validate(self):
+        check(self.shift_every >= 1, "shift_every", "must be >= 1")
+        check(self.schedule == "fixed" or bool(self.branch_steps), "schedule",
+              f"{self.schedule} moves sampling.tree.branch_steps; set them (their count is the tree's depth)")
+        if self.branch_range is not None:
+            check(len(self.branch_range) == 2 and self.branch_range[0] <= self.branch_range[1], "branch_range",
+                  "must be [low, high] with low <= high")
+            check(self.schedule != "fixed", "branch_range",
+                  "only applies to schedule random or sliding; remove it or set sampling.tree.schedule")
+        check(self.prune_width is None or self.prune_width == 0 or self.prune_width >= 2, "prune_width",
+              "must be >= 2 (the best and the worst leaf), or 0 / null (off)")
+        check(self.prune_depth >= 0, "prune_depth", "must be >= 0 (0: off)")
+        check(self.prune_depth_shift_every >= 0, "prune_depth_shift_every", "must be >= 0 (0: the window stays)")
+        check(not self.prune_depth_shift_every or self.prune_depth > 0, "prune_depth_shift_every",
+              "only applies with sampling.tree.prune_depth > 0")
+        for key in ("prune_width", "prune_depth"):
+            check(not getattr(self, key) or bool(self.branch_steps), key,
+                  "prunes tree rollouts; set sampling.tree.branch_steps or remove it")
 
 
 @dataclass
@@ -91,6 +127,9 @@ class SamplingConfig:
     """SDE noise level a (0.7 for SD3, 0.9 for FLUX in Flow-GRPO)."""
     kind: Literal["sde", "cps"] = "sde"
     """Stochastic step inside the window: Flow-GRPO SDE or coefficient-preserving sampling."""
+    ode_solver: Literal["euler", "dpmpp_2m"] = "euler"
+    """Deterministic steps outside the SDE window (never stored or trained): Euler, or DPM-Solver++(2M), the
+    second-order multistep solver MixGRPO-Flash uses there (no extra model call per step)."""
     group_size: int = 24
     """Trajectories per prompt (the GRPO group)."""
     prompts_per_batch: int = 2
@@ -129,6 +168,28 @@ class SamplingConfig:
                   f"must be a multiple of the tree's {leaves} leaves per root")
             check(size is None or self.window.mode == "fixed", "tree.branch_steps",
                   "a tree needs a full-SDE rollout or a fixed window containing every branch step")
+            # Where branches can fall: the fixed steps, or the range a dynamic schedule moves them in.
+            if tree.branch_range is not None:
+                check(0 <= tree.branch_range[0] <= tree.branch_range[1] < self.num_steps, "tree.branch_range",
+                      f"must be [low, high] with 0 <= low <= high < sampling.num_steps={self.num_steps}")
+            low, high = tree.branch_range or [0, self.num_steps - 1]
+            if tree.schedule != "fixed":
+                check(len(tree.branch_steps) <= high - low + 1, "tree.branch_steps",
+                      f"{len(tree.branch_steps)} distinct branch steps do not fit in the range [{low}, {high}]")
+            else:
+                low, high = min(tree.branch_steps), max(tree.branch_steps)
+            if tree.schedule == "sliding":
+                check(all(low <= s <= high for s in tree.branch_steps), "tree.branch_steps",
+                      f"sliding starts from the branch steps, so they must lie in tree.branch_range [{low}, {high}]")
+            if size is not None:
+                start = self.window.start_range[0] if self.window.start_range else 0
+                check(start <= low and high < start + size, "tree.branch_steps",
+                      f"branches can fall in [{low}, {high}], outside the fixed SDE window [{start}, {start + size})")
+            check(not tree.prune_width or tree.prune_width <= self.group_size, "tree.prune_width",
+                  f"keeps more leaves than a group has (sampling.group_size={self.group_size})")
+            check(tree.prune_depth <= self.num_steps - 1 - high, "tree.prune_depth",
+                  f"at most {self.num_steps - 1 - high}: the untrained window must fit between the last branch step "
+                  f"({high}) and step {self.num_steps - 2}")
         pilot = self.pilot
         check(pilot.candidates is None or pilot.candidates >= 0, "pilot.candidates", "must be >= 0 (0 or null: off)")
         if pilot.candidates:
@@ -244,6 +305,9 @@ class TrainConfig:
     """'latest' or a checkpoint directory to continue from."""
     export_lora: bool = True
     """Export the final (EMA) LoRA in diffusers format to RUN_DIR/lora at the end."""
+    time_limit_s: float | None = None
+    """Stop after the epoch in which sampling, scoring and training time (perf/train_wall_s) passes this
+    many seconds; the run then checkpoints, exports and reports as at its last epoch (null: no limit)."""
     credit: Literal["terminal", "dense_cosine", "dense_ode"] = "terminal"
     """Per-step credit (recipe grpo, see flowrl/algorithms/dense.py): terminal gives every trained step its
     row's advantage; dense_cosine splits it by how far each step moves the predicted x0 toward the final
@@ -269,6 +333,7 @@ class TrainConfig:
         check(self.combine in COMBINERS, "combine", f"unknown reward combiner {self.combine!r}; choose one of "
               f"{sorted(COMBINERS)}")
         check(self.tmpo_beta > 0, "tmpo_beta", "must be > 0")
+        check(self.time_limit_s is None or self.time_limit_s > 0, "time_limit_s", "must be > 0 or null")
         check(self.credit == "terminal" or self.loss != "tmpo", "credit",
               f"{self.credit} gives per-step advantages, but train.loss=tmpo trains on per-trajectory targets; "
               "use train.loss=grpo-clip or train.credit=terminal")

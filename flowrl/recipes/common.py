@@ -26,6 +26,7 @@ from flowrl.models.lora_io import load_lora_into, lora_config_dict, lora_state_d
 from flowrl.report import evaluate, render, write_report
 from flowrl.rewards_api import build_reward, nan_summary
 from flowrl.sampling import StepPlan, concat_trajectories, rollout, root_seeds, window_start
+from flowrl.sampling.plan import branch_schedule, depth_pruned_steps
 from flowrl.sampling.pilot import commit_candidates, join_committed, pilot_variances, slot_seeds
 from flowrl.training.ema import LoraEMA, ema_weights
 from flowrl.training.metrics import MetricsLogger
@@ -101,8 +102,16 @@ def eval_prompt_set(cfg: Config, test: PromptSet) -> PromptSet:
 
 
 def step_plan(s: SamplingConfig, epoch: int, seed: int) -> StepPlan:
-    """This epoch's plan: full SDE, a (random / sliding / fixed) window, and tree branch points."""
-    branch = dict(branch_steps=tuple(s.tree.branch_steps), branch_factor=s.tree.branch_factor if s.tree.branch_steps else 1)
+    """This epoch's plan: full SDE, a (random / sliding / fixed) window, tree branch points (fixed, or
+    moving per epoch as TMPO's dynamic tree) and the steps BranchGRPO's depth pruning leaves untrained."""
+    tree = s.tree
+    branch_steps = branch_schedule(epoch, num_steps=s.num_steps, steps=tuple(tree.branch_steps), schedule=tree.schedule,
+                                   branch_range=tuple(tree.branch_range) if tree.branch_range else None,
+                                   shift_every=tree.shift_every, seed=seed)
+    pruned = depth_pruned_steps(epoch, num_steps=s.num_steps, last_branch=max(branch_steps), size=tree.prune_depth,
+                                shift_every=tree.prune_depth_shift_every) if branch_steps else ()
+    branch = dict(branch_steps=branch_steps, branch_factor=tree.branch_factor if branch_steps else 1,
+                  pruned_steps=pruned)
     if s.window.size is None:
         return StepPlan(s.num_steps, **branch)
     start_range = tuple(s.window.start_range) if s.window.start_range else None
@@ -276,7 +285,7 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
             part = rollout(policy, batch.prompts, group_size=s.group_size, num_steps=s.num_steps,
                            guidance_scale=run.guidance, noise_level=noise_level, kind=kind, plan=plan,
                            same_noise_in_group=same_noise_in_group, metadata=batch.metadata,
-                           store_x0_preds=store_x0_preds,
+                           store_x0_preds=store_x0_preds, ode_solver=s.ode_solver,
                            seeds=root_seeds(cfg.seed, first_root, len(batch) * roots_per_group))
         part.group_ids = part.group_ids + (batch_index * world + rank) * s.prompts_per_batch
         futures.append(scorer.submit(part.images, part.row_prompts, part.row_metadata))
@@ -308,7 +317,7 @@ def pilot_sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, nois
     s, rank, world = cfg.sampling, accelerator.process_index, accelerator.num_processes
     candidates, pilot_size, commit_size = s.pilot.candidates, s.pilot.group_size, s.group_size - s.pilot.group_size
     steps = dict(num_steps=s.num_steps, guidance_scale=run.guidance, noise_level=noise_level, kind=kind, plan=plan,
-                 store_x0_preds=store_x0_preds)
+                 store_x0_preds=store_x0_preds, ode_solver=s.ode_solver)
 
     # 1. Pilot: a few rollouts per candidate; candidate c owns root rows first_root + c * group_size + [0, G).
     pilots = []
@@ -418,18 +427,24 @@ def end_epoch(run: Run, epoch: int, *, gathered: dict[str, torch.Tensor], combin
     run.counters["rollouts"] += rollouts
     run.counters["train_wall_s"] += train_done - epoch_start
     metrics.update({f"perf/{k}": v for k, v in run.counters.items()})
-    if cfg.log.test_every and (epoch + 1) % cfg.log.test_every == 0:
+    if cfg.log.test_every and ((epoch + 1) % cfg.log.test_every == 0 or out_of_time(run)):  # the curve's last point
         metrics.update(held_out_metrics(run.policy, run.ema, run.rewards, run.test_set, cfg, run.guidance, accelerator))
     if cfg.log.eval_every and (epoch + 1) % cfg.log.eval_every == 0:  # every rank samples (sharded models)
         eval_grid(run.policy, run.ema, run.eval_prompts, cfg, run.guidance,
                   run.run_dir / "grids" / f"epoch_{epoch:05d}.png", save=accelerator.is_main_process)
     metrics["perf/epoch_s"] = time.perf_counter() - epoch_start
     run.logger.log(metrics, step=epoch)  # before the checkpoint: a resumed run redoes later epochs only
-    if epoch + 1 == t.epochs or (t.checkpoint_every and (epoch + 1) % t.checkpoint_every == 0):
+    if epoch + 1 == t.epochs or out_of_time(run) or (t.checkpoint_every and (epoch + 1) % t.checkpoint_every == 0):
         save_run_checkpoint(cfg, run.policy, run.optimizer, run.ema, accelerator, epoch=epoch, counters=run.counters)
     bar.set_postfix(reward=f"{metrics['reward/combined_mean']:.3f}", loss=f"{metrics.get('loss/total', 0):.4f}",
                     sample=f"{metrics['perf/sample_s']:.1f}s", train=f"{metrics['perf/train_s']:.1f}s")
     return metrics
+
+
+def out_of_time(run: Run) -> bool:
+    """Whether ``train.time_limit_s`` of sampling, scoring and training time has been spent."""
+    limit = run.cfg.train.time_limit_s
+    return limit is not None and run.counters["train_wall_s"] >= limit
 
 
 def finish_run(run: Run, metrics: dict) -> dict[str, float]:

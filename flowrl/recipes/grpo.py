@@ -2,7 +2,9 @@
 
 Choices, all set in the config (``flowrl/config/schema.py``):
 - rollouts: full SDE, an SDE window (Flow-GRPO-Fast random start / MixGRPO sliding start) or a
-  tree that branches at fixed steps (BranchGRPO / TreeGRPO); only stochastic steps are stored;
+  tree that branches at fixed steps (BranchGRPO / TreeGRPO) or at steps that move per epoch (TMPO's
+  dynamic tree, ``sampling.tree.schedule``), with BranchGRPO's width and depth pruning acting on the
+  loss mask; only stochastic steps are stored;
 - advantages: per-prompt group mean, batch (global) or per-group std, clipped to +-advantage_clip;
   tree edges get the mean advantage of the leaves below them and are trained once; ``loss: tmpo``
   takes TMPO's Softmax Trajectory Balance target on each path's log-prob instead;
@@ -44,11 +46,12 @@ from flowrl.algorithms.dense import (
     cosine_advantages, cosine_gain_weights, lookahead_rewards, lookahead_states, predict_x0,
     reward_gains, stepwise_advantages, top_step_share,
 )
+from flowrl.algorithms.tree import prune_mask
 from flowrl.algorithms.losses import POLICY_LOSSES, gaussian_mean_kl, guard_log_ratio
 from flowrl.config import Config
 from flowrl.recipes.common import (  # noqa: F401  (re-exported for callers of this module)
     StatsAccumulator, end_epoch, finish_run, group_advantages, log_base_model, make_accelerator, optimizer_step,
-    sample_and_score, start_run, step_plan,
+    out_of_time, sample_and_score, start_run, step_plan,
 )
 from flowrl.rewards_api import AsyncScorer
 from flowrl.sampling import sde_step, transition
@@ -96,6 +99,8 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         sensitivity = step_sensitivities(traj.sigmas, trained_cols, noise_level=s.noise_level, kind=s.kind,
                                          normalise=t.ratio_norm)
         mask = traj.first_visit_mask() & torch.isfinite(combined[local])[:, None]  # [N, K]
+        mask &= prune_mask(combined[local], traj.group_ids, traj.edge_ids, traj.step_indices,
+                           keep_width=s.tree.prune_width, pruned_steps=plan.pruned_steps)  # BranchGRPO pruning
         mask[:, [k for k in range(traj.num_stored_steps) if k not in trained_cols]] = False
 
         # 5. Dense credit (train.credit): per-step advantages in place of the row's one on every trained step.
@@ -147,6 +152,8 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                             extra={"advantages/abs_mean": advantage_size, **traj.sampling_metrics},
                             rollouts=traj.rollouts_sampled,
                             times=(epoch_start, sample_done, reward_done, train_done), bar=bar)
+        if out_of_time(run):
+            break
 
     # 9. Export the final adapter (EMA weights when kept) and report before/after on held-out prompts.
     scorer.close()

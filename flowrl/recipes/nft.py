@@ -70,8 +70,8 @@ from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from flowrl.algorithms.losses import awm_loss, nft_loss
 from flowrl.config import Config
 from flowrl.recipes.common import (
-    StatsAccumulator, end_epoch, finish_run, group_advantages, log_base_model, optimizer_step, sample_and_score,
-    start_run,
+    StatsAccumulator, end_epoch, finish_run, group_advantages, log_base_model, optimizer_step, out_of_time,
+    sample_and_score, start_run,
 )
 from flowrl.rewards_api import AsyncScorer
 from flowrl.sampling import StepPlan
@@ -147,6 +147,8 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                             extra={**weight_size, **traj.sampling_metrics},
                             rollouts=traj.rollouts_sampled, times=(epoch_start, sample_done, reward_done, train_done),
                             bar=bar)
+        if out_of_time(run):
+            break
 
     scorer.close()
     return finish_run(run, metrics)

@@ -8,10 +8,26 @@ A rollout of ``num_steps`` denoising steps is described by a :class:`StepPlan`:
 - ``branch_steps``: tree rollouts (BranchGRPO / TreeGRPO / TMPO). Before each listed step every
   trajectory is split into ``branch_factor`` children that share everything computed so far and
   draw different noise from that step on. ``w`` branch steps give ``branch_factor ** w`` leaves.
+- ``pruned_steps``: BranchGRPO's depth pruning. These steps are sampled and stored as usual (the
+  rollout and its exploration are unchanged) but not trained: the recipe drops them from the loss mask
+  (:func:`flowrl.algorithms.tree.prune_mask`).
 
 Window placement follows the two published schedules: a random start drawn per iteration from a
 range (Flow-GRPO-Fast), or a start that slides forward by one step every ``shift_every``
 iterations and wraps around (MixGRPO). Both are deterministic functions of (seed, iteration).
+
+Branch points can move the same two ways (TMPO's Dynamic Stochastic Tree Sampling: "branch at
+dynamically scheduled steps"), see :func:`branch_schedule`: a fresh draw of distinct steps per
+iteration inside a range, or the configured pattern sliding forward one step every ``shift_every``
+iterations and wrapping inside the range. BranchGRPO itself branches at fixed steps, the default.
+TMPO states only that its branch steps are scheduled dynamically; the two schedules here are the
+window's, so one kind of range and one seed rule govern every moving part of a plan.
+
+Depth pruning (:func:`depth_pruned_steps`) follows BranchGRPO's definition: "depth" is the
+denoising depth (one level per step, not per branch point), the pruned depths are a contiguous
+window of late steps, and the window may slide one step earlier every ``shift_every`` iterations
+until it reaches the last branch point, so it only ever removes the leaves' own transitions, the
+most numerous ones, and never a shared prefix.
 """
 
 from __future__ import annotations
@@ -28,6 +44,7 @@ class StepPlan:
     sde_size: int | None = None  # None: every step from sde_start on
     branch_steps: tuple[int, ...] = ()
     branch_factor: int = 1
+    pruned_steps: tuple[int, ...] = ()  # stored but not trained (BranchGRPO depth pruning)
 
     def __post_init__(self):
         if self.num_steps < 1:
@@ -42,6 +59,8 @@ class StepPlan:
                 raise ValueError(f"branch step {step} must lie inside the SDE window {list(self.sde_steps)}")
         if self.branch_steps and self.branch_factor < 2:
             raise ValueError("branch_factor must be >= 2 when branch_steps are given")
+        if any(not 0 <= step < self.num_steps for step in self.pruned_steps):
+            raise ValueError(f"pruned steps {list(self.pruned_steps)} must lie in [0, {self.num_steps})")
 
     @property
     def sde_steps(self) -> range:
@@ -82,3 +101,71 @@ def window_start(
         rng = np.random.default_rng([seed, iteration, 0x57A27])
         return int(rng.integers(low, high + 1))
     raise ValueError(f"unknown window mode {mode!r}; choose random, sliding or fixed")
+
+
+def branch_schedule(
+    iteration: int,
+    *,
+    num_steps: int,
+    steps: tuple[int, ...],
+    schedule: str = "fixed",
+    branch_range: tuple[int, int] | None = None,
+    shift_every: int = 1,
+    seed: int = 0,
+) -> tuple[int, ...]:
+    """Sorted branch steps at ``iteration``; always ``len(steps)`` distinct steps, so the tree keeps
+    its size (``branch_factor ** len(steps)`` leaves) and only moves.
+
+    ``schedule="fixed"`` returns ``steps``. ``"random"`` draws ``len(steps)`` distinct steps uniformly
+    from ``branch_range`` (inclusive; default: every step), a fresh draw per iteration. ``"sliding"``
+    starts at ``steps`` and moves the whole pattern (its spacing kept) one step later every
+    ``shift_every`` iterations, wrapping to the start of the range once its last step would leave it.
+    Deterministic in (seed, iteration), like :func:`window_start`.
+    """
+    low, high = branch_range if branch_range is not None else (0, num_steps - 1)
+    if not 0 <= low <= high < num_steps:
+        raise ValueError(f"branch range [{low}, {high}] invalid for {num_steps} steps")
+    pattern = sorted(steps)
+    if len(set(pattern)) != len(pattern):
+        raise ValueError(f"branch steps {list(steps)} must be distinct")
+    if schedule == "fixed" or not pattern:
+        return tuple(pattern)
+    if len(pattern) > high - low + 1:
+        raise ValueError(f"{len(pattern)} branch steps do not fit in the range [{low}, {high}]")
+    if schedule == "random":
+        rng = np.random.default_rng([seed, iteration, 0xB2A4C])
+        return tuple(sorted(int(s) + low for s in rng.choice(high - low + 1, size=len(pattern), replace=False)))
+    if schedule == "sliding":
+        if pattern[0] < low or pattern[-1] > high:
+            raise ValueError(f"sliding branch steps {pattern} must start inside the range [{low}, {high}]")
+        extent = pattern[-1] - pattern[0]
+        starts = high - extent - low + 1  # positions of the pattern's first step that keep it in range
+        start = low + (pattern[0] - low + iteration // max(shift_every, 1)) % starts
+        return tuple(start + s - pattern[0] for s in pattern)
+    raise ValueError(f"unknown branch schedule {schedule!r}; choose fixed, random or sliding")
+
+
+def depth_pruned_steps(
+    iteration: int,
+    *,
+    num_steps: int,
+    last_branch: int,
+    size: int,
+    shift_every: int = 0,
+) -> tuple[int, ...]:
+    """The ``size`` consecutive steps BranchGRPO's depth pruning leaves untrained at ``iteration``.
+
+    The window ends at step ``num_steps - 2``, the deepest step before the final near-clean one (which
+    ``train.skip_last_step`` governs on its own), and with ``shift_every`` > 0 moves one step earlier
+    every ``shift_every`` iterations until its first step reaches ``last_branch``, where it stays: the
+    steps from the last branch point on are the leaves' own, so no shared prefix is ever pruned.
+    """
+    if size <= 0:
+        return ()
+    first = num_steps - 1 - size  # window [first, num_steps - 2]
+    if first < last_branch:
+        raise ValueError(f"a depth-pruning window of {size} steps does not fit between the last branch step "
+                         f"{last_branch} and step {num_steps - 2}")
+    if shift_every > 0:
+        first = max(first - iteration // shift_every, last_branch)
+    return tuple(range(first, first + size))

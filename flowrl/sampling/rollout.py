@@ -1,8 +1,9 @@
 """The denoising loop, written out: N = prompts x group_size trajectories -> :class:`Trajectory`.
 
 Steps inside the plan's SDE window are stochastic (``kind``: sde or cps) and stored with their
-log-probabilities; every other step is a deterministic Euler (ODE) step. Tree rollouts split each
-row into ``branch_factor`` children right before every branch step: children share the parent's
+log-probabilities; every other step is a deterministic ODE step of ``ode_solver`` (Euler, or
+DPM-Solver++(2M) as in MixGRPO-Flash; see ``flowrl.sampling.steps.ODE_SOLVERS``). Tree rollouts
+split each row into ``branch_factor`` children right before every branch step: children share the parent's
 computed prefix (computed once) and differ from that step on because each child draws its own
 noise.
 
@@ -21,7 +22,7 @@ import torch
 from flowrl.models.base import Policy, TextCond
 from flowrl.sampling.plan import StepPlan
 from flowrl.sampling.seeding import derive_seed, generators
-from flowrl.sampling.steps import ScheduleSteps, StepKind, sde_step
+from flowrl.sampling.steps import ODE_SOLVERS, ScheduleSteps, StepKind
 from flowrl.sampling.trajectory import Trajectory
 
 
@@ -48,6 +49,7 @@ def rollout(
     decode: bool = True,
     decode_batch_size: int = 16,
     store_x0_preds: bool = False,
+    ode_solver: str = "euler",
 ) -> Trajectory:
     """Sample ``len(prompts) * group_size`` trajectories; only the plan's SDE steps are stored.
 
@@ -55,8 +57,13 @@ def rollout(
     With ``same_noise_in_group`` every row of a group starts from the first row's initial noise.
     With ``store_x0_preds`` the trajectory also keeps the clean-latent prediction ``x - sigma v`` at
     every stored state from the velocities the loop computes anyway (no extra model call).
+    ``ode_solver`` names the solver of the unstored deterministic steps; a multistep one restarts after
+    every SDE step, since the noise moves the state off the ODE path its history lies on.
     """
     plan = plan or StepPlan(num_steps)
+    if ode_solver not in ODE_SOLVERS:
+        raise ValueError(f"unknown ode_solver {ode_solver!r}; choose one of {sorted(ODE_SOLVERS)}")
+    ode_step, ode_history = ODE_SOLVERS[ode_solver], None
     if plan.num_steps != num_steps:
         raise ValueError(f"plan has {plan.num_steps} steps but num_steps={num_steps}")
     if group_size % plan.leaves_per_root:
@@ -133,9 +140,9 @@ def rollout(
             stored_latents.append(out.prev_sample)
             stored_log_probs.append(out.log_prob)
             stored_edges.append(lineage)  # never modified in place: a branch rebinds it
+            x, ode_history = out.prev_sample, None
         else:
-            out = sde_step(velocity, x, step_sigmas[i], step_sigmas[i + 1], noise_level=0.0, kind="ode")
-        x = out.prev_sample
+            x, ode_history = ode_step(velocity, x, step_sigmas[i], step_sigmas[i + 1], ode_history)
 
     if store_x0_preds and sde_steps.stop == num_steps:  # the window reaches the end: x_K is clean
         stored_x0.append(x.float())

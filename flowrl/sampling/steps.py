@@ -30,6 +30,11 @@ sigma-only arithmetic is done once for every step, with bit-identical results.
 
 :func:`kl_std` is the std Flow-GRPO's KL regulariser divides by: ``std_t`` without ``sqrt(-dt)``
 for ``"sde"``, the step std for ``"cps"`` (see its docstring).
+
+:data:`ODE_SOLVERS` are the deterministic steps a rollout takes outside its SDE window (``sampling.ode_solver``):
+Euler (the ``"ode"`` kind above) or DPM-Solver++(2M), the second-order multistep solver MixGRPO-Flash uses
+there (``dpmsolver++``, order 2, midpoint form). Those steps are never stored or trained, so the solver changes
+which states the window starts from and how the clean sample is reached, never a log-probability.
 """
 
 from __future__ import annotations
@@ -250,3 +255,60 @@ class ScheduleSteps:
         log_prob = _mean_log_density(prev_sample.to(mean.dtype), mean, deterministic, neg_two_var, log_std)
         return StepOutput(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std)
 
+
+
+# -- deterministic steps outside the SDE window ---------------------------------------------------------------
+#
+# The steps a rollout takes outside its SDE window are neither stored nor trained, so any accurate solver of the
+# probability-flow ODE may take them (MixGRPO-Flash's observation). Each solver is a plain function
+#   (velocity, sample, sigma, sigma_next, history) -> (prev_sample, history)
+# where ``history`` is whatever the solver carries from one ODE step to the next (None for the first one; the
+# rollout resets it to None after every SDE step, because a noisy step leaves the ODE path the history lies on).
+
+
+def euler_ode_step(velocity, sample, sigma, sigma_next, history=None):
+    """Euler, ``x' = x + (sigma' - sigma) v``: first order, one model call per step, no history.
+
+    Exactly the ``"ode"`` kind of :func:`sde_step`, so a rollout with this solver is the one without a choice.
+    """
+    return sde_step(velocity, sample, sigma, sigma_next, noise_level=0.0, kind="ode").prev_sample, None
+
+
+def dpmpp_2m_ode_step(velocity, sample, sigma, sigma_next, history=None):
+    """DPM-Solver++(2M), midpoint form: second order from the last two clean-latent predictions, one model call.
+
+    In flow matching ``alpha = 1 - sigma`` and the data prediction is ``x0 = x - sigma v``. With the half
+    log-SNR ``lambda = log(alpha / sigma)`` and ``h = lambda' - lambda``, the first-order (DDIM) step is
+    ``x' = (sigma' / sigma) x + alpha' (1 - e^-h) x0`` with ``alpha' (1 - e^-h) = alpha' - sigma' alpha / sigma``
+    (algebraically the Euler step). The multistep form replaces ``x0`` by
+    ``D = x0 + h / (2 h_prev) (x0 - x0_prev)``, ``h_prev = lambda - lambda_prev``: a finite-difference estimate
+    of how ``x0`` moves in ``lambda``, which costs no extra model call. Where ``h / h_prev`` is not finite, the
+    step is first order: after a step from sigma = 1 (``lambda_prev = -inf``) and on the last step to
+    sigma' = 0 (``lambda' = +inf``, where the step returns ``D``; DPM-Solver++ lowers its order there too).
+
+    ``history`` is ``(x0_prev [B, ...] compute dtype, sigma_prev)`` of the previous ODE step, or None.
+    """
+    dtype = torch.promote_types(sample.dtype, torch.float32)
+    x = sample.to(dtype)
+    s = _as_batch_column(sigma, x, dtype)  # [B, 1, ...]
+    s_next = _as_batch_column(sigma_next, x, dtype)
+    x0 = x - s * velocity.to(dtype)  # [B, ...] data prediction
+    ratio = s_next / s
+    data_weight = (1 - s_next) - ratio * (1 - s)  # alpha' (1 - e^-h)
+    target = x0
+    if history is not None:
+        x0_prev, sigma_prev = history
+        s_prev = _as_batch_column(sigma_prev, x, dtype)
+        lam, lam_next, lam_prev = (torch.log((1 - v) / v) for v in (s, s_next, s_prev))
+        correction = (lam_next - lam) / (2 * (lam - lam_prev))  # [B, 1, ...] h / (2 h_prev)
+        correction = torch.where(torch.isfinite(correction), correction, 0.0)
+        target = x0 + correction * (x0 - x0_prev)
+    prev_sample = (ratio * x + data_weight * target).to(sample.dtype)
+    return prev_sample, (x0, sigma)
+
+
+# Solver name -> step; ``sampling.ode_solver`` names one. Closed set: add a solver here and in the schema's Literal.
+ODE_SOLVERS = {
+    "euler": euler_ode_step,
+    "dpmpp_2m": dpmpp_2m_ode_step,
+}
