@@ -241,3 +241,18 @@ def test_grpo_trains_on_a_random_tree_schedule(tmp_path, monkeypatch, extra):
     lora_before, _ = captured["before"]
     lora_after, _ = lora_and_base(captured["policy"])
     assert any(not torch.equal(lora_before[n], lora_after[n]) for n in lora_before)
+
+
+def test_width_pruning_trains_fewer_transitions_in_a_real_run(tmp_path):
+    """4 leaves per root, 2 roots per group of 8: keeping 2 leaves of each group drops the own (last-level)
+    edges of the other 6 leaves, so fewer of the stored transitions train than without pruning."""
+    from flowrl.recipes.grpo import train
+
+    fractions = {}
+    for width in (0, 2):
+        cfg = load_config(Config, SMOKE, [f"run_dir={tmp_path / str(width)}", "train.epochs=1", "log.progress=false",
+                                          "log.eval_every=0", "log.report_prompts=0", "train.export_lora=false",
+                                          "sampling.group_size=8", "sampling.tree.branch_steps=[0,2]",
+                                          "sampling.tree.branch_factor=2", f"sampling.tree.prune_width={width}"])
+        fractions[width] = train(cfg)["policy/trained_fraction"]
+    assert 0 < fractions[2] < fractions[0]

@@ -102,6 +102,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         mask &= prune_mask(combined[local], traj.group_ids, traj.edge_ids, traj.step_indices,
                            keep_width=s.tree.prune_width, pruned_steps=plan.pruned_steps)  # BranchGRPO pruning
         mask[:, [k for k in range(traj.num_stored_steps) if k not in trained_cols]] = False
+        trained_fraction = float(mask.float().mean())  # stored transitions that train (first visit, scored, unpruned)
 
         # 5. Dense credit (train.credit): per-step advantages in place of the row's one on every trained step.
         stats = StatsAccumulator()
@@ -149,7 +150,8 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         advantage_size = float(combined_adv.abs().mean() if t.loss == "tmpo"
                                else combined_adv.clamp(-t.advantage_clip, t.advantage_clip).abs().mean())
         metrics = end_epoch(run, epoch, gathered=gathered, combined=combined, group_ids=all_groups, stats=stats,
-                            extra={"advantages/abs_mean": advantage_size, **traj.sampling_metrics},
+                            extra={"advantages/abs_mean": advantage_size, "policy/trained_fraction": trained_fraction,
+                                   **traj.sampling_metrics},
                             rollouts=traj.rollouts_sampled,
                             times=(epoch_start, sample_done, reward_done, train_done), bar=bar)
         if out_of_time(run):
