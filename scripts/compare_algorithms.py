@@ -105,6 +105,9 @@ def write_results(curves: dict[str, list[dict]], args, command: str) -> None:
         + " | ".join(TASKS) + f" | gt diversity | s to {level:.3f} | s to 0.60 |",
         "|" + "---|" * (10 + len(TASKS)),
     ]
+    first = next(iter(curves.values()))[0]  # every run's epoch -1: the same base model and seeds
+    lines.append("| base | 0 | 0 | 0 | | " + f"{base:.3f} | | " + " | ".join(f"{first[t]:.2f}" for t in TASKS)
+                 + f" | {first['diversity']:.3f} | | |")
     for name, points in curves.items():
         last = points[-1]
         best = max(points[1:], key=lambda p: p["mean"], default=last)
