@@ -123,8 +123,10 @@ def write_results(curves: dict[str, list[dict]], args, command: str) -> None:
     Path("docs").mkdir(exist_ok=True)
     Path("docs/results.md").write_text("\n".join(lines) + "\n")
     fig, ax = plt.subplots(figsize=(8, 5))
-    for name, points in curves.items():
-        ax.plot([p["wall"] for p in points], [p["mean"] for p in points], marker="o", ms=3, label=name)
+    colours = plt.get_cmap("tab20").colors  # 20 distinct colours: one per method
+    for i, (name, points) in enumerate(curves.items()):
+        ax.plot([p["wall"] for p in points], [p["mean"] for p in points], marker="o", ms=3, label=name,
+                color=colours[i % len(colours)], lw=2.2 if name == "nft" else 1.2)
     ax.axhline(base, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("training wall-clock (s, one thread)")
     ax.set_ylabel("held-out task-mean strict ToyEval")
