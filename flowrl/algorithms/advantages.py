@@ -57,16 +57,26 @@ def mean_advantages(rewards, group_ids, *, std_scope: str = "global", eps: float
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {"grpo": grpo_advantages, "mean": mean_advantages}
 
 
+def group_variances(rewards: torch.Tensor, group_ids: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """[num_groups] float64 population variance of each group's finite rewards ``rewards [N]`` (ids in
+    ``[0, num_groups)``); exactly 0 where they are all equal or fewer than two (NaN means "could not
+    score", never a value), so a flat group is told apart without a float threshold."""
+    rewards, group_ids = rewards.detach().cpu().double(), group_ids.detach().cpu().long()
+    variances = torch.zeros(num_groups, dtype=torch.float64)
+    for g in range(num_groups):
+        values = rewards[(group_ids == g) & torch.isfinite(rewards)]
+        if values.numel() >= 2 and bool(values.max() != values.min()):
+            variances[g] = values.var(unbiased=False)
+    return variances
+
+
 def zero_std_fraction(rewards: torch.Tensor, group_ids: torch.Tensor) -> float:
     """Fraction of groups whose finite rewards are all equal (or absent): their group-normalised
     advantages are 0, so their rollouts teach GRPO nothing (``policy/zero_std_groups``)."""
-    groups = torch.unique(group_ids).tolist()
-    finite = torch.isfinite(rewards)
-    flat = 0
-    for group in groups:
-        values = rewards[finite & (group_ids == group)]
-        flat += values.numel() == 0 or bool(values.max() == values.min())
-    return flat / len(groups) if groups else 0.0
+    if not group_ids.numel():
+        return 0.0
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    return float((group_variances(rewards, inverse, int(inverse.max()) + 1) == 0).double().mean())
 
 
 def tmpo_advantages(trajectory_log_probs: torch.Tensor, rewards: torch.Tensor, group_ids: torch.Tensor, *,

@@ -27,20 +27,9 @@ from typing import Sequence
 
 import torch
 
+from flowrl.algorithms.advantages import group_variances as pilot_variances  # noqa: F401  (a candidate is a group)
 from flowrl.sampling.rollout import root_seeds
 from flowrl.sampling.trajectory import Trajectory
-
-
-def pilot_variances(rewards: torch.Tensor, candidate_ids: torch.Tensor, num_candidates: int) -> torch.Tensor:
-    """[C] float64 population variance of each candidate's finite rewards ``rewards [N]``; exactly 0
-    where they are all equal or absent (NaN means "could not score", never a value)."""
-    rewards, candidate_ids = rewards.detach().cpu().double(), candidate_ids.detach().cpu().long()
-    variances = torch.zeros(num_candidates, dtype=torch.float64)
-    for c in range(num_candidates):
-        values = rewards[(candidate_ids == c) & torch.isfinite(rewards)]
-        if values.numel() >= 2 and bool(values.max() != values.min()):
-            variances[c] = values.var(unbiased=False)
-    return variances
 
 
 def commit_candidates(variances: torch.Tensor, num_commit: int) -> torch.Tensor:
