@@ -7,6 +7,7 @@ the dotted key. Components never receive this object: recipes unpack it into fla
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -236,6 +237,20 @@ class RewardSpec:
 
 
 @dataclass
+class MarbleConfig:
+    refresh_every: int = 4
+    """Optimizer steps between MARBLE refreshes. A refresh measures one gradient per reward (K + 1
+    backward passes over the step's chunk); the steps between take one pass on the balanced advantage,
+    exact for losses affine in the advantage (nft, awm, the unclipped GRPO surrogate). 1: every step."""
+    ema: float = 0.5
+    """EMA of the balancing coefficients alpha across refreshes (0: each refresh's alone)."""
+
+    def validate(self):
+        check(self.refresh_every >= 1, "refresh_every", "must be >= 1 optimizer step")
+        check(0 <= self.ema < 1, "ema", "must be in [0, 1)")
+
+
+@dataclass
 class TrainConfig:
     epochs: int = 100
     """Outer iterations: sample, score, compute advantages, optimise."""
@@ -276,7 +291,11 @@ class TrainConfig:
     advantage_clip: float = 5.0
     """Clip advantages to +-this value."""
     combine: str = "weighted"
-    """How several rewards become one advantage (registry name)."""
+    """How several rewards become one advantage (flowrl/algorithms/combine.py): weighted (sum the rewards,
+    then one advantage), gdpo (each reward z-scored in its group, weighted sum, batch-normalised) or
+    marble (one advantage and gradient per reward, balanced by MARBLE's QP; see train.marble)."""
+    marble: MarbleConfig = field(default_factory=MarbleConfig)
+    """combine=marble: how often the per-reward gradients are measured, and the smoothing of alpha."""
     beta: float = 0.04
     """KL coefficient to the reference model (adapter off), Flow-GRPO's beta: GRPO's KL per step is
     ||mu - mu_ref||^2 / (2 std_t^2) with std_t = a sqrt(sigma / (1 - sigma)), without sqrt(-dt) (CPS: the
@@ -334,6 +353,10 @@ class TrainConfig:
               f"{sorted(COMBINERS)}")
         check(self.tmpo_beta > 0, "tmpo_beta", "must be > 0")
         check(self.time_limit_s is None or self.time_limit_s > 0, "time_limit_s", "must be > 0 or null")
+        check(self.combine != "marble" or (self.credit == "terminal" and self.loss == "grpo-clip"), "combine",
+              f"marble balances one gradient per reward of the row advantages; it cannot combine with "
+              f"train.credit={self.credit} or train.loss={self.loss}: use credit terminal and loss grpo-clip, or "
+              "train.combine=gdpo")
         check(self.credit == "terminal" or self.loss != "tmpo", "credit",
               f"{self.credit} gives per-step advantages, but train.loss=tmpo trains on per-trajectory targets; "
               "use train.loss=grpo-clip or train.credit=terminal")
@@ -433,6 +456,13 @@ class Config:
 
     def validate(self):
         check(len({r.name for r in self.rewards}) == len(self.rewards), "rewards", "each reward may appear once")
+        trained = [r.name for r in self.rewards if r.weight != 0]
+        check(bool(trained) or not self.rewards, "rewards", "every reward has weight 0, so nothing trains: give at "
+              "least one a nonzero weight")
+        if self.train.combine == "marble" and len(trained) < 2:
+            warnings.warn(f"train.combine=marble balances several rewards, but only {trained} trains (nonzero "
+                          "weight); using train.combine=weighted", stacklevel=2)
+            self.train.combine = "weighted"
         check(self.recipe != "nft" or self.train.ema, "train.ema",
               "recipe nft samples with the EMA ('old') adapter: set train.ema=true (ema_decay 0 follows the live one)")
         check(self.recipe != "nft" or self.nft.timestep_schedule != "sampling"

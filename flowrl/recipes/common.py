@@ -17,6 +17,7 @@ from accelerate import Accelerator
 
 from flowrl.algorithms.advantages import zero_std_fraction
 from flowrl.algorithms.combine import COMBINERS
+from flowrl.algorithms.marble import MarbleBalancer
 from flowrl.config import Config, SamplingConfig, save_config, to_dict
 from flowrl.config.schema import RewardSpec
 from flowrl.data import PromptSet, epoch_prompt_indices, load_prompts, train_test_split
@@ -133,12 +134,14 @@ def restore_checkpoint(cfg: Config, policy, optimizer, ema, *, rank: int) -> dic
 
 
 def save_run_checkpoint(cfg: Config, policy, optimizer, ema, accelerator, *, epoch: int,
-                        counters: dict | None = None) -> Path:
+                        counters: dict | None = None, extra: dict | None = None) -> Path:
+    """``extra``: JSON-safe recipe state (MARBLE's coefficients) restored with the trainer state."""
     from flowrl.training.checkpoint import save_checkpoint
 
     return save_checkpoint(
         cfg.run_dir, epoch, lora_state=lora_state_dict(policy.transformer), lora_config=lora_config_dict(policy.transformer),
-        optimizer=optimizer, ema=ema, trainer_state={"epoch": epoch, **(counters or {})}, config=to_dict(cfg),
+        optimizer=optimizer, ema=ema, trainer_state={"epoch": epoch, **(counters or {}), **(extra or {})},
+        config=to_dict(cfg),
         rank=accelerator.process_index, world_size=accelerator.num_processes, barrier=accelerator.wait_for_everyone,
         keep_last=cfg.train.keep_checkpoints,
     )
@@ -219,6 +222,7 @@ class Run:
     guidance: float
     start_epoch: int
     counters: dict[str, float] = field(default_factory=dict)
+    marble: MarbleBalancer | None = None  # train.combine=marble: the per-reward advantage weights in force
 
 
 def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
@@ -246,6 +250,12 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
         "epoch": -1}
     start_epoch = int(resumed["epoch"]) + 1
     logger.truncate_after(start_epoch - 1)
+    marble = None
+    if t.combine == "marble":
+        marble = MarbleBalancer({k: w for k, w in weights.items() if w != 0}, refresh_every=t.marble.refresh_every,
+                                ema=t.marble.ema)
+        if "marble" in resumed:
+            marble.load_state_dict(resumed["marble"])
     return Run(
         cfg=cfg, accelerator=accelerator, run_dir=run_dir, policy=policy, params=params, optimizer=optimizer, ema=ema,
         rewards=rewards, weights=weights, train_prompts=train_prompts, test_prompts=test_prompts,
@@ -253,6 +263,7 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
         test_set=stratified_prefix(test_prompts, cfg.log.test_prompts), logger=logger,
         guidance=cfg.sampling.guidance_scale if (t.cfg or policy.family == "flux") else 1.0, start_epoch=start_epoch,
         counters={"rollouts": resumed.get("rollouts", 0), "train_wall_s": resumed.get("train_wall_s", 0.0)},
+        marble=marble,
     )
 
 
@@ -420,6 +431,8 @@ def end_epoch(run: Run, epoch: int, *, gathered: dict[str, torch.Tensor], combin
     metrics["policy/zero_std_groups"] = zero_std_fraction(combined, group_ids)  # groups that teach nothing
     metrics.update(stats.reduce(accelerator))
     metrics.update(extra)
+    if run.marble is not None:
+        metrics.update(run.marble.weight_metrics())
     metrics["optim/lr"] = run.optimizer.param_groups[0]["lr"]
     metrics["perf/sample_s"] = sample_done - epoch_start
     metrics["perf/reward_wait_s"] = reward_done - sample_done
@@ -435,7 +448,8 @@ def end_epoch(run: Run, epoch: int, *, gathered: dict[str, torch.Tensor], combin
     metrics["perf/epoch_s"] = time.perf_counter() - epoch_start
     run.logger.log(metrics, step=epoch)  # before the checkpoint: a resumed run redoes later epochs only
     if epoch + 1 == t.epochs or out_of_time(run) or (t.checkpoint_every and (epoch + 1) % t.checkpoint_every == 0):
-        save_run_checkpoint(cfg, run.policy, run.optimizer, run.ema, accelerator, epoch=epoch, counters=run.counters)
+        save_run_checkpoint(cfg, run.policy, run.optimizer, run.ema, accelerator, epoch=epoch, counters=run.counters,
+                            extra={"marble": run.marble.state_dict()} if run.marble else None)
     bar.set_postfix(reward=f"{metrics['reward/combined_mean']:.3f}", loss=f"{metrics.get('loss/total', 0):.4f}",
                     sample=f"{metrics['perf/sample_s']:.1f}s", train=f"{metrics['perf/train_s']:.1f}s")
     return metrics

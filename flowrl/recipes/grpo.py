@@ -41,7 +41,8 @@ from accelerate import Accelerator
 from tqdm.auto import tqdm
 
 from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS, edge_advantages, tmpo_advantages
-from flowrl.algorithms.combine import COMBINERS
+from flowrl.algorithms.combine import COMBINERS, reward_advantages
+from flowrl.algorithms.marble import balanced_backward
 from flowrl.algorithms.dense import (
     cosine_advantages, cosine_gain_weights, lookahead_rewards, lookahead_states, predict_x0,
     reward_gains, stepwise_advantages, top_step_share,
@@ -124,6 +125,12 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
             stats.add("advantages/dense_top_share", share, has_credit.float())
             stats.add_scalar("perf/dense_s", time.perf_counter() - dense_start, reduce="max")
 
+        # MARBLE: each weighted reward's own clipped advantage on every edge, balanced per optimizer step.
+        per_reward = None if run.marble is None else {
+            name: edge_advantages(adv[local].clamp(-t.advantage_clip, t.advantage_clip), traj.edge_ids)  # [N, K]
+            for name, adv in reward_advantages({key: gathered[key] for key in run.weights}, run.weights, all_groups,
+                                               partial(estimator, std_scope=t.std_scope)).items()}
+
         # 6-7. Inner passes: shuffled chunks -> micro-batches x trained steps -> one optimizer step per chunk.
         for inner in range(t.inner_epochs):
             order = np.random.default_rng([cfg.seed, epoch, inner, rank, 0x7EA1]).permutation(traj.num_rows)
@@ -131,16 +138,26 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                 chunk = torch.as_tensor(chunk, dtype=torch.long)
                 weight = accelerator.reduce(mask[chunk].sum().float().to(accelerator.device), "sum").item()
                 work = [(rows, k) for rows in chunk.split(t.micro_batch_size) for k in trained_cols]
-                for i, (rows, k) in enumerate(work):
-                    sync = i == len(work) - 1
-                    with (torch.enable_grad() if sync else accelerator.no_sync(policy.forward_module)):
-                        loss_sum = transition_loss(policy, traj, rows, k, mask, accelerator=accelerator,
-                                                   guidance=guidance, noise_level=s.noise_level, kind=s.kind,
-                                                   beta=t.beta, policy_loss=policy_loss, clip_low=t.clip_range,
-                                                   clip_high=clip_high, stats=stats,
-                                                   on_policy=inner == 0 and chunk_index == 0,
-                                                   ratio_scale=sensitivity.get(k))
-                        accelerator.backward(loss_sum * world / max(weight, 1.0))
+
+                def chunk_backward(advantages: torch.Tensor, chunk_stats: StatsAccumulator) -> None:
+                    traj.advantages = advantages  # [N, K]
+                    for i, (rows, k) in enumerate(work):
+                        sync = i == len(work) - 1
+                        with (torch.enable_grad() if sync else accelerator.no_sync(policy.forward_module)):
+                            loss_sum = transition_loss(policy, traj, rows, k, mask, accelerator=accelerator,
+                                                       guidance=guidance, noise_level=s.noise_level, kind=s.kind,
+                                                       beta=t.beta, policy_loss=policy_loss, clip_low=t.clip_range,
+                                                       clip_high=clip_high, stats=chunk_stats,
+                                                       on_policy=inner == 0 and chunk_index == 0,
+                                                       ratio_scale=sensitivity.get(k))
+                            accelerator.backward(loss_sum * world / max(weight, 1.0))
+
+                if per_reward is None:
+                    chunk_backward(traj.advantages, stats)
+                else:
+                    step = (epoch * t.inner_epochs + inner) * t.optimizer_steps_per_epoch + chunk_index
+                    balanced_backward(run.marble, run.params, step, per_reward, chunk_backward, stats,
+                                      StatsAccumulator)
                 optimizer_step(run, stats)
                 if ema is not None:
                     ema.step()

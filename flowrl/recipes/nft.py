@@ -67,7 +67,9 @@ from accelerate import Accelerator
 from tqdm.auto import tqdm
 
 from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from flowrl.algorithms.combine import reward_advantages
 from flowrl.algorithms.losses import awm_loss, nft_loss
+from flowrl.algorithms.marble import balanced_backward
 from flowrl.config import Config
 from flowrl.recipes.common import (
     StatsAccumulator, end_epoch, finish_run, group_advantages, log_base_model, optimizer_step, out_of_time,
@@ -107,6 +109,11 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         gathered, advantages, combined, local, all_groups = group_advantages(run, traj, estimator)
         clipped = advantages[local].clamp(-t.advantage_clip, t.advantage_clip) / t.advantage_clip  # [N]
         keep = torch.isfinite(combined[local])  # [N]
+        # MARBLE: each weighted reward's own advantage, clipped the same way, balanced per optimizer step.
+        per_reward = None if run.marble is None else {
+            name: adv[local].clamp(-t.advantage_clip, t.advantage_clip) / t.advantage_clip
+            for name, adv in reward_advantages({key: gathered[key] for key in run.weights}, run.weights, all_groups,
+                                               lambda r, g: estimator(r, g, std_scope=t.std_scope)).items()}
 
         # 3. Passes over (sample, fresh t and noise) pairs: shuffled chunks -> one optimizer step each.
         #    Pair p trains sample p % N at its (p // N)-th timestep: with the sampling schedule, the
@@ -122,18 +129,31 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                 weight = accelerator.reduce(keep[chunk % traj.num_rows].sum().float().to(accelerator.device),
                                             "sum").item()
                 micro_batches = list(chunk.split(t.micro_batch_size))
-                for i, micro in enumerate(micro_batches):
-                    rows = micro % traj.num_rows
-                    sigma = None if timesteps is None else timesteps[rows, micro // traj.num_rows]
-                    noise_seed = [cfg.seed, epoch, inner, chunk_index, i, rank, 0x4F7]
-                    with (torch.enable_grad() if i == len(micro_batches) - 1
-                          else accelerator.no_sync(policy.forward_module)):
-                        loss_sum = forward_process_loss(
-                            policy, ema, traj.final_latents[rows], traj.cond.select(traj.prompt_ids[rows]),
-                            clipped[rows], keep[rows].float(), loss=n.loss, guidance=run.guidance,
-                            strength=n.strength, adaptive=n.adaptive_weighting, awm_kl=n.awm_kl, beta=t.beta,
-                            noise_seed=noise_seed, stats=stats, sigma=sigma)
-                        accelerator.backward(loss_sum * world / max(weight, 1.0))
+
+                def chunk_backward(advantage: torch.Tensor, chunk_stats: StatsAccumulator) -> None:
+                    # [N]; a MARBLE-balanced sum can leave [-1, 1], where NFT's optimality r = (1 + a) / 2
+                    # would leave [0, 1] and its loss lose its bounded minimum: clamped (the measuring passes
+                    # are inside already, so only the update is affected, and only where it binds).
+                    advantage = advantage.clamp(-1.0, 1.0)
+                    for i, micro in enumerate(micro_batches):
+                        rows = micro % traj.num_rows
+                        sigma = None if timesteps is None else timesteps[rows, micro // traj.num_rows]
+                        noise_seed = [cfg.seed, epoch, inner, chunk_index, i, rank, 0x4F7]
+                        with (torch.enable_grad() if i == len(micro_batches) - 1
+                              else accelerator.no_sync(policy.forward_module)):
+                            loss_sum = forward_process_loss(
+                                policy, ema, traj.final_latents[rows], traj.cond.select(traj.prompt_ids[rows]),
+                                advantage[rows], keep[rows].float(), loss=n.loss, guidance=run.guidance,
+                                strength=n.strength, adaptive=n.adaptive_weighting, awm_kl=n.awm_kl, beta=t.beta,
+                                noise_seed=noise_seed, stats=chunk_stats, sigma=sigma)
+                            accelerator.backward(loss_sum * world / max(weight, 1.0))
+
+                if per_reward is None:
+                    chunk_backward(clipped, stats)
+                else:
+                    step = (epoch * t.inner_epochs + inner) * t.optimizer_steps_per_epoch + chunk_index
+                    balanced_backward(run.marble, run.params, step, per_reward, chunk_backward, stats,
+                                      StatsAccumulator)
                 optimizer_step(run, stats)
         # The old policy follows the trained one once per epoch, at DiffusionNFT's ramp when configured.
         steps_so_far = (epoch + 1) * t.inner_epochs * t.optimizer_steps_per_epoch

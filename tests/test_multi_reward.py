@@ -1,0 +1,233 @@
+"""Multi-reward combiners (GDPO, MARBLE) against hand-computed numbers and brute force, the amortised
+MARBLE gradient against the explicit per-reward sum, and both recipes training under MARBLE."""
+
+import itertools
+import math
+import warnings
+
+import pytest
+import torch
+
+from flowrl.algorithms.advantages import grpo_advantages
+from flowrl.algorithms.combine import gdpo, marble_initial, reward_advantages, weighted_sum
+from flowrl.algorithms.losses import grpo_clip_loss
+from flowrl.algorithms.marble import MarbleBalancer, balanced_backward, measure_reward_gradients, min_norm_weights
+from flowrl.commands.train import run_train
+from flowrl.config import Config, ConfigError, load_config
+from flowrl.recipes.common import StatsAccumulator
+from flowrl.recipes.nft import nft_forward_loss
+
+GROUPS = torch.tensor([0, 0, 1, 1])
+
+
+def group_estimator(rewards, group_ids):
+    return grpo_advantages(rewards, group_ids, std_scope="group")
+
+
+def test_gdpo_matches_a_hand_computed_two_reward_two_group_case():
+    rewards = {"a": torch.tensor([1.0, 0.0, 3.0, 1.0]), "b": torch.tensor([0.0, 2.0, 5.0, 1.0])}
+    advantages, combined = gdpo(rewards, {"a": 1.0, "b": 0.5}, GROUPS, group_estimator, eps=0.0)
+    # Group z-scores: a -> [1, -1, 1, -1], b -> [-1, 1, 1, -1]; weighted sum [0.5, -0.5, 1.5, -1.5],
+    # batch mean 0 and std sqrt(1.25).
+    expected = torch.tensor([0.5, -0.5, 1.5, -1.5]) / math.sqrt(1.25)
+    torch.testing.assert_close(advantages, expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(combined, torch.tensor([1.0, 1.0, 5.5, 1.5]))
+    # The weighted sum sees group 0 as flat (1, 1): it would teach nothing there.
+    flat, _ = weighted_sum(rewards, {"a": 1.0, "b": 0.5}, GROUPS, group_estimator)
+    assert flat[:2].abs().max() < 1e-6
+
+
+def test_gdpo_leaves_nan_rows_out_of_the_batch_statistics():
+    rewards = {"a": torch.tensor([1.0, 0.0, 3.0, float("nan")]), "b": torch.tensor([0.0, 2.0, 5.0, 1.0])}
+    advantages, combined = gdpo(rewards, {"a": 1.0, "b": 0.5}, GROUPS, group_estimator)
+    assert advantages[3] == 0 and math.isnan(combined[3])
+    # Row 3 is out of b's group too, so row 2 is alone in group 1 (z 0); rows 0, 1 sum to +-0.5 before
+    # the batch z-score over rows 0-2: [0.5, -0.5, 0] / sqrt(1/6).
+    expected = torch.tensor([0.5, -0.5, 0.0, 0.0]) / math.sqrt(1 / 6)
+    torch.testing.assert_close(advantages, expected, atol=1e-3, rtol=0)
+
+
+def test_gdpo_with_weights_that_do_not_match_the_rewards_names_them():
+    rewards = {"a": torch.ones(4), "b": torch.zeros(4)}
+    with pytest.raises(ValueError, match=r"weights for \['c'\] have no reward signal.*rewards \['b'\] have no weight"):
+        gdpo(rewards, {"a": 1.0, "c": 1.0}, GROUPS, group_estimator)
+    with pytest.raises(ValueError, match="every reward weight is 0"):
+        gdpo(rewards, {"a": 0.0, "b": 0.0}, GROUPS, group_estimator)
+
+
+def test_marble_initial_is_the_weighted_sum_of_per_reward_advantages_without_zero_weights():
+    rewards = {"a": torch.tensor([1.0, 0.0, 3.0, 1.0]), "b": torch.tensor([0.0, 2.0, 5.0, 1.0]),
+               "logged": torch.tensor([9.0, 0.0, 0.0, 9.0])}
+    weights = {"a": 2.0, "b": 1.0, "logged": 0.0}
+    per_reward = reward_advantages(rewards, weights, GROUPS, group_estimator)
+    assert set(per_reward) == {"a", "b"}
+    advantages, _ = marble_initial(rewards, weights, GROUPS, group_estimator)
+    torch.testing.assert_close(advantages, 2 * per_reward["a"] + per_reward["b"])
+
+
+def brute_force_min_norm(gram: torch.Tensor, step: float) -> tuple[torch.Tensor, float]:
+    k, n = gram.shape[0], round(1 / step)
+    best, best_value = None, float("inf")
+    for counts in itertools.product(range(n + 1), repeat=k - 1):
+        if sum(counts) > n:
+            continue
+        alpha = torch.tensor([*counts, n - sum(counts)], dtype=torch.float64) / n
+        value = float(alpha @ gram @ alpha)
+        if value < best_value:
+            best, best_value = alpha, value
+    return best, best_value
+
+
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_min_norm_solver_matches_brute_force_on_the_simplex(k, seed):
+    vectors = torch.randn(k, 5, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    vectors[1] -= 1.5 * vectors[0]  # a conflict, so that interior and face optima both occur across seeds
+    gram = vectors @ vectors.T
+    alpha = min_norm_weights(gram)
+    assert alpha.min() >= 0 and abs(float(alpha.sum()) - 1) < 1e-9
+    grid_alpha, grid_value = brute_force_min_norm(gram, 0.002 if k == 2 else 0.01)
+    value = float(alpha @ gram @ alpha)
+    assert value <= grid_value + 1e-12  # never worse than the grid
+    # and the grid's best point is within one grid cell's worth of objective of it
+    assert grid_value - value <= 2 * 0.01 * float(gram.abs().max()) + 1e-9
+    assert (alpha - grid_alpha).abs().max() < 0.05
+
+
+def test_min_norm_solver_hand_cases():
+    # Two orthogonal unit vectors: the midpoint, norm^2 1/2.
+    torch.testing.assert_close(min_norm_weights(torch.eye(2, dtype=torch.float64)),
+                               torch.tensor([0.5, 0.5], dtype=torch.float64))
+    # g1 = (1, 0), g2 = (2, 0): the hull's nearest point to 0 is g1 itself.
+    torch.testing.assert_close(min_norm_weights(torch.tensor([[1.0, 2.0], [2.0, 4.0]], dtype=torch.float64)),
+                               torch.tensor([1.0, 0.0], dtype=torch.float64))
+
+
+def test_balancer_turns_a_negative_worst_cosine_positive():
+    balancer = MarbleBalancer({"a": 1.0, "b": 1.0})
+    grads = torch.tensor([[1.0, 0.0], [-0.9, 0.1]], dtype=torch.float64)  # the weighted sum follows a only
+    stats = balancer.update(grads)
+    assert stats["marble/worst_cos_negative_weighted"] == 1.0 and stats["marble/worst_cos_weighted"] < 0
+    assert stats["marble/worst_cos_negative_marble"] == 0.0 and stats["marble/worst_cos_marble"] > 0
+    assert stats["marble/alpha/a"] == pytest.approx(0.5)
+    # Weights alpha_k * mean norm / ||g_k||: the update is the mean norm times the unit vectors' midpoint.
+    norms = grads.norm(dim=1)
+    torch.testing.assert_close(balancer.weights, 0.5 * norms.mean() / norms)
+    update = balancer.weights @ grads
+    midpoint = 0.5 * (grads[0] / norms[0] + grads[1] / norms[1])
+    torch.testing.assert_close(update, norms.mean() * midpoint)
+
+
+def test_balancer_smooths_alpha_and_leaves_a_reward_without_gradient_out():
+    balancer = MarbleBalancer({"a": 1.0, "b": 1.0, "c": 1.0}, ema=0.5)
+    balancer.update(torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]], dtype=torch.float64))
+    assert balancer.weights[2] == 0 and balancer.alpha.tolist() == pytest.approx([0.5, 0.5, 0.0])
+    balancer.update(torch.tensor([[1.0, 0.0], [2.0, 0.0], [0.0, 3.0]], dtype=torch.float64))
+    # new alpha: min-norm of (1,0), (1,0), (0,1) puts 1/2 on c and 1/2 spread over a, b (a face of
+    # optima: any split), then the EMA halves the step from the old alpha.
+    new = balancer.alpha * 2 - torch.tensor([0.5, 0.5, 0.0], dtype=torch.float64)
+    assert float(new.sum()) == pytest.approx(1.0) and float(new[2]) == pytest.approx(0.5)
+
+
+class TinyVelocity(torch.nn.Module):
+    """v = x W: a stand-in for the transformer whose gradients are easy to compare."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(3, 3, generator=torch.Generator().manual_seed(0),
+                                                     dtype=torch.float64))  # float64: compare to 1e-10
+
+    def forward(self, x):
+        return x @ self.weight
+
+
+def nft_backward(model, old, x, target):
+    def backward(advantage, stats=None):
+        velocity = model(x)
+        loss = nft_forward_loss(velocity, old(x).detach(), target, advantage, torch.full((x.shape[0],), 0.5, dtype=torch.float64),
+                                strength=1.0, adaptive=False, awm_kl=1.0)
+        loss.sum().backward()
+    return backward
+
+
+def grpo_backward(model, x, old_log_probs):
+    def backward(advantage, stats=None):
+        log_probs = -((model(x) - 1.0) ** 2).mean(dim=1)  # [B], any differentiable log-prob
+        loss, _ = grpo_clip_loss(log_probs, old_log_probs, advantage, clip_low=1e9, clip_high=1e9)  # unclipped
+        loss.sum().backward()
+    return backward
+
+
+@pytest.mark.parametrize("loss", ["nft", "grpo_unclipped"])
+def test_amortised_marble_gradient_equals_the_explicit_weighted_sum(loss):
+    torch.manual_seed(0)
+    model, old = TinyVelocity(), TinyVelocity()
+    with torch.no_grad():
+        old.weight.add_(0.1 * torch.randn(3, 3))
+    x, target = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    backward = (nft_backward(model, old, x, target) if loss == "nft"
+                else grpo_backward(model, x, -((x @ old.weight - 1.0) ** 2).mean(dim=1).detach()))
+    advantages = {"a": torch.rand(6, dtype=torch.float64) * 2 - 1, "b": torch.rand(6, dtype=torch.float64) * 2 - 1}
+    params = [model.weight]
+    # Explicit: grad L(0) + sum_k w_k (grad L(A_k) - grad L(0)), each term its own backward pass.
+    grads = measure_reward_gradients(params, backward, advantages, ["a", "b"])
+    backward(torch.zeros(6, dtype=torch.float64))
+    base = model.weight.grad.detach().double().flatten().clone()
+    model.weight.grad = None
+    balancer = MarbleBalancer({"a": 1.0, "b": 1.0}, refresh_every=2)
+    balancer.update(grads)
+    explicit = base + balancer.weights @ grads
+    # Amortised: step 1 is no refresh, so one pass on the balanced advantage.
+    stats = StatsAccumulator()
+    balanced_backward(balancer, params, 1, advantages, backward, stats, StatsAccumulator)
+    torch.testing.assert_close(model.weight.grad.double().flatten(), explicit, atol=1e-10, rtol=1e-8)
+    assert not stats.scalars  # no refresh, no diagnostics
+    # A refresh step measures (K + 1 passes into scratch statistics), logs, then takes the same update.
+    model.weight.grad = None
+    balanced_backward(balancer, params, 2, advantages, backward, stats, StatsAccumulator)
+    torch.testing.assert_close(model.weight.grad.double().flatten(), base + balancer.weights @ grads,
+                               atol=1e-10, rtol=1e-8)
+    assert "marble/worst_cos_marble" in stats.scalars
+
+
+SMOKE = "configs/smoke/sd3_tiny.yaml"
+TWO_REWARDS = "rewards=[{name: brightness}, {name: 'tests.reward_fixtures:RedMinusBlue'}]"
+
+
+def test_marble_with_one_trained_reward_warns_and_falls_back_to_weighted():
+    with pytest.warns(UserWarning, match="only \\['brightness'\\] trains"):
+        cfg = load_config(Config, SMOKE, ["train.combine=marble",
+                                          "rewards=[{name: brightness}, {name: saturation, weight: 0}]"])
+    assert cfg.train.combine == "weighted"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_config(Config, SMOKE, ["train.combine=marble", TWO_REWARDS]).train.combine == "marble"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.credit=dense_cosine", "cannot combine with train.credit=dense_cosine"),
+    ("train.loss=tmpo", "train.loss=tmpo"),
+])
+def test_marble_with_per_step_or_trajectory_targets_is_refused(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(Config, SMOKE, ["train.combine=marble", TWO_REWARDS, override])
+
+
+def test_all_zero_reward_weights_are_refused():
+    with pytest.raises(ConfigError, match="every reward has weight 0"):
+        load_config(Config, SMOKE, ["rewards=[{name: brightness, weight: 0}]"])
+
+
+@pytest.mark.parametrize("recipe", ["grpo", "nft"])
+def test_marble_trains_both_recipes_and_resumes_exactly(tmp_path, recipe):
+    common = [f"recipe={recipe}", TWO_REWARDS, "train.combine=marble", "train.marble.refresh_every=2",
+              "train.optimizer_steps_per_epoch=2", "log.progress=false", "log.eval_every=0", "log.report_prompts=0",
+              "train.export_lora=false", "train.learning_rate=1e-2", "train.checkpoint_every=1"]
+    strip = lambda m: {k: v for k, v in m.items() if not k.startswith("perf/")}  # noqa: E731
+    full = run_train(SMOKE, [f"run_dir={tmp_path / 'full'}", "train.epochs=3", *common])
+    assert math.isfinite(full["loss/total"])
+    assert {"marble/weight/brightness", "marble/weight/redness", "marble/alpha/brightness",
+            "marble/worst_cos_marble"} <= set(full)
+    run_train(SMOKE, [f"run_dir={tmp_path / 'resumed'}", "train.epochs=2", *common])
+    resumed = run_train(SMOKE, [f"run_dir={tmp_path / 'resumed'}", "train.epochs=3", "train.resume=latest", *common])
+    assert strip(resumed) == strip(full)
