@@ -1,5 +1,6 @@
 """Multi-reward combiners (GDPO, MARBLE) against hand-computed numbers and brute force, the amortised
-MARBLE gradient against the explicit per-reward sum, and both recipes training under MARBLE."""
+MARBLE gradient against the explicit per-reward sum, both recipes training under MARBLE, and GARDO's
+gate and diversity weighting on hand-made groups."""
 
 import itertools
 import math
@@ -10,6 +11,9 @@ import torch
 
 from flowrl.algorithms.advantages import grpo_advantages
 from flowrl.algorithms.combine import gdpo, marble_initial, reward_advantages, weighted_sum
+from flowrl.algorithms.gardo import (
+    build_features, diversity_weighted, gated_rows, nearest_neighbour_distances, uncertainty, win_rates,
+)
 from flowrl.algorithms.losses import grpo_clip_loss
 from flowrl.algorithms.marble import MarbleBalancer, balanced_backward, measure_reward_gradients, min_norm_weights
 from flowrl.commands.train import run_train
@@ -231,3 +235,75 @@ def test_marble_trains_both_recipes_and_resumes_exactly(tmp_path, recipe):
     run_train(SMOKE, [f"run_dir={tmp_path / 'resumed'}", "train.epochs=2", *common])
     resumed = run_train(SMOKE, [f"run_dir={tmp_path / 'resumed'}", "train.epochs=3", "train.resume=latest", *common])
     assert strip(resumed) == strip(full)
+
+
+# ---------------------------------------------------------------------------------------------- GARDO
+
+def test_win_rates_count_ties_as_half():
+    rates = win_rates(torch.tensor([1.0, 1.0, 0.0, 5.0, float("nan")]), torch.tensor([0, 0, 0, 1, 1]))
+    torch.testing.assert_close(rates[:4], torch.tensor([0.75, 0.75, 0.0, 0.5], dtype=torch.float64))
+    assert math.isnan(rates[4])
+
+
+def test_gardo_gate_picks_the_samples_the_proxy_overrates():
+    # One group: the proxy ranks 0 > 1 > 2 > 3, the auxiliary the reverse; a second group where they agree.
+    proxy = torch.tensor([4.0, 3.0, 2.0, 1.0, 1.0, 2.0, 3.0, 4.0])
+    auxiliary = {"aux": torch.tensor([1.0, 2.0, 3.0, 4.0, 1.0, 2.0, 3.0, 4.0])}
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    scores = uncertainty(proxy, auxiliary, groups)
+    # win-rates 1, 2/3, 1/3, 0 against 0, 1/3, 2/3, 1; the agreeing group scores 0 throughout.
+    torch.testing.assert_close(scores, torch.tensor([1, 1 / 3, -1 / 3, -1, 0, 0, 0, 0], dtype=torch.float64))
+    assert gated_rows(scores, 0.125).tolist() == [True] + [False] * 7
+    assert gated_rows(scores, 0.25).tolist() == [True, True] + [False] * 6
+    assert gated_rows(scores, 1.0).all()
+    with pytest.raises(ValueError, match="auxiliary reward"):
+        uncertainty(proxy, {}, groups)
+
+
+def test_diversity_weighting_scales_positive_advantages_by_nearest_neighbour_distance_only():
+    features = torch.tensor([[1.0, 0.0], [2.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    groups = torch.tensor([0, 0, 0, 1])
+    distances = nearest_neighbour_distances(features, groups)
+    torch.testing.assert_close(distances, torch.tensor([0.0, 0.0, 1.0, 0.0]))  # copies 0; alone 0
+    advantages = torch.tensor([1.5, -1.0, 2.0, -0.5])
+    weighted = diversity_weighted(advantages, distances)
+    torch.testing.assert_close(weighted, torch.tensor([0.0, -1.0, 2.0, -0.5]))  # negatives untouched
+
+
+GARDO_REWARDS = "rewards=[{name: brightness}, {name: 'tests.reward_fixtures:RedMinusBlue', weight: 0}]"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["gardo.kl_fraction=0.1", "rewards=[{name: brightness}]"], "there are none: add a reward with weight 0"),
+    (["gardo.kl_fraction=0.1", GARDO_REWARDS, "train.beta=0"], "train.beta's KL, which is 0"),
+    (["gardo.diversity=true", "recipe=nft"], "use recipe grpo"),
+    (["gardo.features=resnet"], "unknown feature space 'resnet'"),
+    (["gardo.auxiliary=[clip]", GARDO_REWARDS], r"\['clip'\] are not reward keys"),
+])
+def test_gardo_config_errors_name_the_keys(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(Config, SMOKE, overrides)
+
+
+@pytest.mark.parametrize("name, kwargs, message", [
+    ("clip", {}, "bad gardo.feature_kwargs .*model_id"),
+    ("no_such_module:Features", {}, "cannot be imported"),
+    ("resnet", {}, "unknown gardo.features"),
+])
+def test_a_missing_gardo_feature_extractor_is_a_one_line_error(name, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        build_features(name, kwargs)
+
+
+def test_gardo_trains_with_gate_and_diversity(tmp_path):
+    common = ["train.epochs=2", GARDO_REWARDS, "gardo.diversity=true", "gardo.features=pixels", "log.progress=false",
+              "log.eval_every=0", "log.report_prompts=0", "train.export_lora=false", "train.learning_rate=1e-2"]
+    gated = run_train(SMOKE, [f"run_dir={tmp_path / 'gated'}", "gardo.kl_fraction=0.25", *common])
+    assert math.isfinite(gated["loss/total"])
+    assert gated["gardo/kl_gated_fraction"] == pytest.approx(0.25)  # 8 rows: 2 gated
+    assert 0 < gated["gardo/nn_distance_mean"] <= 2
+    # Epoch 0 starts at the reference (zero KL, zero KL gradient), so both runs sample the same epoch 1;
+    # there the gate leaves the KL on a quarter of the rows only.
+    full = run_train(SMOKE, [f"run_dir={tmp_path / 'full'}", *common])
+    assert 0 < gated["loss/kl"] < 0.9 * full["loss/kl"]
+    assert gated["reward/brightness_mean"] == full["reward/brightness_mean"]

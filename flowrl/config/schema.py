@@ -426,6 +426,31 @@ class LogConfig:
 
 
 @dataclass
+class GardoConfig:
+    kl_fraction: float = 1.0
+    """GARDO's gated KL: train.beta's KL acts only on this most uncertain fraction of the batch (GARDO:
+    about 0.1), uncertainty being a sample's win-rate in its group under the trained reward minus its
+    mean win-rate under the auxiliary rewards. 1: every sample (plain GRPO)."""
+    auxiliary: list[str] | None = None
+    """Reward keys whose win-rates the uncertainty compares against (null: every reward with weight 0)."""
+    diversity: bool = False
+    """GARDO's diversity-aware advantage: a positive advantage times the sample's cosine distance to its
+    nearest group neighbour in the gardo.features space; negative advantages unchanged."""
+    features: str = "latent"
+    """Feature space of the diversity weighting: latent (the rollout's VAE latents), pixels (images pooled
+    to 16x16), clip (needs feature_kwargs.model_id) or 'package.module:Class' (flowrl/algorithms/gardo.py)."""
+    feature_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the feature extractor's constructor (model_id, device, batch_size, ...)."""
+
+    def validate(self):
+        from flowrl.algorithms.gardo import FEATURES
+
+        check(0 < self.kl_fraction <= 1, "kl_fraction", "must be in (0, 1]")
+        check(self.features in FEATURES or ":" in self.features, "features",
+              f"unknown feature space {self.features!r}; choose one of {sorted(FEATURES)} or 'package.module:Class'")
+
+
+@dataclass
 class Config:
     seed: int = 0
     """Seed of everything: prompts order, noise, LoRA init."""
@@ -451,14 +476,31 @@ class Config:
     """Training loop: grpo (SDE rollouts, clipped log-prob ratios) or nft (DiffusionNFT)."""
     nft: NFTConfig = field(default_factory=NFTConfig)
     """DiffusionNFT settings (recipe: nft)."""
+    gardo: GardoConfig = field(default_factory=GardoConfig)
+    """GARDO's gated KL and diversity-aware advantage (recipe: grpo)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Recipe-specific settings the recipe validates itself."""
+
+    def validate_gardo(self):
+        g, gated = self.gardo, self.gardo.kl_fraction < 1
+        check(self.recipe == "grpo" or not (gated or g.diversity), "gardo",
+              "gardo.kl_fraction and gardo.diversity act on GRPO's advantages and KL: use recipe grpo")
+        check(not gated or self.train.beta > 0, "gardo.kl_fraction", "gates train.beta's KL, which is 0: set "
+              "train.beta > 0 or gardo.kl_fraction=1")
+        keys = {r.key or r.name: r.weight for r in self.rewards}
+        auxiliary = [k for k, w in keys.items() if w == 0] if g.auxiliary is None else g.auxiliary
+        unknown = [k for k in auxiliary if k not in keys]
+        check(not unknown, "gardo.auxiliary", f"{unknown} are not reward keys of this config ({sorted(keys)})")
+        check(not gated or bool(auxiliary), "gardo.kl_fraction",
+              "the gate ranks samples by how far the trained reward outruns auxiliary rewards, and there are none: "
+              "add a reward with weight 0 (or name one in gardo.auxiliary)")
 
     def validate(self):
         check(len({r.name for r in self.rewards}) == len(self.rewards), "rewards", "each reward may appear once")
         trained = [r.name for r in self.rewards if r.weight != 0]
         check(bool(trained) or not self.rewards, "rewards", "every reward has weight 0, so nothing trains: give at "
               "least one a nonzero weight")
+        self.validate_gardo()
         if self.train.combine == "marble" and len(trained) < 2:
             warnings.warn(f"train.combine=marble balances several rewards, but only {trained} trains (nonzero "
                           "weight); using train.combine=weighted", stacklevel=2)

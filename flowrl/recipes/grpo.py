@@ -42,6 +42,9 @@ from tqdm.auto import tqdm
 
 from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS, edge_advantages, tmpo_advantages
 from flowrl.algorithms.combine import COMBINERS, reward_advantages
+from flowrl.algorithms.gardo import (
+    build_features, diversity_weighted, gated_rows, nearest_neighbour_distances, uncertainty,
+)
 from flowrl.algorithms.marble import balanced_backward
 from flowrl.algorithms.dense import (
     cosine_advantages, cosine_gain_weights, lookahead_rewards, lookahead_states, predict_x0,
@@ -73,6 +76,8 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
     scorer = AsyncScorer(run.rewards, on_error=t.reward_errors, asynchronous=t.async_rewards)
     bar = tqdm(range(run.start_epoch, t.epochs), disable=not (cfg.log.progress and accelerator.is_main_process),
                desc="grpo", dynamic_ncols=True)
+    features = build_features(cfg.gardo.features, cfg.gardo.feature_kwargs) if cfg.gardo.diversity else None
+    auxiliary = cfg.gardo.auxiliary or [key for key, w in run.weights.items() if w == 0]
     metrics: dict[str, float] = {}
     log_base_model(run)
     for epoch in bar:
@@ -95,6 +100,14 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
             row_adv = combined_adv[local]
         else:
             row_adv = combined_adv[local].clamp(-t.advantage_clip, t.advantage_clip)
+        # GARDO: positive advantages times the nearest-neighbour distance in the group; the KL gate.
+        distances = None if features is None else nearest_neighbour_distances(
+            features(traj.images, traj.final_latents), traj.group_ids)  # [N]
+        row_adv = gardo_weighted(row_adv, distances)
+        kl_gate = None
+        if cfg.gardo.kl_fraction < 1:
+            scores = uncertainty(combined, {key: gathered[key] for key in auxiliary}, all_groups)  # [N_all]
+            kl_gate = gated_rows(scores, cfg.gardo.kl_fraction)[local]  # [N]
         traj.advantages = edge_advantages(row_adv, traj.edge_ids)  # [N, K]
         # GRPO-Guard: each trained step's velocity sensitivity over their mean (1 everywhere without it).
         sensitivity = step_sensitivities(traj.sigmas, trained_cols, noise_level=s.noise_level, kind=s.kind,
@@ -127,7 +140,8 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
 
         # MARBLE: each weighted reward's own clipped advantage on every edge, balanced per optimizer step.
         per_reward = None if run.marble is None else {
-            name: edge_advantages(adv[local].clamp(-t.advantage_clip, t.advantage_clip), traj.edge_ids)  # [N, K]
+            name: edge_advantages(gardo_weighted(adv[local].clamp(-t.advantage_clip, t.advantage_clip), distances),
+                                  traj.edge_ids)  # [N, K]
             for name, adv in reward_advantages({key: gathered[key] for key in run.weights}, run.weights, all_groups,
                                                partial(estimator, std_scope=t.std_scope)).items()}
 
@@ -149,7 +163,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                                                        beta=t.beta, policy_loss=policy_loss, clip_low=t.clip_range,
                                                        clip_high=clip_high, stats=chunk_stats,
                                                        on_policy=inner == 0 and chunk_index == 0,
-                                                       ratio_scale=sensitivity.get(k))
+                                                       ratio_scale=sensitivity.get(k), kl_gate=kl_gate)
                             accelerator.backward(loss_sum * world / max(weight, 1.0))
 
                 if per_reward is None:
@@ -168,7 +182,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                                else combined_adv.clamp(-t.advantage_clip, t.advantage_clip).abs().mean())
         metrics = end_epoch(run, epoch, gathered=gathered, combined=combined, group_ids=all_groups, stats=stats,
                             extra={"advantages/abs_mean": advantage_size, "policy/trained_fraction": trained_fraction,
-                                   **traj.sampling_metrics},
+                                   **gardo_metrics(distances, kl_gate), **traj.sampling_metrics},
                             rollouts=traj.rollouts_sampled,
                             times=(epoch_start, sample_done, reward_done, train_done), bar=bar)
         if out_of_time(run):
@@ -177,6 +191,17 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
     # 9. Export the final adapter (EMA weights when kept) and report before/after on held-out prompts.
     scorer.close()
     return finish_run(run, metrics)
+
+
+def gardo_weighted(advantages: torch.Tensor, distances: torch.Tensor | None) -> torch.Tensor:
+    return advantages if distances is None else diversity_weighted(advantages, distances)
+
+
+def gardo_metrics(distances: torch.Tensor | None, kl_gate: torch.Tensor | None) -> dict[str, float]:
+    out = {} if distances is None else {"gardo/nn_distance_mean": float(distances.mean())}
+    if kl_gate is not None:
+        out["gardo/kl_gated_fraction"] = float(kl_gate.float().mean())
+    return out
 
 
 def trained_columns(step_indices: torch.Tensor, num_steps: int, skip_last_step: bool, fraction: float, *,
@@ -238,9 +263,11 @@ def step_sensitivities(sigmas: torch.Tensor, columns: list[int], *, noise_level:
 
 
 def transition_loss(policy, traj, rows, k, mask, *, accelerator, guidance, noise_level, kind, beta, policy_loss,
-                    clip_low, clip_high, stats, on_policy, ratio_scale: float | None = None) -> torch.Tensor:
+                    clip_low, clip_high, stats, on_policy, ratio_scale: float | None = None,
+                    kl_gate: torch.Tensor | None = None) -> torch.Tensor:
     """Summed (not averaged) loss of stored transitions ``rows`` at stored step ``k``; with
-    ``ratio_scale`` the log-ratio is GRPO-Guard-normalised by it first."""
+    ``ratio_scale`` the log-ratio is GRPO-Guard-normalised by it first; with ``kl_gate`` [N] (bool)
+    the KL acts on the gated rows only (GARDO)."""
     device = accelerator.device
     x = traj.latents[rows, k].to(device)  # [B, C, h, w]
     x_next = traj.latents[rows, k + 1].to(device)
@@ -264,6 +291,8 @@ def transition_loss(policy, traj, rows, k, mask, *, accelerator, guidance, noise
         # Flow-GRPO's scale, not step.std: for SDE steps it leaves out sqrt(-dt) (see kl_std).
         kl = gaussian_mean_kl(step.mean, ref_mean,
                               kl_std(x, sigma, sigma_next, noise_level=noise_level, kind=kind))
+        if kl_gate is not None:
+            kl = kl * kl_gate[rows].to(kl)
     total = loss + beta * kl
     stats.add("loss/policy", loss, weights)
     stats.add("loss/kl", kl, weights)
