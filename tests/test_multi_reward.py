@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from flowrl.algorithms.advantages import grpo_advantages
-from flowrl.algorithms.combine import gdpo, marble_initial, reward_advantages, weighted_sum
+from flowrl.algorithms.combine import (
+    correlation_weighted, correlation_weights, gdpo, marble_initial, reward_advantages, weighted_sum,
+)
 from flowrl.algorithms.gardo import (
     build_features, diversity_weighted, gated_rows, nearest_neighbour_distances, uncertainty, win_rates,
 )
@@ -57,6 +59,22 @@ def test_gdpo_with_weights_that_do_not_match_the_rewards_names_them():
         gdpo(rewards, {"a": 1.0, "c": 1.0}, GROUPS, group_estimator)
     with pytest.raises(ValueError, match="every reward weight is 0"):
         gdpo(rewards, {"a": 0.0, "b": 0.0}, GROUPS, group_estimator)
+
+
+def test_correlation_weights_favour_the_rewards_that_conflict():
+    rewards = {"a": torch.tensor([1.0, 0.0, 1.0, 0.0]), "b": torch.tensor([0.0, 1.0, 0.0, 1.0]),
+               "c": torch.tensor([1.0, 1.0, 0.0, 0.0]), "logged": torch.zeros(4)}
+    weights = {"a": 1.0, "b": 1.0, "c": 1.0, "logged": 0.0}
+    # corr(a, b) = -1, corr(a, c) = corr(b, c) = 0: difficulties 0.75, 0.75, 0.5, rescaled to total 3.
+    assert correlation_weights(rewards, weights) == pytest.approx({"a": 1.125, "b": 1.125, "c": 0.75})
+    advantages, combined = correlation_weighted(rewards, weights, GROUPS, group_estimator)
+    expected, _ = gdpo(rewards, {"a": 1.125, "b": 1.125, "c": 0.75, "logged": 0.0}, GROUPS, group_estimator)
+    torch.testing.assert_close(advantages, expected)
+    torch.testing.assert_close(combined, torch.tensor([2.0, 2.0, 1.0, 1.0]))
+    # One reward, or a constant one beside it (correlation 0: difficulty 1/2 each), leaves weights alone.
+    assert correlation_weights({"a": rewards["a"]}, {"a": 2.0}) == {"a": 2.0}
+    assert correlation_weights({"a": rewards["a"], "z": torch.ones(4)}, {"a": 2.0, "z": 1.0}) == pytest.approx(
+        {"a": 2.0, "z": 1.0})
 
 
 def test_marble_initial_is_the_weighted_sum_of_per_reward_advantages_without_zero_weights():
@@ -307,3 +325,14 @@ def test_gardo_trains_with_gate_and_diversity(tmp_path):
     full = run_train(SMOKE, [f"run_dir={tmp_path / 'full'}", *common])
     assert 0 < gated["loss/kl"] < 0.9 * full["loss/kl"]
     assert gated["reward/brightness_mean"] == full["reward/brightness_mean"]
+
+
+def test_sub_scores_of_one_reward_train_as_separate_rewards_from_one_instance():
+    from flowrl.recipes.common import build_rewards
+
+    cfg = load_config(Config, SMOKE, ["rewards=[{name: toyeval, key: toyeval/count}, {name: toyeval, key: "
+                                      "toyeval/color, weight: 0.5}]"])
+    rewards, weights = build_rewards(cfg.rewards, None)
+    assert len(rewards) == 1 and weights == {"toyeval/count": 1.0, "toyeval/color": 0.5}
+    with pytest.raises(ConfigError, match="may appear once"):
+        load_config(Config, SMOKE, ["rewards=[{name: toyeval}, {name: toyeval}]"])

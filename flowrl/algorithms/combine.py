@@ -10,6 +10,9 @@ weighted sum of the raw rewards (NaN where any is NaN): what the run logs and ma
 - ``weighted``: early scalarisation, one advantage of ``sum_k w_k r_k``.
 - ``gdpo`` (GDPO): each reward z-scored within its group on its own, so a reward with a wide spread
   cannot drown a narrow one; the weighted sum of those is normalised over the batch.
+- ``correlation`` (correlation-weighted multi-reward): GDPO with each weight scaled by the reward's
+  difficulty ``(1 - mean correlation with the other rewards) / 2`` over the batch: a concept that
+  fights the others (negative correlation) gains weight, one the others already carry loses it.
 - ``marble``: the weighted sum of the per-reward advantages (:func:`reward_advantages`) at the
   configured weights. The recipes replace those weights by MARBLE's gradient balancing
   (:mod:`flowrl.algorithms.marble`); this is the step-0 value and what the look-ahead credit uses.
@@ -76,6 +79,38 @@ def gdpo(rewards: dict[str, torch.Tensor], weights: dict[str, float], group_ids:
     return advantages.float(), combined
 
 
+def correlation_weights(rewards: dict[str, torch.Tensor], weights: dict[str, float]) -> dict[str, float]:
+    """{name: w_k * d_k * sum(w) / sum(w * d)}: the nonzero weights rescaled by difficulty
+    ``d_k = (1 - c_k) / 2``, ``c_k`` the mean Pearson correlation of reward k with the other weighted
+    rewards over the batch's rows where all are finite (a constant reward correlates 0). The total
+    weight is kept; with one reward, or all difficulties 0, the weights are unchanged."""
+    nonzero = trained_weights(rewards, weights)
+    names = list(nonzero)
+    if len(names) < 2:
+        return nonzero
+    stacked = torch.stack([rewards[n].double() for n in names])  # [K, N]
+    stacked = stacked[:, torch.isfinite(stacked).all(0)]
+    centred = stacked - stacked.mean(1, keepdim=True)
+    norms = centred.norm(dim=1)
+    unit = torch.where(norms[:, None] > 0, centred / norms.clamp(min=1e-12)[:, None], torch.zeros_like(centred))
+    corr = unit @ unit.T  # [K, K], 0 rows for constant rewards
+    mean_other = (corr.sum(1) - corr.diagonal()) / (len(names) - 1)
+    difficulty = (1 - mean_other) / 2  # [K] in [0, 1]
+    w = torch.tensor([nonzero[n] for n in names], dtype=torch.float64)
+    total = float((w * difficulty).sum())
+    if total == 0:
+        return nonzero
+    scaled = w * difficulty * float(w.sum()) / total
+    return dict(zip(names, scaled.tolist()))
+
+
+def correlation_weighted(rewards: dict[str, torch.Tensor], weights: dict[str, float], group_ids: torch.Tensor,
+                         estimator: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO at :func:`correlation_weights`; ``combined`` stays the configured weighted sum."""
+    advantages, _ = gdpo(rewards, {**weights, **correlation_weights(rewards, weights)}, group_ids, estimator)
+    return advantages, combined_reward(rewards, weights)
+
+
 def marble_initial(rewards: dict[str, torch.Tensor], weights: dict[str, float], group_ids: torch.Tensor,
                    estimator: Callable) -> tuple[torch.Tensor, torch.Tensor]:
     """MARBLE before any gradient is measured: sum_k w_k A_k of the per-reward advantages."""
@@ -84,4 +119,5 @@ def marble_initial(rewards: dict[str, torch.Tensor], weights: dict[str, float], 
     return advantages, combined_reward(rewards, weights)
 
 
-COMBINERS: dict[str, Callable] = {"weighted": weighted_sum, "gdpo": gdpo, "marble": marble_initial}
+COMBINERS: dict[str, Callable] = {"weighted": weighted_sum, "gdpo": gdpo, "correlation": correlation_weighted,
+                                  "marble": marble_initial}

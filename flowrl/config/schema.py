@@ -292,8 +292,9 @@ class TrainConfig:
     """Clip advantages to +-this value."""
     combine: str = "weighted"
     """How several rewards become one advantage (flowrl/algorithms/combine.py): weighted (sum the rewards,
-    then one advantage), gdpo (each reward z-scored in its group, weighted sum, batch-normalised) or
-    marble (one advantage and gradient per reward, balanced by MARBLE's QP; see train.marble)."""
+    then one advantage), gdpo (each reward z-scored in its group, weighted sum, batch-normalised),
+    correlation (gdpo with weights raised for rewards that anti-correlate with the others) or marble (one
+    advantage and gradient per reward, balanced by MARBLE's QP; see train.marble)."""
     marble: MarbleConfig = field(default_factory=MarbleConfig)
     """combine=marble: how often the per-reward gradients are measured, and the smoothing of alpha."""
     beta: float = 0.04
@@ -496,7 +497,9 @@ class Config:
               "add a reward with weight 0 (or name one in gardo.auxiliary)")
 
     def validate(self):
-        check(len({r.name for r in self.rewards}) == len(self.rewards), "rewards", "each reward may appear once")
+        keys = [r.key or r.name for r in self.rewards]
+        check(len(set(keys)) == len(keys), "rewards", "each reward (or sub-score `key:`) may appear once; to train "
+              "on several sub-scores of one reward, give each entry its own key")
         trained = [r.name for r in self.rewards if r.weight != 0]
         check(bool(trained) or not self.rewards, "rewards", "every reward has weight 0, so nothing trains: give at "
               "least one a nonzero weight")
