@@ -336,3 +336,22 @@ def test_sub_scores_of_one_reward_train_as_separate_rewards_from_one_instance():
     assert len(rewards) == 1 and weights == {"toyeval/count": 1.0, "toyeval/color": 0.5}
     with pytest.raises(ConfigError, match="may appear once"):
         load_config(Config, SMOKE, ["rewards=[{name: toyeval}, {name: toyeval}]"])
+
+
+def test_gardo_adaptive_reference_moves_to_the_policy_and_resumes_exactly(tmp_path):
+    common = ["log.progress=false", "log.eval_every=0", "log.report_prompts=0", "train.export_lora=false",
+              "train.learning_rate=1e-2", "train.checkpoint_every=1"]
+    plain = run_train(SMOKE, [f"run_dir={tmp_path / 'plain'}", "train.epochs=2", *common])
+    reset = run_train(SMOKE, [f"run_dir={tmp_path / 'reset'}", "train.epochs=2", "gardo.reset_every=1", *common])
+    # One optimizer step per epoch: after epoch 0's reset the reference is the weights epoch 1 trains from,
+    # so its KL is zero to rounding, where the base-model reference's is not.
+    assert plain["loss/kl"] > 1e-6 and reset["loss/kl"] < 1e-9 * plain["loss/kl"] + 1e-12
+    assert reset["gardo/reference_resets"] == 2
+    kl_reset = run_train(SMOKE, [f"run_dir={tmp_path / 'kl'}", "train.epochs=2", "gardo.reset_kl=1e-30", *common])
+    assert kl_reset["gardo/reference_resets"] == 1  # epoch 0 starts at the reference (KL 0); epoch 1 exceeds
+    strip = lambda m: {k: v for k, v in m.items() if not k.startswith("perf/")}  # noqa: E731
+    schedule = ["gardo.reset_every=2", "train.optimizer_steps_per_epoch=2", *common]
+    full = run_train(SMOKE, [f"run_dir={tmp_path / 'full'}", "train.epochs=4", *schedule])
+    run_train(SMOKE, [f"run_dir={tmp_path / 'resumed'}", "train.epochs=3", *schedule])
+    resumed = run_train(SMOKE, [f"run_dir={tmp_path / 'resumed'}", "train.epochs=4", "train.resume=latest", *schedule])
+    assert strip(resumed) == strip(full) and full["gardo/reference_resets"] == 2

@@ -437,6 +437,11 @@ class GardoConfig:
     diversity: bool = False
     """GARDO's diversity-aware advantage: a positive advantage times the sample's cosine distance to its
     nearest group neighbour in the gardo.features space; negative advantages unchanged."""
+    reset_every: int | None = None
+    """GARDO's adaptive reference: every this many epochs the KL reference becomes the current adapter
+    (null: never on a schedule)."""
+    reset_kl: float | None = None
+    """GARDO's adaptive reference: reset it after an epoch whose mean KL (loss/kl) exceeds this (null: never)."""
     features: str = "latent"
     """Feature space of the diversity weighting: latent (the rollout's VAE latents), pixels (images pooled
     to 16x16), clip (needs feature_kwargs.model_id) or 'package.module:Class' (flowrl/algorithms/gardo.py)."""
@@ -447,6 +452,8 @@ class GardoConfig:
         from flowrl.algorithms.gardo import FEATURES
 
         check(0 < self.kl_fraction <= 1, "kl_fraction", "must be in (0, 1]")
+        check(self.reset_every is None or self.reset_every >= 1, "reset_every", "must be >= 1 epoch, or null")
+        check(self.reset_kl is None or self.reset_kl > 0, "reset_kl", "must be > 0, or null")
         check(self.features in FEATURES or ":" in self.features, "features",
               f"unknown feature space {self.features!r}; choose one of {sorted(FEATURES)} or 'package.module:Class'")
 
@@ -484,10 +491,13 @@ class Config:
 
     def validate_gardo(self):
         g, gated = self.gardo, self.gardo.kl_fraction < 1
-        check(self.recipe == "grpo" or not (gated or g.diversity), "gardo",
-              "gardo.kl_fraction and gardo.diversity act on GRPO's advantages and KL: use recipe grpo")
-        check(not gated or self.train.beta > 0, "gardo.kl_fraction", "gates train.beta's KL, which is 0: set "
-              "train.beta > 0 or gardo.kl_fraction=1")
+        resets = g.reset_every is not None or g.reset_kl is not None
+        check(self.recipe == "grpo" or not (gated or g.diversity or resets), "gardo",
+              "gardo's options act on GRPO's advantages and KL: use recipe grpo")
+        for key, used in (("kl_fraction", gated), ("reset_every", g.reset_every is not None),
+                          ("reset_kl", g.reset_kl is not None)):
+            check(not used or self.train.beta > 0, f"gardo.{key}", "acts on train.beta's KL, which is 0: set "
+                  "train.beta > 0 or remove it")
         keys = {r.key or r.name: r.weight for r in self.rewards}
         auxiliary = [k for k, w in keys.items() if w == 0] if g.auxiliary is None else g.auxiliary
         unknown = [k for k in auxiliary if k not in keys]

@@ -124,20 +124,20 @@ def step_plan(s: SamplingConfig, epoch: int, seed: int) -> StepPlan:
     return StepPlan(s.num_steps, sde_start=start, sde_size=s.window.size, **branch)
 
 
-def restore_checkpoint(cfg: Config, policy, optimizer, ema, *, rank: int) -> dict:
+def restore_checkpoint(cfg: Config, policy, optimizer, ema, *, rank: int, reference=None) -> dict:
     """Load the checkpoint named by ``train.resume`` into the live objects; returns its trainer state."""
     from peft.utils import set_peft_model_state_dict
 
     from flowrl.training.checkpoint import load_checkpoint
 
     lora_state, trainer_state = load_checkpoint(cfg.run_dir, resume=cfg.train.resume, optimizer=optimizer, ema=ema,
-                                                rank=rank)
+                                                rank=rank, reference=reference)
     set_peft_model_state_dict(policy.transformer, lora_state)
     return trainer_state
 
 
 def save_run_checkpoint(cfg: Config, policy, optimizer, ema, accelerator, *, epoch: int,
-                        counters: dict | None = None, extra: dict | None = None) -> Path:
+                        counters: dict | None = None, extra: dict | None = None, reference=None) -> Path:
     """``extra``: JSON-safe recipe state (MARBLE's coefficients) restored with the trainer state."""
     from flowrl.training.checkpoint import save_checkpoint
 
@@ -146,7 +146,7 @@ def save_run_checkpoint(cfg: Config, policy, optimizer, ema, accelerator, *, epo
         optimizer=optimizer, ema=ema, trainer_state={"epoch": epoch, **(counters or {}), **(extra or {})},
         config=to_dict(cfg),
         rank=accelerator.process_index, world_size=accelerator.num_processes, barrier=accelerator.wait_for_everyone,
-        keep_last=cfg.train.keep_checkpoints,
+        keep_last=cfg.train.keep_checkpoints, reference=reference,
     )
 
 
@@ -226,6 +226,8 @@ class Run:
     start_epoch: int
     counters: dict[str, float] = field(default_factory=dict)
     marble: MarbleBalancer | None = None  # train.combine=marble: the per-reward advantage weights in force
+    reference: LoraEMA | None = None  # GARDO's adaptive reference: the adapter snapshot at the last reset
+    reference_resets: int = 0  # 0: the reference is still the base model (adapter off)
 
 
 def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
@@ -249,8 +251,11 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
                            tracker=accelerator if cfg.log.backend != "none" else None)
     if cfg.log.backend != "none":
         accelerator.init_trackers(cfg.log.project, config=flat_config(cfg))
-    resumed = restore_checkpoint(cfg, policy, optimizer, ema, rank=accelerator.process_index) if t.resume else {
-        "epoch": -1}
+    g = cfg.gardo
+    reference = (LoraEMA(policy.named_trainable_parameters(), decay=0.0)
+                 if g.reset_every is not None or g.reset_kl is not None else None)
+    resumed = restore_checkpoint(cfg, policy, optimizer, ema, rank=accelerator.process_index,
+                                 reference=reference) if t.resume else {"epoch": -1}
     start_epoch = int(resumed["epoch"]) + 1
     logger.truncate_after(start_epoch - 1)
     marble = None
@@ -266,7 +271,7 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
         test_set=stratified_prefix(test_prompts, cfg.log.test_prompts), logger=logger,
         guidance=cfg.sampling.guidance_scale if (t.cfg or policy.family == "flux") else 1.0, start_epoch=start_epoch,
         counters={"rollouts": resumed.get("rollouts", 0), "train_wall_s": resumed.get("train_wall_s", 0.0)},
-        marble=marble,
+        marble=marble, reference=reference, reference_resets=int(resumed.get("reference_resets", 0)),
     )
 
 
@@ -400,6 +405,26 @@ def group_advantages(run: Run, traj, estimator):
     return gathered, advantages, combined, slice(rank * traj.num_rows, (rank + 1) * traj.num_rows), all_groups
 
 
+def reference_weights(run: Run):
+    """The KL reference as a context: the base model (adapter off), or after GARDO's first reset the
+    adapter snapshot taken then."""
+    return ema_weights(run.reference) if run.reference_resets else run.policy.reference()
+
+
+def maybe_reset_reference(run: Run, epoch: int, stats: StatsAccumulator) -> dict[str, float]:
+    """GARDO's adaptive reference: after epoch ``epoch``, move the reference to the current adapter
+    when ``gardo.reset_every`` epochs have passed or the epoch's mean KL exceeds ``gardo.reset_kl``
+    (before the checkpoint, so a resumed run has the same reference). Returns the metric to log."""
+    if run.reference is None:
+        return {}
+    g = run.cfg.gardo
+    kl = stats.reduce(run.accelerator).get("loss/kl", 0.0)
+    if (g.reset_every is not None and (epoch + 1) % g.reset_every == 0) or (g.reset_kl is not None and kl > g.reset_kl):
+        run.reference.step(0.0)  # decay 0: the snapshot becomes the live weights
+        run.reference_resets += 1
+    return {"gardo/reference_resets": float(run.reference_resets)}
+
+
 def log_base_model(run: Run) -> None:
     """With ``log.test_every``, the held-out score of the base model: the curve's starting point."""
     if run.cfg.log.test_every and run.start_epoch == 0:
@@ -451,8 +476,11 @@ def end_epoch(run: Run, epoch: int, *, gathered: dict[str, torch.Tensor], combin
     metrics["perf/epoch_s"] = time.perf_counter() - epoch_start
     run.logger.log(metrics, step=epoch)  # before the checkpoint: a resumed run redoes later epochs only
     if epoch + 1 == t.epochs or out_of_time(run) or (t.checkpoint_every and (epoch + 1) % t.checkpoint_every == 0):
+        extra = {"marble": run.marble.state_dict()} if run.marble else {}
+        if run.reference is not None:
+            extra["reference_resets"] = run.reference_resets
         save_run_checkpoint(cfg, run.policy, run.optimizer, run.ema, accelerator, epoch=epoch, counters=run.counters,
-                            extra={"marble": run.marble.state_dict()} if run.marble else None)
+                            extra=extra, reference=run.reference)
     bar.set_postfix(reward=f"{metrics['reward/combined_mean']:.3f}", loss=f"{metrics.get('loss/total', 0):.4f}",
                     sample=f"{metrics['perf/sample_s']:.1f}s", train=f"{metrics['perf/train_s']:.1f}s")
     return metrics

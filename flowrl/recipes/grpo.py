@@ -54,8 +54,8 @@ from flowrl.algorithms.tree import prune_mask
 from flowrl.algorithms.losses import POLICY_LOSSES, gaussian_mean_kl, guard_log_ratio
 from flowrl.config import Config
 from flowrl.recipes.common import (  # noqa: F401  (re-exported for callers of this module)
-    StatsAccumulator, end_epoch, finish_run, group_advantages, log_base_model, make_accelerator, optimizer_step,
-    out_of_time, sample_and_score, start_run, step_plan,
+    StatsAccumulator, end_epoch, finish_run, group_advantages, log_base_model, make_accelerator,
+    maybe_reset_reference, optimizer_step, out_of_time, reference_weights, sample_and_score, start_run, step_plan,
 )
 from flowrl.rewards_api import AsyncScorer
 from flowrl.sampling import sde_step, transition
@@ -163,7 +163,8 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                                                        beta=t.beta, policy_loss=policy_loss, clip_low=t.clip_range,
                                                        clip_high=clip_high, stats=chunk_stats,
                                                        on_policy=inner == 0 and chunk_index == 0,
-                                                       ratio_scale=sensitivity.get(k), kl_gate=kl_gate)
+                                                       ratio_scale=sensitivity.get(k), kl_gate=kl_gate,
+                                                       reference=lambda: reference_weights(run))
                             accelerator.backward(loss_sum * world / max(weight, 1.0))
 
                 if per_reward is None:
@@ -175,6 +176,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                 optimizer_step(run, stats)
                 if ema is not None:
                     ema.step()
+        reference_metrics = maybe_reset_reference(run, epoch, stats)  # GARDO's adaptive reference
         train_done = time.perf_counter()
 
         # 8. Log, render eval grids, checkpoint.
@@ -182,7 +184,8 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                                else combined_adv.clamp(-t.advantage_clip, t.advantage_clip).abs().mean())
         metrics = end_epoch(run, epoch, gathered=gathered, combined=combined, group_ids=all_groups, stats=stats,
                             extra={"advantages/abs_mean": advantage_size, "policy/trained_fraction": trained_fraction,
-                                   **gardo_metrics(distances, kl_gate), **traj.sampling_metrics},
+                                   **gardo_metrics(distances, kl_gate), **reference_metrics,
+                                   **traj.sampling_metrics},
                             rollouts=traj.rollouts_sampled,
                             times=(epoch_start, sample_done, reward_done, train_done), bar=bar)
         if out_of_time(run):
@@ -264,10 +267,11 @@ def step_sensitivities(sigmas: torch.Tensor, columns: list[int], *, noise_level:
 
 def transition_loss(policy, traj, rows, k, mask, *, accelerator, guidance, noise_level, kind, beta, policy_loss,
                     clip_low, clip_high, stats, on_policy, ratio_scale: float | None = None,
-                    kl_gate: torch.Tensor | None = None) -> torch.Tensor:
+                    kl_gate: torch.Tensor | None = None, reference=None) -> torch.Tensor:
     """Summed (not averaged) loss of stored transitions ``rows`` at stored step ``k``; with
     ``ratio_scale`` the log-ratio is GRPO-Guard-normalised by it first; with ``kl_gate`` [N] (bool)
-    the KL acts on the gated rows only (GARDO)."""
+    the KL acts on the gated rows only (GARDO); ``reference()`` gives the KL reference's weights as a
+    context (default: the base model, adapter off)."""
     device = accelerator.device
     x = traj.latents[rows, k].to(device)  # [B, C, h, w]
     x_next = traj.latents[rows, k + 1].to(device)
@@ -285,7 +289,7 @@ def transition_loss(policy, traj, rows, k, mask, *, accelerator, guidance, noise
     weights = mask[rows, k].to(device).float()  # [B]
     kl = torch.zeros_like(loss)
     if beta > 0:
-        with torch.no_grad(), policy.reference(), accelerator.autocast():
+        with torch.no_grad(), (reference or policy.reference)(), accelerator.autocast():
             ref_velocity = policy.velocity(x, sigma, cond, guidance)
         ref_mean, _ = transition(ref_velocity, x, sigma, sigma_next, noise_level=noise_level, kind=kind)
         # Flow-GRPO's scale, not step.std: for SDE steps it leaves out sqrt(-dt) (see kl_std).

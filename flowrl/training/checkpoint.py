@@ -68,8 +68,11 @@ def is_checkpoint(path: Path) -> bool:
 def save_checkpoint(run_dir: str | Path, step: int, *, lora_state: dict[str, torch.Tensor], lora_config: dict,
                     optimizer, ema=None, scaler=None, trainer_state: dict | None = None, config: Any = None,
                     rank: int = 0, world_size: int = 1, barrier: Callable[[], None] | None = None,
-                    keep_last: int | None = 3) -> Path:
+                    keep_last: int | None = 3, reference=None) -> Path:
     """Write ``RUN_DIR/checkpoints/step_{step:06d}`` atomically; every rank must call this.
+
+    ``reference``: a :class:`~flowrl.training.ema.LoraEMA` holding a snapshot of the adapter that serves
+    as the KL reference (GARDO's adaptive reference), saved like the EMA as ``reference.safetensors``.
 
     Returns the final checkpoint path (on every rank). ``keep_last`` complete checkpoints are kept
     (None keeps all); the one just written and the one ``latest`` names are never pruned.
@@ -88,7 +91,8 @@ def save_checkpoint(run_dir: str | Path, step: int, *, lora_state: dict[str, tor
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
     if rank == 0:
         _write_payload(tmp, step, lora_state=lora_state, lora_config=lora_config, optimizer=optimizer, ema=ema,
-                       scaler=scaler, trainer_state={"step": step, "world_size": world_size, **(trainer_state or {})},
+                       reference=reference, scaler=scaler,
+                       trainer_state={"step": step, "world_size": world_size, **(trainer_state or {})},
                        config=config)
     barrier()  # every rank's RNG file is in place
     if rank == 0:
@@ -101,14 +105,15 @@ def save_checkpoint(run_dir: str | Path, step: int, *, lora_state: dict[str, tor
     return final
 
 
-def _write_payload(tmp: Path, step: int, *, lora_state, lora_config, optimizer, ema, scaler, trainer_state,
-                   config) -> None:
+def _write_payload(tmp: Path, step: int, *, lora_state, lora_config, optimizer, ema, reference, scaler,
+                   trainer_state, config) -> None:
     """Rank 0's files. Each is complete before the next starts, so a crash leaves only the tmp dir."""
     save_file(_cpu_float(lora_state), str(tmp / "lora.safetensors"),
               metadata={"format": "pt", "lora_config": json.dumps(lora_config)})
-    if ema is not None:
-        save_file(ema.state_tensors(), str(tmp / "ema.safetensors"),
-                  metadata={"format": "pt", "ema_state": json.dumps(ema.state_dict())})
+    for name, averaged in (("ema", ema), ("reference", reference)):
+        if averaged is not None:
+            save_file(averaged.state_tensors(), str(tmp / f"{name}.safetensors"),
+                      metadata={"format": "pt", "ema_state": json.dumps(averaged.state_dict())})
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     if scaler is not None:
         torch.save(scaler.state_dict(), tmp / "scaler.pt")
@@ -223,8 +228,10 @@ def resolve_checkpoint(path_or_run_dir: str | Path, resume: str | Path = "latest
 
 
 def load_checkpoint(path_or_run_dir: str | Path, *, resume: str | Path = "latest", optimizer=None, ema=None,
-                    scaler=None, rank: int = 0, map_location="cpu") -> tuple[dict[str, torch.Tensor], dict]:
-    """Restore optimizer / EMA / scaler / this rank's RNG in place; return (LoRA tensors, trainer state).
+                    scaler=None, rank: int = 0, map_location="cpu",
+                    reference=None) -> tuple[dict[str, torch.Tensor], dict]:
+    """Restore optimizer / EMA / reference snapshot / scaler / this rank's RNG in place; return (LoRA
+    tensors, trainer state).
 
     The LoRA tensors have ``lora_state_dict`` keys, ready for peft's ``set_peft_model_state_dict``.
     A checkpoint saved without EMA seeds a given ``ema`` from the raw LoRA weights.
@@ -241,6 +248,8 @@ def load_checkpoint(path_or_run_dir: str | Path, *, resume: str | Path = "latest
         else:
             logger.warning("%s has no EMA weights; the EMA restarts from the checkpoint's LoRA", path)
             ema.load_state_tensors(lora_state)
+    if reference is not None and (path / "reference.safetensors").is_file():
+        reference.load_state_tensors(load_file(str(path / "reference.safetensors")))
     if scaler is not None and (path / "scaler.pt").is_file():
         scaler.load_state_dict(torch.load(path / "scaler.pt", map_location="cpu", weights_only=True))
     rng_file = path / f"rng_rank{rank}.pt"
