@@ -70,13 +70,20 @@ VALIDATION = "the first training prompts of each task (round-robin, at the held-
 
 
 def run_method(name: str, run_dir: Path, budget_s: float, test_every: int, args, extra: list[str]) -> Path:
-    """Train one method in a subprocess (one torch thread); its log goes next to its run directory."""
+    """Train method ``name`` of :data:`METHODS` (see :func:`run_config`)."""
     config, overrides = METHODS[name]
+    return run_config(config, [*overrides, *extra], run_dir, budget_s, test_every, args)
+
+
+def run_config(config: str, overrides: list[str], run_dir: Path, budget_s: float, test_every: int, args) -> Path:
+    """Train ``config`` with ``overrides`` for ``budget_s`` in a subprocess (one torch thread), held-out
+    points every ``test_every`` epochs at ``args.test_prompts`` x ``args.images``; its log goes next to
+    its run directory."""
     command = [sys.executable, "-m", "flowrl", "train", config, f"run_dir={run_dir}", "train.epochs=100000",
                f"train.time_limit_s={budget_s}", f"log.test_every={test_every}",
                f"log.test_prompts={args.test_prompts}", f"log.eval_images_per_prompt={args.images}",
                "log.report_prompts=0", "log.eval_every=0", "log.progress=false", "train.checkpoint_every=0",
-               *overrides, *extra]
+               *overrides]
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     start = time.perf_counter()
