@@ -60,6 +60,8 @@ REWARD_REGISTRY: dict[str, str] = {
     "vlm_yes": "rewards.vlm_likelihood:VlmYes",
     "prompt_echo": "rewards.vlm_likelihood:PromptEcho",
     "toy_proxy": "rewards.toy_proxy:ToyProxy",
+    "toy_clip": "rewards.toy_clip:ToyClip",
+    "d2align": "rewards.directional:DirectionalCorrection",
 }
 """Short name -> dotted path. Strings only: nothing is imported until `build_reward`."""
 

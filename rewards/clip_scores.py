@@ -39,6 +39,10 @@ class _ClipSimilarity:
     def _scores(self, cos: torch.Tensor) -> dict[str, torch.Tensor]:  # [N] -> {key: [N]}
         raise NotImplementedError
 
+    def embed_images(self, images: torch.Tensor) -> torch.Tensor:
+        """[N, D] unit image embeddings, in chunks: the space D²-Align corrects in (rewards.directional)."""
+        return torch.cat([self.backbone.embed_images(chunk).cpu() for chunk in images.split(self.batch_size)])
+
     def _score_chunk(self, images: torch.Tensor, prompts: Sequence[str],
                      metadata: Sequence[Any]) -> dict[str, torch.Tensor]:
         return self._scores(score_finite(images, lambda x: self.backbone.cosine(x, prompts)))

@@ -288,3 +288,24 @@ def test_build_reward_by_dotted_path_with_injected_model(hf_clip):
     assert score([reward], images(), PROMPTS, META)["clipscore"].shape == (N,)
     with pytest.raises(ValueError, match="batch_sise"):
         build_reward("rewards.clip_scores:PickScore", batch_sise=3)
+
+
+def test_d2align_corrects_a_clip_score_along_its_image_embedding(hf_clip, tmp_path):
+    from rewards.directional import save_direction
+
+    model, tok = hf_clip
+    inner = build_reward("rewards.clip_scores:ClipScore", model=copy.deepcopy(model), tokenizer=tok, device="cpu",
+                         batch_size=3)
+    x = images()
+    embeddings = inner.embed_images(x)  # [N, D], chunks of 3
+    torch.testing.assert_close(embeddings.norm(dim=1), torch.ones(N))
+    torch.testing.assert_close(embeddings, inner.backbone.embed_images(x).cpu(), atol=1e-5, rtol=0)  # one batch
+    direction = torch.randn(embeddings.shape[1], generator=torch.Generator().manual_seed(3))
+    save_direction(tmp_path / "d.safetensors", direction, reward="rewards.clip_scores:ClipScore", metadata={})
+    corrected = build_reward("d2align", reward="rewards.clip_scores:ClipScore", direction=str(tmp_path / "d.safetensors"),
+                             strength=0.5, model=copy.deepcopy(model), tokenizer=tok, device="cpu", batch_size=3)
+    out = corrected(x, PROMPTS, META)
+    raw = inner(x, PROMPTS, META)["clipscore"]
+    torch.testing.assert_close(out["clipscore_d2/raw"], raw)
+    torch.testing.assert_close(out["clipscore_d2"], raw - 0.5 * embeddings @ direction, atol=1e-5, rtol=0)
+    assert "clipscore_d2/cosine" in out  # the inner reward's sub-scores pass through
