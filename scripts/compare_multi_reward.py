@@ -50,7 +50,8 @@ def summary(run_dir: Path) -> dict:
 
     return {"epochs": last["epoch"] + 1, "toyeval": last["test/toyeval/task_mean"],
             "toyeval_base": base["test/toyeval/task_mean"], "proxy": last["test/toy_proxy/task_mean"],
-            "proxy_base": base["test/toy_proxy/task_mean"], "diversity": last.get("test/diversity/gt_mean", float("nan")),
+            "proxy_base": base["test/toy_proxy/task_mean"],
+            "diversity": last.get("test/diversity/gt_mean", float("nan")),
             "negative_weighted": mean_of("marble/worst_cos_negative_weighted"),
             "negative_marble": mean_of("marble/worst_cos_negative_marble")}
 

@@ -73,8 +73,9 @@ def main() -> None:
     slots = getattr(__import__(type(reward).__module__, fromlist=["SLOTS"]), "SLOTS", None)
     top = torch.argsort(direction.abs(), descending=True)[:6].tolist()
     names = [slots[i] if slots else str(i) for i in top]
+    components = ", ".join(f"{n} {direction[i]:+.3f}" for n, i in zip(names, top))
     print(f"wrote {args.out}: {len(scores)} images; the shared direction explains {explained:.1%} of the "
-          "within-prompt variance; largest components " + ", ".join(f"{n} {direction[i]:+.3f}" for n, i in zip(names, top)))
+          f"within-prompt variance; largest components {components}")
 
 
 if __name__ == "__main__":

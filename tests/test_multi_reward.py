@@ -166,8 +166,9 @@ class TinyVelocity(torch.nn.Module):
 def nft_backward(model, old, x, target):
     def backward(advantage, stats=None):
         velocity = model(x)
-        loss = nft_forward_loss(velocity, old(x).detach(), target, advantage, torch.full((x.shape[0],), 0.5, dtype=torch.float64),
-                                strength=1.0, adaptive=False, awm_kl=1.0)
+        sigma = torch.full((x.shape[0],), 0.5, dtype=torch.float64)
+        loss = nft_forward_loss(velocity, old(x).detach(), target, advantage, sigma, strength=1.0, adaptive=False,
+                                awm_kl=1.0)
         loss.sum().backward()
     return backward
 
