@@ -303,7 +303,8 @@ def test_d2align_corrects_a_clip_score_along_its_image_embedding(hf_clip, tmp_pa
     direction = torch.randn(embeddings.shape[1], generator=torch.Generator().manual_seed(3))
     save_direction(tmp_path / "d.safetensors", direction, reward="rewards.clip_scores:ClipScore", metadata={})
     corrected = build_reward("d2align", reward="rewards.clip_scores:ClipScore",
-                             direction=str(tmp_path / "d.safetensors"), strength=0.5, model=copy.deepcopy(model), tokenizer=tok, device="cpu", batch_size=3)
+                             direction=str(tmp_path / "d.safetensors"), strength=0.5, model=copy.deepcopy(model),
+                             tokenizer=tok, device="cpu", batch_size=3)
     out = corrected(x, PROMPTS, META)
     raw = inner(x, PROMPTS, META)["clipscore"]
     torch.testing.assert_close(out["clipscore_d2/raw"], raw)
