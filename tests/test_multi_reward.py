@@ -356,3 +356,38 @@ def test_gardo_adaptive_reference_moves_to_the_policy_and_resumes_exactly(tmp_pa
     run_train(SMOKE, [f"run_dir={tmp_path / 'resumed'}", "train.epochs=3", *schedule])
     resumed = run_train(SMOKE, [f"run_dir={tmp_path / 'resumed'}", "train.epochs=4", "train.resume=latest", *schedule])
     assert strip(resumed) == strip(full) and full["gardo/reference_resets"] == 2
+
+
+# ------------------------------------------------------------------------------------------------ HRF
+
+def test_hrf_anchor_holds_the_weights_to_the_phase_start_and_resumes_exactly(tmp_path):
+    from safetensors.torch import load_file
+
+    common = ["log.progress=false", "log.eval_every=0", "log.report_prompts=0", "train.learning_rate=1e-2",
+              "train.checkpoint_every=1", "train.ema=false"]
+
+    def moved(run_dir):  # how far the trained LoRA is from its initial (B = 0) weights
+        weights = load_file(run_dir / "checkpoints" / "step_000002" / "lora.safetensors")
+        return sum(float((w ** 2).sum()) for k, w in weights.items() if "lora_B" in k) ** 0.5
+
+    run_train(SMOKE, [f"run_dir={tmp_path / 'free'}", "train.epochs=3", *common])
+    held = run_train(SMOKE, [f"run_dir={tmp_path / 'held'}", "train.epochs=3", "hrf.anchor_weight=1e4",
+                             "hrf.phase_epochs=100", *common])
+    assert moved(tmp_path / "held") < 0.5 * moved(tmp_path / "free")
+    assert held["hrf/anchor_distance"] > 0  # one phase: the anchor stays at the initial weights
+    phases = run_train(SMOKE, [f"run_dir={tmp_path / 'phases'}", "train.epochs=3", "hrf.anchor_weight=1.0",
+                               "hrf.phase_epochs=1", *common])
+    assert phases["hrf/anchor_distance"] < 1e-6  # each epoch starts a phase: the anchor is the weights
+    strip = lambda m: {k: v for k, v in m.items() if not k.startswith("perf/")}  # noqa: E731
+    hrf = ["hrf.anchor_weight=10.0", "hrf.phase_epochs=2", *common]
+    full = run_train(SMOKE, [f"run_dir={tmp_path / 'full'}", "train.epochs=4", *hrf])
+    run_train(SMOKE, [f"run_dir={tmp_path / 'resumed'}", "train.epochs=3", *hrf])
+    resumed = run_train(SMOKE, [f"run_dir={tmp_path / 'resumed'}", "train.epochs=4", "train.resume=latest", *hrf])
+    assert strip(resumed) == strip(full)
+
+
+def test_hrf_anchor_needs_phases():
+    with pytest.raises(ConfigError, match="hrf.anchor_weight needs phases"):
+        load_config(Config, SMOKE, ["hrf.anchor_weight=1.0"])
+    assert load_config(Config, SMOKE, ["hrf.anchor_weight=1.0", "sampling.window.size=2",
+                                       "sampling.window.mode=sliding"]).hrf.phase_length is not None

@@ -459,6 +459,24 @@ class GardoConfig:
 
 
 @dataclass
+class HrfConfig:
+    anchor_weight: float = 0.0
+    """HRF's phase regulariser: anchor_weight * ||theta - theta_phase||^2 on the LoRA weights, theta_phase
+    the adapter at the start of the current phase, so each phase refines the last instead of undoing it
+    (0: off). Pair it with a sliding SDE window (sampling.window.mode=sliding), the hierarchical part:
+    each phase trains its own band of denoising steps."""
+    phase_epochs: int | None = None
+    """Epochs per phase (null: sampling.window.shift_every, one phase per window position)."""
+
+    def validate(self):
+        check(self.anchor_weight >= 0, "anchor_weight", "must be >= 0 (0: off)")
+        check(self.phase_epochs is None or self.phase_epochs >= 1, "phase_epochs", "must be >= 1, or null")
+
+    def phase_length(self, sampling: "SamplingConfig") -> int:
+        return self.phase_epochs or sampling.window.shift_every
+
+
+@dataclass
 class Config:
     seed: int = 0
     """Seed of everything: prompts order, noise, LoRA init."""
@@ -485,7 +503,9 @@ class Config:
     nft: NFTConfig = field(default_factory=NFTConfig)
     """DiffusionNFT settings (recipe: nft)."""
     gardo: GardoConfig = field(default_factory=GardoConfig)
-    """GARDO's gated KL and diversity-aware advantage (recipe: grpo)."""
+    """GARDO's gated KL, adaptive reference and diversity-aware advantage (recipe: grpo)."""
+    hrf: HrfConfig = field(default_factory=HrfConfig)
+    """HRF's per-phase parameter anchor (both recipes)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Recipe-specific settings the recipe validates itself."""
 
@@ -514,6 +534,10 @@ class Config:
         check(bool(trained) or not self.rewards, "rewards", "every reward has weight 0, so nothing trains: give at "
               "least one a nonzero weight")
         self.validate_gardo()
+        check(self.hrf.anchor_weight == 0 or self.hrf.phase_epochs is not None or self.sampling.window.mode == "sliding"
+              and self.sampling.window.size is not None, "hrf.phase_epochs",
+              "hrf.anchor_weight needs phases: set hrf.phase_epochs, or a sliding SDE window (sampling.window.size and "
+              "mode=sliding) whose shift_every sets them")
         if self.train.combine == "marble" and len(trained) < 2:
             warnings.warn(f"train.combine=marble balances several rewards, but only {trained} trains (nonzero "
                           "weight); using train.combine=weighted", stacklevel=2)

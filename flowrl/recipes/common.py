@@ -124,20 +124,20 @@ def step_plan(s: SamplingConfig, epoch: int, seed: int) -> StepPlan:
     return StepPlan(s.num_steps, sde_start=start, sde_size=s.window.size, **branch)
 
 
-def restore_checkpoint(cfg: Config, policy, optimizer, ema, *, rank: int, reference=None) -> dict:
+def restore_checkpoint(cfg: Config, policy, optimizer, ema, *, rank: int, snapshots: dict | None = None) -> dict:
     """Load the checkpoint named by ``train.resume`` into the live objects; returns its trainer state."""
     from peft.utils import set_peft_model_state_dict
 
     from flowrl.training.checkpoint import load_checkpoint
 
     lora_state, trainer_state = load_checkpoint(cfg.run_dir, resume=cfg.train.resume, optimizer=optimizer, ema=ema,
-                                                rank=rank, reference=reference)
+                                                rank=rank, snapshots=snapshots)
     set_peft_model_state_dict(policy.transformer, lora_state)
     return trainer_state
 
 
 def save_run_checkpoint(cfg: Config, policy, optimizer, ema, accelerator, *, epoch: int,
-                        counters: dict | None = None, extra: dict | None = None, reference=None) -> Path:
+                        counters: dict | None = None, extra: dict | None = None, snapshots: dict | None = None) -> Path:
     """``extra``: JSON-safe recipe state (MARBLE's coefficients) restored with the trainer state."""
     from flowrl.training.checkpoint import save_checkpoint
 
@@ -146,7 +146,7 @@ def save_run_checkpoint(cfg: Config, policy, optimizer, ema, accelerator, *, epo
         optimizer=optimizer, ema=ema, trainer_state={"epoch": epoch, **(counters or {}), **(extra or {})},
         config=to_dict(cfg),
         rank=accelerator.process_index, world_size=accelerator.num_processes, barrier=accelerator.wait_for_everyone,
-        keep_last=cfg.train.keep_checkpoints, reference=reference,
+        keep_last=cfg.train.keep_checkpoints, snapshots=snapshots,
     )
 
 
@@ -228,6 +228,12 @@ class Run:
     marble: MarbleBalancer | None = None  # train.combine=marble: the per-reward advantage weights in force
     reference: LoraEMA | None = None  # GARDO's adaptive reference: the adapter snapshot at the last reset
     reference_resets: int = 0  # 0: the reference is still the base model (adapter off)
+    anchor: LoraEMA | None = None  # HRF: the adapter at the start of the current phase
+
+    @property
+    def snapshots(self) -> dict[str, LoraEMA]:
+        """The adapter copies that checkpoints save and resume restores."""
+        return {name: s for name, s in (("reference", self.reference), ("anchor", self.anchor)) if s is not None}
 
 
 def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
@@ -252,10 +258,12 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
     if cfg.log.backend != "none":
         accelerator.init_trackers(cfg.log.project, config=flat_config(cfg))
     g = cfg.gardo
-    reference = (LoraEMA(policy.named_trainable_parameters(), decay=0.0)
-                 if g.reset_every is not None or g.reset_kl is not None else None)
+    snapshot = lambda: LoraEMA(policy.named_trainable_parameters(), decay=0.0)  # noqa: E731  (copies the weights)
+    reference = snapshot() if g.reset_every is not None or g.reset_kl is not None else None
+    anchor = snapshot() if cfg.hrf.anchor_weight > 0 else None
+    snapshots = {name: s for name, s in (("reference", reference), ("anchor", anchor)) if s is not None}
     resumed = restore_checkpoint(cfg, policy, optimizer, ema, rank=accelerator.process_index,
-                                 reference=reference) if t.resume else {"epoch": -1}
+                                 snapshots=snapshots) if t.resume else {"epoch": -1}
     start_epoch = int(resumed["epoch"]) + 1
     logger.truncate_after(start_epoch - 1)
     marble = None
@@ -271,7 +279,7 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
         test_set=stratified_prefix(test_prompts, cfg.log.test_prompts), logger=logger,
         guidance=cfg.sampling.guidance_scale if (t.cfg or policy.family == "flux") else 1.0, start_epoch=start_epoch,
         counters={"rollouts": resumed.get("rollouts", 0), "train_wall_s": resumed.get("train_wall_s", 0.0)},
-        marble=marble, reference=reference, reference_resets=int(resumed.get("reference_resets", 0)),
+        marble=marble, reference=reference, reference_resets=int(resumed.get("reference_resets", 0)), anchor=anchor,
     )
 
 
@@ -411,6 +419,17 @@ def reference_weights(run: Run):
     return ema_weights(run.reference) if run.reference_resets else run.policy.reference()
 
 
+def start_phase(run: Run, epoch: int) -> dict[str, float]:
+    """HRF: at the start of every ``hrf.phase_epochs``-th epoch the parameter anchor moves to the current
+    adapter; returns the distance from it at the start of this epoch, to log."""
+    if run.anchor is None:
+        return {}
+    if epoch > 0 and epoch % run.cfg.hrf.phase_length(run.cfg.sampling) == 0:
+        run.anchor.step(0.0)
+    distance = sum(float(((p.detach() - a) ** 2).sum()) for p, a in zip(run.params, run.anchor.model.shadow_params))
+    return {"hrf/anchor_distance": distance ** 0.5}
+
+
 def maybe_reset_reference(run: Run, epoch: int, stats: StatsAccumulator) -> dict[str, float]:
     """GARDO's adaptive reference: after epoch ``epoch``, move the reference to the current adapter
     when ``gardo.reset_every`` epochs have passed or the epoch's mean KL exceeds ``gardo.reset_kl``
@@ -436,6 +455,11 @@ def log_base_model(run: Run) -> None:
 def optimizer_step(run: Run, stats: StatsAccumulator) -> None:
     """Clip the accumulated gradients (``train.max_grad_norm``, 0: no clipping), step, clear them;
     the pre-clip norm goes into ``stats``."""
+    if run.anchor is not None:  # HRF: d/dtheta of anchor_weight * ||theta - theta_phase||^2
+        weight = 2 * run.cfg.hrf.anchor_weight
+        for param, anchor in zip(run.params, run.anchor.model.shadow_params):
+            if param.grad is not None:
+                param.grad.add_(param.detach() - anchor, alpha=weight)
     max_norm = run.cfg.train.max_grad_norm
     grad_norm = run.accelerator.clip_grad_norm_(run.params, max_norm) if max_norm > 0 else None
     run.optimizer.step()
@@ -480,7 +504,7 @@ def end_epoch(run: Run, epoch: int, *, gathered: dict[str, torch.Tensor], combin
         if run.reference is not None:
             extra["reference_resets"] = run.reference_resets
         save_run_checkpoint(cfg, run.policy, run.optimizer, run.ema, accelerator, epoch=epoch, counters=run.counters,
-                            extra=extra, reference=run.reference)
+                            extra=extra, snapshots=run.snapshots)
     bar.set_postfix(reward=f"{metrics['reward/combined_mean']:.3f}", loss=f"{metrics.get('loss/total', 0):.4f}",
                     sample=f"{metrics['perf/sample_s']:.1f}s", train=f"{metrics['perf/train_s']:.1f}s")
     return metrics

@@ -55,7 +55,8 @@ from flowrl.algorithms.losses import POLICY_LOSSES, gaussian_mean_kl, guard_log_
 from flowrl.config import Config
 from flowrl.recipes.common import (  # noqa: F401  (re-exported for callers of this module)
     StatsAccumulator, end_epoch, finish_run, group_advantages, log_base_model, make_accelerator,
-    maybe_reset_reference, optimizer_step, out_of_time, reference_weights, sample_and_score, start_run, step_plan,
+    maybe_reset_reference, optimizer_step, out_of_time, reference_weights, sample_and_score, start_phase, start_run,
+    step_plan,
 )
 from flowrl.rewards_api import AsyncScorer
 from flowrl.sampling import sde_step, transition
@@ -83,6 +84,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
     for epoch in bar:
         epoch_start = time.perf_counter()
         plan = step_plan(s, epoch, cfg.seed)
+        phase_metrics = start_phase(run, epoch)  # HRF: a new phase re-anchors the weights
 
         # 1-3. Sample prompts, roll out groups, score batch b while batch b+1 is sampled.
         traj, sample_done, reward_done = sample_and_score(
@@ -184,7 +186,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                                else combined_adv.clamp(-t.advantage_clip, t.advantage_clip).abs().mean())
         metrics = end_epoch(run, epoch, gathered=gathered, combined=combined, group_ids=all_groups, stats=stats,
                             extra={"advantages/abs_mean": advantage_size, "policy/trained_fraction": trained_fraction,
-                                   **gardo_metrics(distances, kl_gate), **reference_metrics,
+                                   **gardo_metrics(distances, kl_gate), **reference_metrics, **phase_metrics,
                                    **traj.sampling_metrics},
                             rollouts=traj.rollouts_sampled,
                             times=(epoch_start, sample_done, reward_done, train_done), bar=bar)

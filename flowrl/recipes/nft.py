@@ -73,7 +73,7 @@ from flowrl.algorithms.marble import balanced_backward
 from flowrl.config import Config
 from flowrl.recipes.common import (
     StatsAccumulator, end_epoch, finish_run, group_advantages, log_base_model, optimizer_step, out_of_time,
-    sample_and_score, start_run,
+    sample_and_score, start_phase, start_run,
 )
 from flowrl.rewards_api import AsyncScorer
 from flowrl.sampling import StepPlan
@@ -99,6 +99,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
     log_base_model(run)
     for epoch in bar:
         epoch_start = time.perf_counter()
+        phase_metrics = start_phase(run, epoch)  # HRF: a new phase re-anchors the weights
 
         # 1. ODE rollouts with the old (EMA) adapter, scored while the next batch samples.
         with ema_weights(ema):
@@ -164,7 +165,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         weight_size = ({"nft/optimality_abs_dev": float(0.5 * clipped.abs().mean())} if n.loss == "nft"
                        else {"awm/advantage_abs": float(clipped.abs().mean())})
         metrics = end_epoch(run, epoch, gathered=gathered, combined=combined, group_ids=all_groups, stats=stats,
-                            extra={**weight_size, **traj.sampling_metrics},
+                            extra={**weight_size, **phase_metrics, **traj.sampling_metrics},
                             rollouts=traj.rollouts_sampled, times=(epoch_start, sample_done, reward_done, train_done),
                             bar=bar)
         if out_of_time(run):

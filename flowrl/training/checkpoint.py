@@ -68,11 +68,11 @@ def is_checkpoint(path: Path) -> bool:
 def save_checkpoint(run_dir: str | Path, step: int, *, lora_state: dict[str, torch.Tensor], lora_config: dict,
                     optimizer, ema=None, scaler=None, trainer_state: dict | None = None, config: Any = None,
                     rank: int = 0, world_size: int = 1, barrier: Callable[[], None] | None = None,
-                    keep_last: int | None = 3, reference=None) -> Path:
+                    keep_last: int | None = 3, snapshots: dict | None = None) -> Path:
     """Write ``RUN_DIR/checkpoints/step_{step:06d}`` atomically; every rank must call this.
 
-    ``reference``: a :class:`~flowrl.training.ema.LoraEMA` holding a snapshot of the adapter that serves
-    as the KL reference (GARDO's adaptive reference), saved like the EMA as ``reference.safetensors``.
+    ``snapshots``: {name: :class:`~flowrl.training.ema.LoraEMA`} copies of the adapter a recipe keeps (GARDO's
+    adaptive KL reference, HRF's phase anchor), each saved like the EMA as ``<name>.safetensors``.
 
     Returns the final checkpoint path (on every rank). ``keep_last`` complete checkpoints are kept
     (None keeps all); the one just written and the one ``latest`` names are never pruned.
@@ -91,7 +91,7 @@ def save_checkpoint(run_dir: str | Path, step: int, *, lora_state: dict[str, tor
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
     if rank == 0:
         _write_payload(tmp, step, lora_state=lora_state, lora_config=lora_config, optimizer=optimizer, ema=ema,
-                       reference=reference, scaler=scaler,
+                       snapshots=snapshots or {}, scaler=scaler,
                        trainer_state={"step": step, "world_size": world_size, **(trainer_state or {})},
                        config=config)
     barrier()  # every rank's RNG file is in place
@@ -105,12 +105,12 @@ def save_checkpoint(run_dir: str | Path, step: int, *, lora_state: dict[str, tor
     return final
 
 
-def _write_payload(tmp: Path, step: int, *, lora_state, lora_config, optimizer, ema, reference, scaler,
+def _write_payload(tmp: Path, step: int, *, lora_state, lora_config, optimizer, ema, snapshots, scaler,
                    trainer_state, config) -> None:
     """Rank 0's files. Each is complete before the next starts, so a crash leaves only the tmp dir."""
     save_file(_cpu_float(lora_state), str(tmp / "lora.safetensors"),
               metadata={"format": "pt", "lora_config": json.dumps(lora_config)})
-    for name, averaged in (("ema", ema), ("reference", reference)):
+    for name, averaged in (("ema", ema), *snapshots.items()):
         if averaged is not None:
             save_file(averaged.state_tensors(), str(tmp / f"{name}.safetensors"),
                       metadata={"format": "pt", "ema_state": json.dumps(averaged.state_dict())})
@@ -229,8 +229,8 @@ def resolve_checkpoint(path_or_run_dir: str | Path, resume: str | Path = "latest
 
 def load_checkpoint(path_or_run_dir: str | Path, *, resume: str | Path = "latest", optimizer=None, ema=None,
                     scaler=None, rank: int = 0, map_location="cpu",
-                    reference=None) -> tuple[dict[str, torch.Tensor], dict]:
-    """Restore optimizer / EMA / reference snapshot / scaler / this rank's RNG in place; return (LoRA
+                    snapshots: dict | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """Restore optimizer / EMA / adapter snapshots / scaler / this rank's RNG in place; return (LoRA
     tensors, trainer state).
 
     The LoRA tensors have ``lora_state_dict`` keys, ready for peft's ``set_peft_model_state_dict``.
@@ -248,8 +248,9 @@ def load_checkpoint(path_or_run_dir: str | Path, *, resume: str | Path = "latest
         else:
             logger.warning("%s has no EMA weights; the EMA restarts from the checkpoint's LoRA", path)
             ema.load_state_tensors(lora_state)
-    if reference is not None and (path / "reference.safetensors").is_file():
-        reference.load_state_tensors(load_file(str(path / "reference.safetensors")))
+    for name, snapshot in (snapshots or {}).items():
+        if (path / f"{name}.safetensors").is_file():
+            snapshot.load_state_tensors(load_file(str(path / f"{name}.safetensors")))
     if scaler is not None and (path / "scaler.pt").is_file():
         scaler.load_state_dict(torch.load(path / "scaler.pt", map_location="cpu", weights_only=True))
     rng_file = path / f"rng_rank{rank}.pt"
