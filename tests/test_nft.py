@@ -120,3 +120,35 @@ def test_old_policy_decay_can_be_set_per_step():
         weight.data.fill_(value)
         ema.step(decay)
     assert ema.state_tensors()["w.lora_A.weight"].item() == pytest.approx(3.75)
+
+
+def test_crd_weights_match_the_reward_matching_loss_gradient_by_hand():
+    from flowrl.recipes.common import StatsAccumulator
+    from flowrl.recipes.nft import crd_weights
+
+    # Two groups of two rows, one timestep slot; row 3 has no reward.
+    ratios = torch.tensor([0.3, 0.1, -0.2, 0.5])
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    groups, keep = torch.tensor([0, 0, 1, 1]), torch.tensor([True, True, True, False])
+    weights = crd_weights(ratios, advantages, torch.arange(4), groups, keep, num_rows=4, beta=2.0,
+                          stats=StatsAccumulator())
+    # Group 0: centred log-ratios +-0.1, residuals e = 2 * 0.1 - 1 = -0.8 and -0.2 + 1 = 0.8; weights -2 e.
+    torch.testing.assert_close(weights, torch.tensor([1.6, -1.6, 0.0, 0.0]))
+    # The weight multiplies ||v - target||^2 = -l + const, so it is -dL/dl: check with autograd on
+    # L = 1/2 sum (beta (l - lbar) - (a - abar))^2, with advantages off-centre as a clip leaves them.
+    off_centre = torch.tensor([1.0, -0.4, 0.5, -0.5])
+    weights = crd_weights(ratios, off_centre, torch.arange(4), groups, keep, num_rows=4, beta=2.0,
+                          stats=StatsAccumulator())
+    l = ratios[:2].clone().requires_grad_(True)
+    a = off_centre[:2]
+    loss = 0.5 * ((2.0 * (l - l.mean()) - (a - a.mean())) ** 2).sum()
+    loss.backward()
+    torch.testing.assert_close(weights[:2], -l.grad)
+
+
+def test_crd_trains_and_is_refused_with_marble(tmp_path):
+    metrics = train(nft_config(tmp_path, "nft.loss=crd", "train.epochs=2"))
+    assert math.isfinite(metrics["loss/total"]) and metrics["crd/residual_abs"] > 0
+    with pytest.raises(ConfigError, match="marble balances advantage-weighted"):
+        nft_config(tmp_path, "nft.loss=crd", "train.combine=marble",
+                   "rewards=[{name: brightness}, {name: 'tests.reward_fixtures:RedMinusBlue'}]")

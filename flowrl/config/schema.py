@@ -372,10 +372,15 @@ class NFTConfig:
     """Forward-process RL (recipe: nft): ODE rollouts, flow-matching updates on their clean samples,
     with DiffusionNFT's loss or AWM's."""
 
-    loss: Literal["nft", "awm"] = "nft"
+    loss: Literal["nft", "awm", "crd"] = "nft"
     """'nft': DiffusionNFT's implicit positive/negative policies; 'awm': Advantage Weighted Matching, the
     flow-matching loss weighted by the clipped advantage over train.advantage_clip, plus nft.awm_kl
-    times ||v - v_old||^2 toward the old (EMA) adapter."""
+    times ||v - v_old||^2 toward the old (EMA) adapter; 'crd': Centered Reward Distillation, the implicit
+    log-ratio to the old adapter matched to the reward, both centred within the prompt's group."""
+    crd_beta: float = 10.0
+    """CRD: the KL temperature beta of beta (log-ratio - group mean) ~ (advantage - group mean); the
+    log-ratio estimates are mean squared errors, so beta sets how far the policy may move per unit of
+    advantage."""
     awm_kl: float = 1.0
     """AWM: weight of ||v - v_old||^2 (AWM's published value). A sample's loss is bounded below while its
     advantage weight (in [-1, 1]) plus awm_kl is > 0, so 1 covers every weight above -1."""
@@ -395,6 +400,7 @@ class NFTConfig:
 
     def validate(self):
         check(self.strength > 0, "strength", "must be > 0")
+        check(self.crd_beta > 0, "crd_beta", "must be > 0")
         check(self.awm_kl >= 0, "awm_kl", "must be >= 0 (it pulls v toward the old adapter)")
         check(self.timesteps_per_sample >= 1, "timesteps_per_sample", "must be >= 1")
         ramp = self.old_decay_ramp
@@ -534,6 +540,9 @@ class Config:
         check(bool(trained) or not self.rewards, "rewards", "every reward has weight 0, so nothing trains: give at "
               "least one a nonzero weight")
         self.validate_gardo()
+        check(not (self.recipe == "nft" and self.nft.loss == "crd" and self.train.combine == "marble"), "train.combine",
+              "marble balances advantage-weighted gradients, and nft.loss=crd weights each sample by its reward-"
+              "matching residual instead: use train.combine=weighted or gdpo with crd")
         check(self.hrf.anchor_weight == 0 or self.hrf.phase_epochs is not None or self.sampling.window.mode == "sliding"
               and self.sampling.window.size is not None, "hrf.phase_epochs",
               "hrf.anchor_weight needs phases: set hrf.phase_epochs, or a sliding SDE window (sampling.window.size and "

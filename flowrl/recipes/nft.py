@@ -27,6 +27,14 @@ pulling the velocity toward good samples and away from bad ones. ``nft.loss`` pi
   the loss per timestep ('ghuber', ``t/p ((l + e)^p - e^p)``); AWM samples with the trained adapter,
   while here both losses sample with the old one. ``nft.strength`` and ``nft.adaptive_weighting``
   act on loss ``nft`` only.
+- ``crd``: Centered Reward Distillation (:func:`crd_weights`). KL-regularised reward maximisation makes
+  ``beta log(pi / pi_ref)`` equal the reward up to a per-prompt constant; centring both within the
+  prompt's group removes that constant, and the loss matches the centred implicit log-ratio (one
+  (t, noise) estimate from the flow-matching errors of the trained and the old adapter) to the centred,
+  clipped advantage. Each chunk first measures the log-ratios without gradients (at the noise its
+  update then uses), so every optimizer step costs one more forward pair. Of CRD's drift controls,
+  the sampler stays decoupled from the moving reference (both are the old adapter, stepped once per
+  epoch, never within it) and ``train.beta`` anchors to the base model; the reward-adaptive KL is left out.
 
 One epoch:
 1. ODE rollouts of ``group_size`` images per prompt, sampled with the "old" adapter: the EMA of the
@@ -111,8 +119,10 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         clipped = advantages[local].clamp(-t.advantage_clip, t.advantage_clip) / t.advantage_clip  # [N]
         keep = torch.isfinite(combined[local])  # [N]
         # MARBLE: each weighted reward's own advantage, clipped the same way, balanced per optimizer step.
+        # Advantages are per (sample, t) pair from here: pair p has sample p % N's ([pairs] = tiled [N]).
         per_reward = None if run.marble is None else {
-            name: adv[local].clamp(-t.advantage_clip, t.advantage_clip) / t.advantage_clip
+            name: (adv[local].clamp(-t.advantage_clip, t.advantage_clip) / t.advantage_clip).repeat(
+                n.timesteps_per_sample)
             for name, adv in reward_advantages({key: gathered[key] for key in run.weights}, run.weights, all_groups,
                                                lambda r, g: estimator(r, g, std_scope=t.std_scope)).items()}
 
@@ -131,26 +141,41 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                                             "sum").item()
                 micro_batches = list(chunk.split(t.micro_batch_size))
 
+                def micro_inputs(i: int, micro: torch.Tensor):
+                    rows = micro % traj.num_rows
+                    sigma = None if timesteps is None else timesteps[rows, micro // traj.num_rows]
+                    return rows, sigma, [cfg.seed, epoch, inner, chunk_index, i, rank, 0x4F7]  # noise seed
+
                 def chunk_backward(advantage: torch.Tensor, chunk_stats: StatsAccumulator) -> None:
-                    # [N]; a MARBLE-balanced sum can leave [-1, 1], where NFT's optimality r = (1 + a) / 2
+                    # [pairs]; a MARBLE-balanced sum can leave [-1, 1], where NFT's optimality r = (1 + a) / 2
                     # would leave [0, 1] and its loss lose its bounded minimum: clamped (the measuring passes
-                    # are inside already, so only the update is affected, and only where it binds).
-                    advantage = advantage.clamp(-1.0, 1.0)
+                    # are inside already, so only the update is affected, and only where it binds). CRD's
+                    # weights are unbounded by construction and pass as they are.
+                    advantage = advantage if n.loss == "crd" else advantage.clamp(-1.0, 1.0)
                     for i, micro in enumerate(micro_batches):
-                        rows = micro % traj.num_rows
-                        sigma = None if timesteps is None else timesteps[rows, micro // traj.num_rows]
-                        noise_seed = [cfg.seed, epoch, inner, chunk_index, i, rank, 0x4F7]
+                        rows, sigma, noise_seed = micro_inputs(i, micro)
                         with (torch.enable_grad() if i == len(micro_batches) - 1
                               else accelerator.no_sync(policy.forward_module)):
                             loss_sum = forward_process_loss(
                                 policy, ema, traj.final_latents[rows], traj.cond.select(traj.prompt_ids[rows]),
-                                advantage[rows], keep[rows].float(), loss=n.loss, guidance=run.guidance,
+                                advantage[micro], keep[rows].float(), loss=n.loss, guidance=run.guidance,
                                 strength=n.strength, adaptive=n.adaptive_weighting, awm_kl=n.awm_kl, beta=t.beta,
                                 noise_seed=noise_seed, stats=chunk_stats, sigma=sigma)
                             accelerator.backward(loss_sum * world / max(weight, 1.0))
 
-                if per_reward is None:
-                    chunk_backward(clipped, stats)
+                if n.loss == "crd":  # the chunk's implicit log-ratios, centred per group and timestep slot
+                    ratios = torch.zeros(pairs)
+                    for i, micro in enumerate(micro_batches):
+                        rows, sigma, noise_seed = micro_inputs(i, micro)
+                        ratios[micro] = implicit_log_ratio(policy, ema, traj.final_latents[rows],
+                                                           traj.cond.select(traj.prompt_ids[rows]), guidance=run.guidance,
+                                                           noise_seed=noise_seed, sigma=sigma).cpu()
+                    crd = crd_weights(ratios, clipped.repeat(n.timesteps_per_sample), chunk,
+                                      traj.group_ids.repeat(n.timesteps_per_sample), keep.repeat(n.timesteps_per_sample),
+                                      num_rows=traj.num_rows, beta=n.crd_beta, stats=stats)
+                    chunk_backward(crd, stats)
+                elif per_reward is None:
+                    chunk_backward(clipped.repeat(n.timesteps_per_sample), stats)
                 else:
                     step = (epoch * t.inner_epochs + inner) * t.optimizer_steps_per_epoch + chunk_index
                     balanced_backward(run.marble, run.params, step, per_reward, chunk_backward, stats,
@@ -163,7 +188,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
 
         # 4. Log, render eval grids, checkpoint.
         weight_size = ({"nft/optimality_abs_dev": float(0.5 * clipped.abs().mean())} if n.loss == "nft"
-                       else {"awm/advantage_abs": float(clipped.abs().mean())})
+                       else {f"{n.loss}/advantage_abs": float(clipped.abs().mean())})
         metrics = end_epoch(run, epoch, gathered=gathered, combined=combined, group_ids=all_groups, stats=stats,
                             extra={**weight_size, **phase_metrics, **traj.sampling_metrics},
                             rollouts=traj.rollouts_sampled, times=(epoch_start, sample_done, reward_done, train_done),
@@ -196,7 +221,72 @@ def awm_forward_loss(velocity, old_velocity, target, advantage, sigma, *, streng
     return awm_loss(velocity, old_velocity, target, advantage, kl_weight=awm_kl)
 
 
-FORWARD_LOSSES = {"nft": nft_forward_loss, "awm": awm_forward_loss}
+def crd_forward_loss(velocity, old_velocity, target, advantage, sigma, *, strength: float, adaptive: bool,
+                     awm_kl: float) -> torch.Tensor:
+    """CRD's surrogate ``c ||v - target||^2`` with ``advantage`` the detached weight ``c = -beta e``
+    (:func:`crd_weights`): its gradient is the reward-matching loss's."""
+    return advantage * ((velocity - target) ** 2).mean(dim=tuple(range(1, velocity.ndim)))
+
+
+FORWARD_LOSSES = {"nft": nft_forward_loss, "awm": awm_forward_loss, "crd": crd_forward_loss}
+
+
+def crd_weights(ratios: torch.Tensor, advantages: torch.Tensor, chunk: torch.Tensor, group_ids: torch.Tensor,
+                keep: torch.Tensor, *, num_rows: int, beta: float, stats: StatsAccumulator) -> torch.Tensor:
+    """[pairs] CRD's per-pair weights ``c = -beta e`` for the pairs in ``chunk`` (0 elsewhere).
+
+    KL-regularised reward maximisation has the optimum ``beta log(pi / pi_ref) = r - beta log Z(prompt)``;
+    centring within a prompt's group cancels ``log Z``, leaving the reward-matching loss
+    ``1/2 sum_i (beta (l_i - lbar) - (a_i - abar))^2`` with ``l`` the implicit log-ratio (one (t, noise)
+    estimate, :func:`implicit_log_ratio`) and ``a`` the clipped group advantage (the clip can leave it
+    off-centre, so it is centred again over the members present). The residual
+    ``e_i = beta (l_i - lbar) - (a_i - abar)`` sums to 0 over a group, so the loss's gradient is
+    ``sum_i beta e_i grad l_i = sum_i -beta e_i grad ||v_theta - target||^2``. Groups are those of the
+    same timestep slot (pair p // num_rows) within the chunk; rows without a reward stay out.
+    """
+    out = torch.zeros(ratios.shape)
+    slots = torch.arange(len(ratios)) // num_rows
+    for key in torch.unique(group_ids[chunk] * (int(slots.max()) + 1) + slots[chunk]).tolist():
+        members = chunk[(group_ids[chunk] * (int(slots.max()) + 1) + slots[chunk] == key) & keep[chunk]]
+        if len(members) < 2:
+            continue
+        centred = advantages[members] - advantages[members].mean()
+        residual = beta * (ratios[members] - ratios[members].mean()) - centred
+        out[members] = -beta * residual
+        stats.add("crd/residual_abs", residual.abs(), torch.ones_like(residual))
+        stats.add("crd/log_ratio_abs", (ratios[members] - ratios[members].mean()).abs(), torch.ones_like(residual))
+    return out
+
+
+@torch.no_grad()
+def implicit_log_ratio(policy, ema, x0, cond, *, guidance: float, noise_seed: list[int],
+                       sigma: torch.Tensor | None) -> torch.Tensor:
+    """[B] one (t, noise) estimate of log pi_theta(x0) - log pi_old(x0) from the flow-matching losses,
+    ``||v_old - target||^2 - ||v_theta - target||^2`` (mean over dims; the old adapter is the reference,
+    as in NFT), at the same noise :func:`forward_process_loss` draws for ``noise_seed``."""
+    noised, target, sigma = noised_sample(x0, noise_seed, sigma, policy)
+    with policy.local_forward():
+        velocity = policy.velocity(noised, sigma, cond, guidance).float()
+        with ema_weights(ema):
+            old_velocity = policy.velocity(noised, sigma, cond, guidance).float()
+    dims = tuple(range(1, velocity.ndim))
+    return ((old_velocity - target) ** 2).mean(dim=dims) - ((velocity - target) ** 2).mean(dim=dims)
+
+
+def noised_sample(x0, noise_seed: list[int], sigma: torch.Tensor | None, policy):
+    """(x_t [B, ...] in the policy's dtype, target eps - x0, sigma [B]) for clean latents ``x0`` at fresh
+    noise, and ``t ~ U(0, 1)`` when ``sigma`` is not given, from a generator seeded by ``noise_seed``
+    (reproducible on any device)."""
+    device = policy.device
+    generator = torch.Generator().manual_seed(int(np.random.SeedSequence(noise_seed).generate_state(1)[0]))
+    drawn = torch.rand(x0.shape[0], generator=generator)  # [B], drawn either way: one noise stream per seed
+    sigma = drawn if sigma is None else sigma.float()
+    noise = torch.randn(x0.shape, generator=generator, dtype=torch.float32)
+    x0 = x0.to(device=device, dtype=torch.float32)
+    noise, sigma = noise.to(device), sigma.to(device)
+    column = sigma.reshape(-1, 1, 1, 1)
+    noised = ((1 - column) * x0 + column * noise).to(policy.dtype)  # x_t = (1 - t) x0 + t eps
+    return noised, noise - x0, sigma
 
 
 def forward_process_loss(policy, ema, x0, cond, advantage, weights, *, guidance: float, strength: float,
@@ -210,15 +300,7 @@ def forward_process_loss(policy, ema, x0, cond, advantage, weights, *, guidance:
     ``noise_seed`` (reproducible on any device).
     """
     device = policy.device
-    generator = torch.Generator().manual_seed(int(np.random.SeedSequence(noise_seed).generate_state(1)[0]))
-    drawn = torch.rand(x0.shape[0], generator=generator)  # [B], drawn either way: one noise stream per seed
-    sigma = drawn if sigma is None else sigma.float()
-    noise = torch.randn(x0.shape, generator=generator, dtype=torch.float32)
-    x0 = x0.to(device=device, dtype=torch.float32)
-    noise, sigma = noise.to(device), sigma.to(device)
-    column = sigma.reshape(-1, 1, 1, 1)
-    noised = ((1 - column) * x0 + column * noise).to(policy.dtype)  # x_t = (1 - t) x0 + t eps
-    target = noise - x0
+    noised, target, sigma = noised_sample(x0, noise_seed, sigma, policy)
     with torch.no_grad(), ema_weights(ema), policy.local_forward():
         old_velocity = policy.velocity(noised, sigma, cond, guidance).float()
     velocity = policy.velocity(noised, sigma, cond, guidance).float()
