@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -78,7 +79,11 @@ def run_method(name: str, run_dir: Path, budget_s: float, test_every: int, args,
 def run_config(config: str, overrides: list[str], run_dir: Path, budget_s: float, test_every: int, args) -> Path:
     """Train ``config`` with ``overrides`` for ``budget_s`` in a subprocess (one torch thread), held-out
     points every ``test_every`` epochs at ``args.test_prompts`` x ``args.images``; its log goes next to
-    its run directory."""
+    its run directory. A run that finished (its ``lora`` export exists) is kept, so a rerun picks up
+    where an interrupted comparison stopped; an unfinished one starts again."""
+    if (run_dir / "lora").is_dir():
+        return run_dir
+    shutil.rmtree(run_dir, ignore_errors=True)
     command = [sys.executable, "-m", "flowrl", "train", config, f"run_dir={run_dir}", "train.epochs=100000",
                f"train.time_limit_s={budget_s}", f"log.test_every={test_every}",
                f"log.test_prompts={args.test_prompts}", f"log.eval_images_per_prompt={args.images}",
