@@ -56,10 +56,10 @@ def summary(run_dir: Path) -> dict:
             "negative_marble": mean_of("marble/worst_cos_negative_marble")}
 
 
-def replace_section(path: Path, text: str) -> None:
-    """``text`` in place of the section titled :data:`SECTION` (to the next ``## `` heading), or appended."""
+def replace_section(path: Path, text: str, section: str = SECTION) -> None:
+    """``text`` in place of the section titled ``section`` (to the next ``## `` heading), or appended."""
     old = path.read_text() if path.exists() else ""
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
+    pattern = re.compile(rf"^{re.escape(section)}\n.*?(?=^## |\Z)", re.S | re.M)
     new = pattern.sub(lambda _: text, old) if pattern.search(old) else old.rstrip("\n") + "\n\n" + text
     path.write_text(new)
 
