@@ -18,6 +18,7 @@ from accelerate import Accelerator
 from flowrl.algorithms.advantages import zero_std_fraction
 from flowrl.algorithms.combine import COMBINERS
 from flowrl.algorithms.marble import MarbleBalancer
+from flowrl.recipes.snapshots import anchor_pull
 from flowrl.config import Config, SamplingConfig, save_config, to_dict
 from flowrl.config.schema import RewardSpec
 from flowrl.data import PromptSet, epoch_prompt_indices, load_prompts, train_test_split
@@ -413,37 +414,6 @@ def group_advantages(run: Run, traj, estimator):
     return gathered, advantages, combined, slice(rank * traj.num_rows, (rank + 1) * traj.num_rows), all_groups
 
 
-def reference_weights(run: Run):
-    """The KL reference as a context: the base model (adapter off), or after GARDO's first reset the
-    adapter snapshot taken then."""
-    return ema_weights(run.reference) if run.reference_resets else run.policy.reference()
-
-
-def start_phase(run: Run, epoch: int) -> dict[str, float]:
-    """HRF: at the start of every ``hrf.phase_epochs``-th epoch the parameter anchor moves to the current
-    adapter; returns the distance from it at the start of this epoch, to log."""
-    if run.anchor is None:
-        return {}
-    if epoch > 0 and epoch % run.cfg.hrf.phase_length(run.cfg.sampling) == 0:
-        run.anchor.step(0.0)
-    distance = sum(float(((p.detach() - a) ** 2).sum()) for p, a in zip(run.params, run.anchor.model.shadow_params))
-    return {"hrf/anchor_distance": distance ** 0.5}
-
-
-def maybe_reset_reference(run: Run, epoch: int, stats: StatsAccumulator) -> dict[str, float]:
-    """GARDO's adaptive reference: after epoch ``epoch``, move the reference to the current adapter
-    when ``gardo.reset_every`` epochs have passed or the epoch's mean KL exceeds ``gardo.reset_kl``
-    (before the checkpoint, so a resumed run has the same reference). Returns the metric to log."""
-    if run.reference is None:
-        return {}
-    g = run.cfg.gardo
-    kl = stats.reduce(run.accelerator).get("loss/kl", 0.0)
-    if (g.reset_every is not None and (epoch + 1) % g.reset_every == 0) or (g.reset_kl is not None and kl > g.reset_kl):
-        run.reference.step(0.0)  # decay 0: the snapshot becomes the live weights
-        run.reference_resets += 1
-    return {"gardo/reference_resets": float(run.reference_resets)}
-
-
 def log_base_model(run: Run) -> None:
     """With ``log.test_every``, the held-out score of the base model: the curve's starting point."""
     if run.cfg.log.test_every and run.start_epoch == 0:
@@ -455,11 +425,8 @@ def log_base_model(run: Run) -> None:
 def optimizer_step(run: Run, stats: StatsAccumulator) -> None:
     """Clip the accumulated gradients (``train.max_grad_norm``, 0: no clipping), step, clear them;
     the pre-clip norm goes into ``stats``."""
-    if run.anchor is not None:  # HRF: d/dtheta of anchor_weight * ||theta - theta_phase||^2
-        weight = 2 * run.cfg.hrf.anchor_weight
-        for param, anchor in zip(run.params, run.anchor.model.shadow_params):
-            if param.grad is not None:
-                param.grad.add_(param.detach() - anchor, alpha=weight)
+    if run.anchor is not None:
+        anchor_pull(run)
     max_norm = run.cfg.train.max_grad_norm
     grad_norm = run.accelerator.clip_grad_norm_(run.params, max_norm) if max_norm > 0 else None
     run.optimizer.step()

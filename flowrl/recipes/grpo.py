@@ -54,10 +54,10 @@ from flowrl.algorithms.tree import prune_mask
 from flowrl.algorithms.losses import POLICY_LOSSES, gaussian_mean_kl, guard_log_ratio
 from flowrl.config import Config
 from flowrl.recipes.common import (  # noqa: F401  (re-exported for callers of this module)
-    StatsAccumulator, end_epoch, finish_run, group_advantages, log_base_model, make_accelerator,
-    maybe_reset_reference, optimizer_step, out_of_time, reference_weights, sample_and_score, start_phase, start_run,
-    step_plan,
+    StatsAccumulator, end_epoch, finish_run, group_advantages, log_base_model, make_accelerator, optimizer_step,
+    out_of_time, sample_and_score, start_run, step_plan,
 )
+from flowrl.recipes.snapshots import maybe_reset_reference, reference_weights, start_phase
 from flowrl.rewards_api import AsyncScorer
 from flowrl.sampling import sde_step, transition
 from flowrl.sampling.steps import kl_std, velocity_sensitivity

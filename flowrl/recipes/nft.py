@@ -81,8 +81,9 @@ from flowrl.algorithms.marble import balanced_backward
 from flowrl.config import Config
 from flowrl.recipes.common import (
     StatsAccumulator, end_epoch, finish_run, group_advantages, log_base_model, optimizer_step, out_of_time,
-    sample_and_score, start_phase, start_run,
+    sample_and_score, start_run,
 )
+from flowrl.recipes.snapshots import start_phase
 from flowrl.rewards_api import AsyncScorer
 from flowrl.sampling import StepPlan
 from flowrl.training.ema import ema_weights
