@@ -136,6 +136,16 @@ def first_reaching(points: list[dict], level: float) -> dict | None:
     return next((p for p in points if p["epoch"] >= 0 and p["mean"] >= level), None)
 
 
+def entry_base(chosen: dict[str, dict], args) -> float | None:
+    """The base model's validation task mean (every tuning run's epoch -1 point)."""
+    name = next(iter(chosen), None)
+    if name is None:
+        return None
+    lr = next(iter(chosen[name]["scores"]))
+    points = curve(Path(args.out) / "tune" / f"{name}_lr{lr:g}")
+    return points[0]["mean"] if points and points[0]["epoch"] < 0 else None
+
+
 def tuning_lines(chosen: dict[str, dict], args) -> list[str]:
     factors = " ".join(f"{f:g}" for f in args.lr_factors)
     lines = ["## Tuning", "",
@@ -146,6 +156,9 @@ def tuning_lines(chosen: dict[str, dict], args) -> list[str]:
              "never sees the prompts the table reports. The comparison ran each method at the rate in bold.", "",
              "| method | " + " | ".join(f"lr x{f:g}" for f in args.lr_factors) + " |",
              "|" + "---|" * (1 + len(args.lr_factors))]
+    base = entry_base(chosen, args)
+    if base is not None:
+        lines[2] += f" The base model scores {base:.3f} on the validation prompts."
     for name, entry in chosen.items():
         cells = [f"**{score:.3f}** ({lr:.1e})" if lr == entry["lr"] else f"{score:.3f} ({lr:.1e})"
                  for lr, score in entry["scores"].items()]
