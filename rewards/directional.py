@@ -73,9 +73,14 @@ class DirectionalCorrection:
     """Reward protocol around an embedding reward: ``{name}_d2`` is the corrected score, ``/raw`` the
     inner one, ``/shared`` the removed part ``<e, delta>``; the inner reward's other outputs pass through."""
 
-    def __init__(self, reward: str, direction: str, strength: float = 1.0, **reward_kwargs: Any) -> None:
-        from flowrl.rewards_api import build_reward
+    def __init__(self, reward: str, direction: str, strength: float = 1.0, device: Any = None,
+                 **reward_kwargs: Any) -> None:
+        import inspect
 
+        from flowrl.rewards_api import build_reward, resolve_reward_class
+
+        if device is not None and "device" in inspect.signature(resolve_reward_class(reward)).parameters:
+            reward_kwargs.setdefault("device", device)  # each process scores on its own accelerator
         self.inner = build_reward(reward, **reward_kwargs)
         if not hasattr(self.inner, "embed_images"):
             raise ValueError(f"reward '{reward}' has no image embedding (embed_images), so D²-Align's correction "
