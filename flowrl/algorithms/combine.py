@@ -13,6 +13,8 @@ weighted sum of the raw rewards (NaN where any is NaN): what the run logs and ma
 - ``correlation`` (correlation-weighted multi-reward): GDPO with each weight scaled by the reward's
   difficulty ``(1 - mean correlation with the other rewards) / 2`` over the batch: a concept that
   fights the others (negative correlation) gains weight, one the others already carry loses it.
+  With two rewards both difficulties are equal, so it is GDPO; it differs from three rewards on
+  (concept sub-scores such as ``toyeval/count``, ``toyeval/color``, ``toyeval/shape``).
 - ``marble``: the weighted sum of the per-reward advantages (:func:`reward_advantages`) at the
   configured weights. The recipes replace those weights by MARBLE's gradient balancing
   (:mod:`flowrl.algorithms.marble`); this is the step-0 value and what the look-ahead credit uses.
