@@ -74,11 +74,8 @@ def gdpo(rewards: dict[str, torch.Tensor], weights: dict[str, float], group_ids:
     nan = torch.full_like(combined, float("nan"))  # a row left out is left out of every reward's group
     summed = sum(w * grpo_advantages(torch.where(finite, rewards[name].float(), nan), group_ids, std_scope="group",
                                      eps=eps).double() for name, w in nonzero.items())  # [N]
-    values = summed[finite]
-    mean = values.mean() if values.numel() else summed.new_zeros(())
-    std = values.std(unbiased=False) if values.numel() else summed.new_zeros(())
-    advantages = torch.where(finite, (summed - mean) / (std + eps), torch.zeros_like(summed))
-    return advantages.float(), combined
+    batch = torch.zeros_like(group_ids)  # one group: the batch z-score, NaN rows 0
+    return grpo_advantages(torch.where(finite, summed, nan.double()), batch, std_scope="global", eps=eps), combined
 
 
 def correlation_weights(rewards: dict[str, torch.Tensor], weights: dict[str, float]) -> dict[str, float]:
