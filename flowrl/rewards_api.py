@@ -114,6 +114,14 @@ def _check_kwargs(label: str, cls: Any, kwargs: Mapping[str, Any]) -> None:
         raise ValueError(f"reward '{label}': bad arguments {sorted(kwargs)}: {_one_line(err)}") from None
 
 
+def accepts_keyword(reward_name: str, keyword: str) -> bool:
+    """Whether the reward class behind ``reward_name`` takes ``keyword`` (imports it, builds nothing)."""
+    try:
+        return keyword in inspect.signature(resolve_reward_class(reward_name)).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def resolve_reward_class(name: str) -> Any:
     """The class (or factory) behind a short name or dotted path, imported but not built."""
     if name in REWARD_REGISTRY:

@@ -75,11 +75,9 @@ class DirectionalCorrection:
 
     def __init__(self, reward: str, direction: str, strength: float = 1.0, device: Any = None,
                  **reward_kwargs: Any) -> None:
-        import inspect
+        from flowrl.rewards_api import accepts_keyword, build_reward
 
-        from flowrl.rewards_api import build_reward, resolve_reward_class
-
-        if device is not None and "device" in inspect.signature(resolve_reward_class(reward)).parameters:
+        if device is not None and accepts_keyword(reward, "device"):
             reward_kwargs.setdefault("device", device)  # each process scores on its own accelerator
         self.inner = build_reward(reward, **reward_kwargs)
         if not hasattr(self.inner, "embed_images"):

@@ -26,7 +26,7 @@ from flowrl.eval_tasks import stratified_prefix
 from flowrl.models import build_policy
 from flowrl.models.lora_io import load_lora_into, lora_config_dict, lora_state_dict, save_diffusers_lora
 from flowrl.report import evaluate, render, write_report
-from flowrl.rewards_api import build_reward, nan_summary
+from flowrl.rewards_api import accepts_keyword, build_reward, nan_summary
 from flowrl.sampling import StepPlan, concat_trajectories, rollout, root_seeds, window_start
 from flowrl.sampling.plan import branch_schedule, depth_pruned_steps
 from flowrl.sampling.pilot import commit_candidates, join_committed, pilot_variances, slot_seeds
@@ -70,18 +70,6 @@ def build_rewards(specs: list[RewardSpec], device) -> tuple[list, dict[str, floa
                              f"(use '{reward.name}' or '{reward.name}/<sub-score>')")
         weights[key] = spec.weight
     return rewards, weights
-
-
-def accepts_keyword(reward_name: str, keyword: str) -> bool:
-    """Whether the reward class behind ``reward_name`` takes ``keyword`` (imports it, builds nothing)."""
-    import inspect
-
-    from flowrl.rewards_api import resolve_reward_class
-
-    try:
-        return keyword in inspect.signature(resolve_reward_class(reward_name)).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def load_prompt_splits(cfg: Config) -> tuple[PromptSet, PromptSet]:
