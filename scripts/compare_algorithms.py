@@ -224,20 +224,25 @@ def write_results(curves: dict[str, list[dict]], args, command: str, chosen: dic
     print("\n".join(lines))
 
 
+def add_run_arguments(parser: argparse.ArgumentParser, *, out: str, test_prompts: int = 32) -> None:
+    """The budget, held-out and output options every toy comparison script shares."""
+    parser.add_argument("--budget-s", type=float, default=240.0, help="training time per run (s)")
+    parser.add_argument("--test-every", type=int, default=4, help="epochs between held-out points")
+    parser.add_argument("--test-prompts", type=int, default=test_prompts)
+    parser.add_argument("--images", type=int, default=8, help="ODE images per held-out prompt")
+    parser.add_argument("--parallel", type=int, default=2, help="runs at a time, one torch thread each")
+    parser.add_argument("--out", default=out)
+    parser.add_argument("--table-only", action="store_true", help="rebuild the tables and plots from --out")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", nargs="*", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--budget-s", type=float, default=240.0)
-    parser.add_argument("--test-every", type=int, default=4, help="epochs between held-out points")
-    parser.add_argument("--test-prompts", type=int, default=48)
-    parser.add_argument("--images", type=int, default=8, help="ODE images per held-out prompt")
+    add_run_arguments(parser, out="runs/compare", test_prompts=48)
     parser.add_argument("--gain", type=float, default=0.02,
                         help="report the time to reach the base task mean plus this (and to 0.6)")
-    parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--tune-budget-s", type=float, default=120.0, help="per tuning run; 0: no tuning")
     parser.add_argument("--lr-factors", type=float, nargs="+", default=[0.3, 1.0, 3.0])
-    parser.add_argument("--out", default="runs/compare")
-    parser.add_argument("--table-only", action="store_true", help="rebuild the table and plot from --out")
     args = parser.parse_args()
     command = "python scripts/compare_algorithms.py " + " ".join(sys.argv[1:])
     chosen = tune(args) if args.tune_budget_s > 0 else {}

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compare_algorithms import run_config  # noqa: E402
+from compare_algorithms import add_run_arguments, run_config  # noqa: E402
 from compare_multi_reward import replace_section  # noqa: E402
 from flowrl.training.metrics import read_metrics  # noqa: E402
 
@@ -108,13 +108,7 @@ def table(results: dict[str, dict], args, command: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", nargs="*", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--budget-s", type=float, default=240.0)
-    parser.add_argument("--test-every", type=int, default=4)
-    parser.add_argument("--test-prompts", type=int, default=32)
-    parser.add_argument("--images", type=int, default=8)
-    parser.add_argument("--parallel", type=int, default=2)
-    parser.add_argument("--out", default="runs/compare_collapse")
-    parser.add_argument("--table-only", action="store_true")
+    add_run_arguments(parser, out="runs/compare_collapse")
     args = parser.parse_args()
     out = Path(args.out)
     command = ("python scripts/compare_collapse.py " + " ".join(sys.argv[1:])).strip()

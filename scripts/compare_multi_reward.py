@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compare_algorithms import NFT, run_config  # noqa: E402
+from compare_algorithms import NFT, add_run_arguments, run_config  # noqa: E402
 from flowrl.training.metrics import read_metrics  # noqa: E402
 
 REWARDS = "rewards=[{name: toyeval}, {name: toy_proxy, weight: 1.0}]"
@@ -87,13 +87,7 @@ def table(results: dict[str, dict], args, command: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--combiners", nargs="*", default=list(COMBINERS), choices=list(COMBINERS))
-    parser.add_argument("--budget-s", type=float, default=240.0)
-    parser.add_argument("--test-every", type=int, default=4, help="epochs between held-out points")
-    parser.add_argument("--test-prompts", type=int, default=32)
-    parser.add_argument("--images", type=int, default=8, help="ODE images per held-out prompt")
-    parser.add_argument("--parallel", type=int, default=2)
-    parser.add_argument("--out", default="runs/compare_multi_reward")
-    parser.add_argument("--table-only", action="store_true", help="rebuild the table from --out")
+    add_run_arguments(parser, out="runs/compare_multi_reward")
     args = parser.parse_args()
     command = ("python scripts/compare_multi_reward.py " + " ".join(sys.argv[1:])).strip()
     if not args.table_only:
