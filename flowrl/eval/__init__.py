@@ -1,0 +1,4 @@
+"""Evaluation: diversity and distribution metrics, benchmark suites, the eval command and its HTML report.
+
+The package imports nothing on purpose: each module (``metrics``, ``features``, ``suites``, ...) is imported
+by name, so using one does not pull in the heavy dependencies of another."""
