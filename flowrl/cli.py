@@ -35,8 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--lora", default=None, help="LoRA weights to apply (.safetensors or peft dir)")
     sample.add_argument("--sde", action="store_true", help="sample with the configured SDE instead of the ODE")
 
-    evaluate = commands.add_parser("eval", help="score a model or checkpoint: rewards, diversity, FID")
+    evaluate = commands.add_parser("eval", help="benchmark checkpoints side by side: rewards, diversity, FID/KID, "
+                                   "an HTML report")
     _config_args(evaluate)
+    evaluate.add_argument("--checkpoint", action="append", default=[], metavar="[LABEL=]WHAT[:ema]",
+                          help="base, a LoRA file, an adapter/export dir, a checkpoint dir or a run dir (repeatable; "
+                               "the base model is always added); :ema takes a checkpoint's EMA weights")
+    evaluate.add_argument("--out", default=None, help="output directory (default: RUN_DIR/eval)")
 
     export = commands.add_parser("export-lora", help="export a checkpoint's LoRA for diffusers or ComfyUI")
     export.add_argument("checkpoint", help="checkpoint directory, or a run directory (its latest checkpoint)")
@@ -74,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
 
             for path in run_export(args):
                 print(f"wrote {path}")
+            return 0
+        if args.command == "eval":
+            from flowrl.eval.runner import run_eval
+
+            print(f"wrote {run_eval(args.config, list(args.overrides), args.checkpoint, args.out)}")
             return 0
         raise NotImplementedError(f"'flowrl {args.command}' is not available in this release yet")
     except (ConfigError, FileNotFoundError, NotImplementedError, ValueError) as error:

@@ -28,17 +28,22 @@ from flowrl.training.metrics import read_metrics
 
 
 def render(policy, prompts: PromptSet, *, images_per_prompt: int, num_steps: int, guidance: float, seed: int,
-           batch_prompts: int = 8):
-    """ODE samples ``[P * n, 3, H, W]`` of ``prompts``, in chunks of prompts; row-seeded, so reproducible."""
-    images = []
+           batch_prompts: int = 8, first_prompt: int = 0, with_latents: bool = False):
+    """ODE samples ``[P * n, 3, H, W]`` of ``prompts``, in chunks of prompts; row-seeded, so reproducible.
+
+    Prompt ``i`` takes the seeds of global rows ``(first_prompt + i) * n ...``, so a subset of a suite
+    renders the same images as the whole. ``with_latents`` also returns the clean latents ``[P * n, C, h, w]``."""
+    images, latents = [], []
     for start in range(0, len(prompts), batch_prompts):
         chunk = prompts.prompts[start:start + batch_prompts]
         with policy.local_forward():
             traj = rollout(policy, chunk, group_size=images_per_prompt, num_steps=num_steps, guidance_scale=guidance,
                            noise_level=0.0, plan=StepPlan(num_steps, sde_start=num_steps - 1, sde_size=1),
-                           seeds=root_seeds(seed, start * images_per_prompt, len(chunk) * images_per_prompt))
+                           seeds=root_seeds(seed, (first_prompt + start) * images_per_prompt,
+                                            len(chunk) * images_per_prompt))
         images.append(traj.images)
-    return torch.cat(images)
+        latents.append(traj.final_latents.float().cpu())
+    return (torch.cat(images), torch.cat(latents)) if with_latents else torch.cat(images)
 
 
 def evaluate(images: torch.Tensor, prompts: PromptSet, images_per_prompt: int, rewards, diversity: str) -> dict:

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 import yaml
-from safetensors.torch import load_file
 
 COMFYUI_WEIGHT_NAME = "pytorch_lora_weights_comfyui.safetensors"
 PIPELINE_CLASSES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline"}
@@ -27,15 +25,14 @@ def export_lora(checkpoint: str | Path, out: str | Path, *, format: str = "diffu
                 merge: bool = False) -> list[Path]:
     """Export the LoRA of ``checkpoint`` (a checkpoint dir, or a run dir: its latest); returns written paths."""
     from flowrl.models.lora_io import save_comfyui_lora, save_diffusers_lora
-    from flowrl.training.checkpoint import read_lora_config, resolve_checkpoint
+    from flowrl.training.checkpoint import read_checkpoint_lora, resolve_checkpoint
 
     if format not in ("diffusers", "comfyui"):
         raise ValueError(f"unknown export format {format!r}; use diffusers or comfyui")
     path = resolve_checkpoint(checkpoint)
     run_config = _run_config(path)
     family = run_config.get("model", {}).get("family", "sd3")
-    lora_config = read_lora_config(path)
-    state = _weights(path, ema=ema)
+    state, lora_config = read_checkpoint_lora(path, ema=ema)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if format == "diffusers":
@@ -55,14 +52,6 @@ def _run_config(path: Path) -> dict:
     if not file.is_file():
         raise FileNotFoundError(f"{path} has no config.yaml; cannot tell the model family")
     return yaml.safe_load(file.read_text()) or {}
-
-
-def _weights(path: Path, *, ema: bool) -> dict[str, torch.Tensor]:
-    if not ema:
-        return load_file(str(path / "lora.safetensors"))
-    if not (path / "ema.safetensors").is_file():
-        raise ValueError(f"{path} has no EMA weights (trained with train.ema=false); export without --ema")
-    return load_file(str(path / "ema.safetensors"))
 
 
 def _merged_transformer(run_config: dict, lora_file: Path, out_dir: Path) -> Path:

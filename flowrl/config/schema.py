@@ -433,6 +433,52 @@ class LogConfig:
 
 
 @dataclass
+class EvalConfig:
+    suite: str = "assets/benchmarks/divgen.jsonl"
+    """Prompt suite of `flowrl eval` (.txt or .jsonl; metadata "axes" names the free axes, "task" splits tables)."""
+    images_per_prompt: int = 8
+    """Images per prompt, one seed each; the same seeds for every checkpoint."""
+    num_steps: int | None = None
+    """ODE steps of the eval samples (null: sampling.num_steps)."""
+    guidance_scale: float | None = None
+    """CFG scale of the eval samples (null: sampling.guidance_scale)."""
+    seed: int = 4242
+    """Seed of the eval images' noise."""
+    batch_prompts: int = 4
+    """Prompts rendered per batch (lower it to save memory)."""
+    features: str = "clip"
+    """Feature network of in-group diversity and Vendi: toy, pixels, clip, dino, inception."""
+    feature_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Arguments of the feature network, e.g. {model: ViT-L-14, pretrained: /path/open_clip.bin}."""
+    reference: str | None = None
+    """Directory of reference images for FID/KID (null: no FID/KID)."""
+    fid_features: str | None = None
+    """Feature network of FID/KID (null: eval.features); inception needs torch-fidelity and weights_path."""
+    fid_feature_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Arguments of the FID/KID feature network."""
+    style_model: str | None = None
+    """open_clip model of the style axis, e.g. ViT-B-32 (null: style not measured)."""
+    style_pretrained: str | None = None
+    """Its weights: a local checkpoint path or an open_clip tag."""
+    identity_features: str | None = None
+    """Feature network of the identity axis, e.g. dino with identity_feature_kwargs.path (null: not measured)."""
+    identity_feature_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Arguments of the identity feature network."""
+    toy_diversity: bool = False
+    """Also measure the toy world's exact ground-truth diversity (background, position, size)."""
+    grid_prompts: int = 12
+    """Prompts shown as image grids in report.html (all are scored)."""
+
+    def validate(self):
+        check(self.images_per_prompt >= 2, "images_per_prompt", "diversity is measured within a prompt's images: "
+              "use at least 2")
+        check(self.num_steps is None or self.num_steps >= 1, "num_steps", "must be >= 1 or null")
+        check(self.batch_prompts >= 1, "batch_prompts", "must be >= 1")
+        check(self.grid_prompts >= 0, "grid_prompts", "must be >= 0")
+
+
+
+@dataclass
 class GardoConfig:
     kl_fraction: float = 1.0
     """GARDO's gated KL: train.beta's KL acts only on this most uncertain fraction of the batch (GARDO:
@@ -504,6 +550,8 @@ class Config:
     """Optimisation."""
     log: LogConfig = field(default_factory=LogConfig)
     """Logging, eval grids, progress."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """`flowrl eval`: the benchmark suite, its samples, diversity and FID/KID settings."""
     recipe: Literal["grpo", "nft"] = "grpo"
     """Training loop: grpo (SDE rollouts, clipped log-prob ratios) or nft (DiffusionNFT)."""
     nft: NFTConfig = field(default_factory=NFTConfig)

@@ -261,6 +261,16 @@ def load_checkpoint(path_or_run_dir: str | Path, *, resume: str | Path = "latest
     return lora_state, trainer_state
 
 
+def read_checkpoint_lora(path: Path, *, ema: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
+    """A checkpoint's adapter ``(state, peft config)``: its raw weights, or with ``ema`` its EMA weights."""
+    from safetensors.torch import load_file
+
+    file = Path(path) / ("ema.safetensors" if ema else "lora.safetensors")
+    if ema and not file.is_file():
+        raise ValueError(f"{path} has no EMA weights (trained with train.ema=false); use its raw weights instead")
+    return load_file(str(file)), read_lora_config(path)
+
+
 def read_lora_config(path: Path) -> dict:
     """The peft config stored with a checkpoint's ``lora.safetensors``."""
     return json.loads(_metadata(Path(path) / "lora.safetensors").get("lora_config", "{}"))

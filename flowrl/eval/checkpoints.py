@@ -1,0 +1,128 @@
+"""What ``flowrl eval --checkpoint SPEC`` evaluates, and putting it into the policy.
+
+A SPEC is ``[LABEL=]WHAT[:ema]`` where WHAT is ``base`` (the model without adapter), a LoRA file
+(``.safetensors`` in diffusers, ComfyUI or checkpoint format), a peft adapter directory, an exported
+directory (``pytorch_lora_weights.safetensors``), a checkpoint directory, or a run directory (its final
+``lora/`` export when there is one, else its latest checkpoint). ``:ema`` takes a checkpoint's EMA
+weights instead of the raw ones. A LoRA that was trained on another model is refused with one line
+before anything is generated: by the run's recorded model when there is one, and by tensor shapes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+
+@dataclass(frozen=True)
+class EvalCheckpoint:
+    label: str
+    path: Path | None = None  # a LoRA file, adapter dir or checkpoint dir; None for the base model
+    ema: bool = False  # the checkpoint's EMA weights
+
+    @property
+    def is_base(self) -> bool:
+        return self.path is None
+
+
+def parse_checkpoint(spec: str) -> EvalCheckpoint:
+    """``[LABEL=]WHAT[:ema]`` -> an :class:`EvalCheckpoint` (see the module docstring)."""
+    from flowrl.training.checkpoint import is_checkpoint, resolve_checkpoint
+
+    label, what = (spec.split("=", 1) if "=" in spec and not os.path.exists(spec) else (None, spec))
+    ema = what.endswith(":ema") and not os.path.exists(what)
+    what = what.removesuffix(":ema") if ema else what
+    if what == "base":
+        if ema:
+            raise ValueError("base:ema has no meaning: the base model has no EMA weights")
+        return EvalCheckpoint(label or "base")
+    path = Path(what)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint not found: {what} (give base, a LoRA .safetensors file, an adapter or "
+                                "export directory, a checkpoint directory or a run directory; append :ema for EMA)")
+    if path.is_dir() and not is_checkpoint(path):
+        if ema or not _is_adapter_dir(path):
+            final = path / "lora"
+            path = final if not ema and _is_adapter_dir(final) else resolve_checkpoint(path)
+    if ema and not (path.is_dir() and (path / "ema.safetensors").is_file()):
+        raise ValueError(f"{what} has no EMA weights (trained with train.ema=false): drop :ema")
+    if path.name == "lora":  # RUN_DIR/lora: the run's final export
+        default = path.parent.name
+    elif is_checkpoint(path):  # RUN_DIR/checkpoints/step_000040
+        default = f"{path.parent.parent.name}@{path.name}"
+    else:
+        default = path.stem
+    return EvalCheckpoint(label or default + ("-ema" if ema else ""), path, ema)
+
+
+def _is_adapter_dir(path: Path) -> bool:
+    from flowrl.models.lora_io import DIFFUSERS_WEIGHT_NAME
+
+    return path.is_dir() and ((path / DIFFUSERS_WEIGHT_NAME).is_file() or (path / "adapter_config.json").is_file())
+
+
+def unique_labels(checkpoints: list[EvalCheckpoint]) -> list[EvalCheckpoint]:
+    """Append -2, -3, ... to repeated labels, so each checkpoint has its own image folder."""
+    seen: dict[str, int] = {}
+    out = []
+    for checkpoint in checkpoints:
+        count = seen[checkpoint.label] = seen.get(checkpoint.label, 0) + 1
+        out.append(checkpoint if count == 1 else EvalCheckpoint(f"{checkpoint.label}-{count}", checkpoint.path,
+                                                                checkpoint.ema))
+    return out
+
+
+def read_adapter(checkpoint: EvalCheckpoint) -> tuple[dict[str, torch.Tensor], dict]:
+    """The adapter's ``(state, peft config)`` with keys relative to the transformer."""
+    from flowrl.models.lora_io import read_lora
+    from flowrl.training.checkpoint import is_checkpoint, read_checkpoint_lora
+
+    if is_checkpoint(checkpoint.path):
+        return read_checkpoint_lora(checkpoint.path, ema=checkpoint.ema)
+    return read_lora(checkpoint.path)
+
+
+def recorded_model(checkpoint: EvalCheckpoint) -> dict | None:
+    """The ``model`` section of the run config saved beside a checkpoint or run export, if any."""
+    path = checkpoint.path
+    for directory in (path, path.parent, path.parent.parent, path.parent.parent.parent):
+        file = directory / "config.yaml"
+        if file.is_file():
+            return (yaml.safe_load(file.read_text()) or {}).get("model")
+    return None
+
+
+def check_same_model(checkpoint: EvalCheckpoint, family: str, model_path: str) -> None:
+    """Refuse a checkpoint whose run trained another model family or base model."""
+    model = recorded_model(checkpoint)
+    if model is None:
+        return
+    trained = (model.get("family", "sd3"), str(model.get("path", "tiny")))
+    if trained[0] != family or os.path.normpath(trained[1]) != os.path.normpath(model_path):
+        raise ValueError(f"checkpoint {checkpoint.path} was trained on {trained[0]} model {trained[1]!r}, but this "
+                         f"config evaluates {family} model {model_path!r}: set model.family/model.path to match")
+
+
+def load_adapter(policy, checkpoint: EvalCheckpoint) -> None:
+    """Attach (or overwrite) the policy's LoRA with the checkpoint's weights, after checking they fit."""
+    from peft.utils import set_peft_model_state_dict
+
+    state, config = read_adapter(checkpoint)
+    if not policy.has_lora:
+        policy.add_lora(rank=int(config["r"]), alpha=float(config["lora_alpha"]),
+                        target_modules=list(config["target_modules"]))
+    from flowrl.models.lora_io import lora_state_dict
+
+    expected = lora_state_dict(policy.transformer)
+    unknown = [k for k in state if k not in expected]
+    mismatched = [k for k in state if k in expected and expected[k].shape != state[k].shape]
+    if unknown or mismatched:
+        key = (unknown or mismatched)[0]
+        what = "has no module for" if unknown else f"expects shape {tuple(expected[key].shape)} for"
+        raise ValueError(f"LoRA {checkpoint.path} does not fit this model: the model {what} {key!r} "
+                         f"({len(unknown) + len(mismatched)} of {len(state)} tensors); was it trained on another model?")
+    set_peft_model_state_dict(policy.transformer, state)

@@ -1,0 +1,270 @@
+"""``flowrl eval CONFIG --checkpoint A [--checkpoint B ...]``: generate a benchmark suite with each
+checkpoint on the same seeds, score rewards, diversity and FID/KID, write ``results.json`` and ``report.html``.
+
+For every checkpoint (the base model is always added, as the column deltas are taken against):
+1. render ``eval.images_per_prompt`` ODE images per suite prompt with the eval seeds, written as PNG under
+   ``OUT/images/<label>/`` with the clean latents beside them; prompts whose files exist are not
+   rendered again, so an interrupted eval resumes. Scores are computed from the written PNGs, so a
+   resumed eval scores exactly what a fresh one does;
+2. score every configured reward (``reward/*`` for trained ones, ``held_out/*`` for weight-0 ones, which
+   catch hacking), per task where prompts carry one, and the share of prompts whose images all score alike;
+3. diversity within each prompt's images: mean pairwise cosine distance and Vendi score of
+   ``eval.features``, latent L-GMD, the suite's per-axis scores (:mod:`flowrl.eval.suites`), the toy
+   world's exact attribute diversity (``eval.toy_diversity``);
+4. FID and KID against ``eval.reference`` (a directory of images) with ``eval.fid_features``.
+
+    flowrl eval configs/toy/nft.yaml --checkpoint runs/toy_nft            # base vs the trained run
+    flowrl eval configs/sd35/grpo_ocr.yaml --checkpoint a=runs/a:ema --checkpoint b=runs/b/lora eval.reference=ref/
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from flowrl.eval.checkpoints import EvalCheckpoint, check_same_model, load_adapter, read_adapter, unique_labels
+from flowrl.eval.suites import axis_scores, prompt_axes
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+
+
+def run_eval(config: str, overrides: list[str], checkpoints: list[str], out: str | None = None) -> Path:
+    """Evaluate ``checkpoints`` (specs, see :mod:`flowrl.eval.checkpoints`); returns the report path."""
+    from flowrl.commands.sample import resolve_device
+    from flowrl.config import Config, load_config
+    from flowrl.eval.checkpoints import parse_checkpoint
+    from flowrl.eval.suites import load_suite
+
+    cfg = load_config(Config, config, overrides)
+    suite = load_suite(cfg.eval.suite)
+    specs = [parse_checkpoint(spec) for spec in checkpoints]
+    if not any(c.is_base for c in specs):
+        specs.insert(0, EvalCheckpoint("base"))
+    specs = unique_labels(specs)
+    for checkpoint in specs:  # refuse another model's adapter before rendering anything
+        if not checkpoint.is_base:
+            check_same_model(checkpoint, cfg.model.family, cfg.model.path)
+    reference = load_reference(cfg.eval.reference, cfg) if cfg.eval.reference else None
+    out_dir = Path(out or Path(cfg.run_dir) / "eval")
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    device = resolve_device(cfg.device)
+    images = generate_all(cfg, suite, specs, out_dir, device)
+    results = score_all(cfg, suite, specs, images, reference, device)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2, allow_nan=True) + "\n")
+    from flowrl.eval.report import write_eval_report
+
+    return write_eval_report(out_dir, results, suite, {c.label: images[c.label][0] for c in specs},
+                             cfg.eval.images_per_prompt, grid_prompts=cfg.eval.grid_prompts)
+
+
+# --- 1. generation ---------------------------------------------------------------------------------
+def generate_all(cfg, suite, specs: list[EvalCheckpoint], out_dir: Path, device) -> dict[str, tuple]:
+    """``{label: (images [P*n, 3, H, W] read back from PNG, latents [P*n, C, h, w])}`` for every checkpoint."""
+    from flowrl.models import build_policy
+
+    m, e = cfg.model, cfg.eval
+    policy, attached = None, None
+    results = {}
+    for checkpoint in specs:
+        folder = out_dir / "images" / checkpoint.label
+        todo = [i for i in range(len(suite)) if not _prompt_done(folder, i, e.images_per_prompt)]
+        if todo:
+            adapter = None if checkpoint.is_base else read_adapter(checkpoint)[1]
+            shape = None if adapter is None else (int(adapter["r"]), float(adapter["lora_alpha"]),
+                                                  tuple(sorted(adapter["target_modules"])))
+            if policy is None or (shape is not None and attached is not None and shape != attached):
+                policy = build_policy(m.family, m.path, dtype=m.dtype, device=device, height=m.height, width=m.width,
+                                      max_sequence_length=m.max_sequence_length, seed=cfg.seed)
+                attached = None
+            if not checkpoint.is_base:
+                load_adapter(policy, checkpoint)
+                attached = shape
+            _render_missing(policy, suite, todo, folder, cfg, base=checkpoint.is_base, label=checkpoint.label)
+        results[checkpoint.label] = read_images(folder, len(suite), e.images_per_prompt)
+    return results
+
+
+def _prompt_done(folder: Path, index: int, n: int) -> bool:
+    return (folder / f"p{index:04d}.latents.safetensors").is_file() and all(
+        (folder / f"p{index:04d}_{k:02d}.png").is_file() for k in range(n))
+
+
+def _render_missing(policy, suite, todo: list[int], folder: Path, cfg, *, base: bool, label: str) -> None:
+    """Render the prompts ``todo`` (indices into the suite), ``eval.batch_prompts`` at a time, and write them."""
+    import contextlib
+
+    from safetensors.torch import save_file
+    from torchvision.utils import save_image
+
+    from flowrl.report import render
+
+    e, n = cfg.eval, cfg.eval.images_per_prompt
+    folder.mkdir(parents=True, exist_ok=True)
+    steps = e.num_steps or cfg.sampling.num_steps
+    guidance = cfg.sampling.guidance_scale if e.guidance_scale is None else e.guidance_scale
+    context = policy.reference() if base and policy.has_lora else contextlib.nullcontext()
+    with context, tqdm(total=len(todo), desc=f"eval {label}", unit="prompt") as bar:
+        for chunk in _batches(todo, e.batch_prompts):  # consecutive suite indices: one rollout per batch
+            images, latents = render(policy, suite.subset(chunk), images_per_prompt=n, num_steps=steps,
+                                     guidance=guidance, seed=e.seed, first_prompt=chunk[0], batch_prompts=len(chunk),
+                                     with_latents=True)  # seeds depend on the suite index only
+            for row, index in enumerate(chunk):
+                for k in range(n):
+                    save_image(images[row * n + k], folder / f"p{index:04d}_{k:02d}.png")
+                save_file({"latents": latents[row * n:(row + 1) * n].contiguous()},
+                          str(folder / f"p{index:04d}.latents.safetensors"))
+            bar.update(len(chunk))
+
+
+def _batches(indices: list[int], size: int) -> list[list[int]]:
+    """``indices`` (sorted) cut into runs of consecutive values of at most ``size`` each."""
+    batches: list[list[int]] = []
+    for index in indices:
+        if batches and batches[-1][-1] == index - 1 and len(batches[-1]) < size:
+            batches[-1].append(index)
+        else:
+            batches.append([index])
+    return batches
+
+
+def read_images(folder: Path, num_prompts: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from safetensors.torch import load_file
+    from torchvision.io import ImageReadMode, decode_image
+
+    images = [decode_image(str(folder / f"p{i:04d}_{k:02d}.png"), mode=ImageReadMode.RGB).float() / 255
+              for i in range(num_prompts) for k in range(n)]
+    latents = [load_file(str(folder / f"p{i:04d}.latents.safetensors"))["latents"] for i in range(num_prompts)]
+    return torch.stack(images), torch.cat(latents)
+
+
+def load_reference(path: str, cfg) -> torch.Tensor:
+    """Reference images ``[R, 3, H, W]`` in [0, 1] for FID/KID, resized to the eval resolution."""
+    from torchvision.io import ImageReadMode, decode_image
+    from torchvision.transforms.functional import resize
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"eval.reference: {path} is not a directory of images")
+    files = sorted(f for f in folder.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES)
+    if len(files) < 2:
+        raise ValueError(f"eval.reference: {path} holds {len(files)} images; FID/KID need at least 2 (hundreds for "
+                         "a stable FID)")
+    size = None
+    images = []
+    for file in files:
+        image = decode_image(str(file), mode=ImageReadMode.RGB).float() / 255
+        size = size or (cfg.model.height or image.shape[1], cfg.model.width or image.shape[2])
+        images.append(resize(image, list(size), antialias=True))
+    return torch.stack(images)
+
+
+# --- 2-4. scoring ----------------------------------------------------------------------------------
+def score_all(cfg, suite, specs: list[EvalCheckpoint], images: dict[str, tuple], reference, device) -> dict:
+    """results.json: the settings, and for each checkpoint its metrics and their change from the base."""
+    from flowrl.eval.features import build_feature_network
+    from flowrl.recipes.common import build_rewards
+
+    e, n = cfg.eval, cfg.eval.images_per_prompt
+    rewards, weights = build_rewards(cfg.rewards, device) if cfg.rewards else ([], {})
+    trained = {k for k, w in weights.items() if w != 0}
+    features = build_feature_network(e.features, **e.feature_kwargs)
+    fid_network = (build_feature_network(e.fid_features or e.features, **(e.fid_feature_kwargs or e.feature_kwargs))
+                   if reference is not None else None)
+    style_probe = identity = None
+    if e.style_model:
+        from flowrl.eval.suites import StyleProbe
+
+        style_probe = StyleProbe(e.style_model, e.style_pretrained)
+    if e.identity_features:
+        identity = build_feature_network(e.identity_features, **e.identity_feature_kwargs)
+    group_ids = torch.arange(len(suite)).repeat_interleave(n)  # [P*n] one group per prompt
+    group_axes = {i: prompt_axes(m) for i, m in enumerate(suite.metadata)}
+    metrics, not_measured, unreliable = {}, set(), set()
+    for checkpoint in tqdm(specs, desc="scoring", unit="checkpoint"):
+        pictures, latents = images[checkpoint.label]
+        values = reward_metrics(rewards, trained, pictures, suite, n, group_ids)
+        values.update(diversity_metrics(features, pictures, latents, group_ids))
+        axes, missing = axis_scores(pictures, group_ids, group_axes, style_probe=style_probe, identity_network=identity)
+        values.update(axes)
+        not_measured.update(missing)
+        if e.toy_diversity:
+            from flowrl.toy.diversity import diversity as toy_diversity
+
+            values.update({f"toy/{k.removeprefix('diversity/')}": float(v)
+                           for k, v in toy_diversity(pictures, group_ids).items()})
+        if fid_network is not None:
+            distance = _fid(reference, pictures, fid_network)
+            unreliable.update(distance.pop("unreliable"))
+            values.update({f"fid/{k}": v for k, v in distance.items()})
+        metrics[checkpoint.label] = values
+    base = next(c.label for c in specs if c.is_base)
+    return {
+        "suite": str(e.suite), "prompts": suite.prompts, "tasks": [m.get("task") for m in suite.metadata],
+        "images_per_prompt": n, "seed": e.seed, "num_steps": e.num_steps or cfg.sampling.num_steps,
+        "guidance_scale": cfg.sampling.guidance_scale if e.guidance_scale is None else e.guidance_scale,
+        "model": {"family": cfg.model.family, "path": cfg.model.path}, "features": e.features,
+        "trained_rewards": sorted(trained), "base": base,
+        "checkpoints": {c.label: {"path": None if c.is_base else str(c.path), "ema": c.ema} for c in specs},
+        "metrics": metrics,
+        "deltas": {label: {k: v - metrics[base][k] for k, v in values.items()
+                           if k in metrics[base] and not math.isnan(v) and not math.isnan(metrics[base][k])}
+                   for label, values in metrics.items() if label != base},
+        "not_measured": sorted(not_measured), "unreliable": sorted(unreliable),
+    }
+
+
+def reward_metrics(rewards, trained: set[str], images, suite, n: int, group_ids) -> dict[str, float]:
+    """Reward means (``reward/*`` trained, ``held_out/*`` not), per task, and the zero-std prompt share."""
+    from flowrl.eval.metrics import reward_means, zero_std_fraction
+    from flowrl.eval_tasks import by_task, row_tasks
+    from flowrl.rewards_api import score
+
+    if not rewards:
+        return {}
+    rows_prompts = [p for p in suite.prompts for _ in range(n)]
+    rows_metadata = [m for m in suite.metadata for _ in range(n)]
+    scores = {}
+    for start in range(0, len(images), 64):  # bounded batches: a VLM reward holds every image it scores
+        chunk = score(rewards, images[start:start + 64], rows_prompts[start:start + 64],
+                      rows_metadata[start:start + 64], on_error="nan")
+        for key, value in chunk.items():
+            scores.setdefault(key, []).append(value)
+    scores = {k: torch.cat(v) for k, v in scores.items() if sum(len(x) for x in v) == len(images)}
+    out = reward_means(scores, trained)
+    tasks = row_tasks(rows_metadata)
+    if tasks is not None:
+        for key, value in by_task(scores, tasks).items():
+            name = key.split("/task", 1)[0]
+            out[f"{'reward' if name in trained else 'held_out'}/{key}"] = value
+    main = next(iter(sorted(trained)), next(iter(scores), None))
+    if main is not None:
+        out["diversity/zero_std_prompts"] = zero_std_fraction(scores[main], group_ids)
+    return out
+
+
+def diversity_metrics(features, images, latents, group_ids) -> dict[str, float]:
+    """In-group diversity, each averaged over prompts: cosine distance and Vendi of the features, latent L-GMD."""
+    from flowrl.eval.metrics import group_vendi, latent_gmd, pairwise_cosine_distance
+
+    with torch.no_grad():
+        embedded = torch.cat([features(images[s:s + 64]) for s in range(0, len(images), 64)]).float().cpu()
+    return {"diversity/cosine": float(torch.nanmean(pairwise_cosine_distance(embedded, group_ids))),
+            "diversity/vendi": float(torch.nanmean(group_vendi(embedded, group_ids))),
+            "diversity/latent_gmd": float(torch.nanmean(latent_gmd(latents, group_ids, p=1.0)))}
+
+
+def _fid(reference: torch.Tensor, images: torch.Tensor, network) -> dict:
+    from flowrl.eval.metrics import fid_kid
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fid_kid(reference, images, network)
+    for warning in caught[:1]:  # once per checkpoint is enough: every checkpoint shares the reference
+        warnings.warn(str(warning.message), stacklevel=2)
+    return result
