@@ -529,6 +529,49 @@ class HrfConfig:
 
 
 @dataclass
+class GuardConfig:
+    enabled: bool = False
+    """Watch the in-group diversity of each epoch's rollouts (no extra sampling) and act when it falls
+    (flowrl/training/guard.py); off: nothing is measured or logged."""
+    every: int = 1
+    """Measure every this many epochs (the first warmup epochs are always measured)."""
+    warmup: int = 2
+    """Measurements whose mean is the start value the drop is taken from (the run's first epochs)."""
+    max_drop: float = 0.3
+    """Fire when diversity falls more than this fraction below its start value."""
+    policy: Literal["warn", "raise_beta", "stop"] = "warn"
+    """warn: one line saying what to do; raise_beta: train.beta times beta_factor (the KL of either recipe);
+    stop: end the run and export and report the best reward-diversity weights seen (diversity/best_epoch)."""
+    features: str = "latent"
+    """Feature space of the diversity: latent, pixels, clip (needs feature_kwargs.model_id) or
+    'package.module:Class', as gardo.features (flowrl/algorithms/gardo.py)."""
+    feature_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the feature extractor's constructor (model_id, device, batch_size, ...)."""
+    beta_factor: float = 2.0
+    """raise_beta: the KL beta is multiplied by this each time the guard fires."""
+    beta_floor: float = 0.04
+    """raise_beta: the beta a run without KL (train.beta=0) gets when the guard fires (GRPO's units: Flow-GRPO's
+    0.04; recipe nft's beta weighs ||v - v_ref||^2 instead)."""
+    cooldown: int = 10
+    """Epochs after a firing before the guard may fire again (warn, raise_beta)."""
+    diversity_weight: float = 1.0
+    """stop: the best weights maximise the epoch's mean trained reward plus this times its diversity."""
+
+    def validate(self):
+        from flowrl.algorithms.gardo import FEATURES
+
+        check(self.every >= 1, "every", "must be >= 1 epoch")
+        check(self.warmup >= 1, "warmup", "must be >= 1 measurement")
+        check(0 < self.max_drop < 1, "max_drop", "must be a fraction in (0, 1)")
+        check(self.features in FEATURES or ":" in self.features, "features",
+              f"unknown feature space {self.features!r}; choose one of {sorted(FEATURES)} or 'package.module:Class'")
+        check(self.beta_factor > 1, "beta_factor", "must be > 1 (it raises the KL beta)")
+        check(self.beta_floor > 0, "beta_floor", "must be > 0")
+        check(self.cooldown >= 1, "cooldown", "must be >= 1 epoch")
+        check(self.diversity_weight >= 0, "diversity_weight", "must be >= 0")
+
+
+@dataclass
 class Config:
     seed: int = 0
     """Seed of everything: prompts order, noise, LoRA init."""
@@ -560,6 +603,8 @@ class Config:
     """GARDO's gated KL, adaptive reference and diversity-aware advantage (recipe: grpo)."""
     hrf: HrfConfig = field(default_factory=HrfConfig)
     """HRF's per-phase parameter anchor (both recipes)."""
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    """The diversity guard: in-group diversity of the rollouts against its start value (both recipes)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Recipe-specific settings the recipe validates itself."""
 
@@ -613,5 +658,7 @@ class Config:
         check_credit(self.train.credit, recipe=self.recipe, branch_steps=self.sampling.tree.branch_steps)
         check(self.sampling.group_size >= 2 or self.train.advantage == "mean", "sampling.group_size",
               "group advantages need at least 2 trajectories per prompt")
+        check(not self.guard.enabled or self.sampling.group_size >= 2, "guard.enabled",
+              "the guard measures diversity within a prompt's group: use sampling.group_size >= 2")
         check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device",
               "use auto, cpu, cuda or cuda:N")
