@@ -43,7 +43,7 @@ def test_smoke_run_trains_only_the_lora(tmp_path, path, monkeypatch):
     assert [r["epoch"] for r in records] == [0, 1]
     assert (tmp_path / "config.yaml").is_file() and (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()
     assert (tmp_path / "grids" / "epoch_00001.png").is_file()
-    for name in ("before.png", "after.png", "reward_curve.png", "report.json", "report.md"):
+    for name in ("before.png", "after.png", "reward_curve.png", "report.json", "report.md", "report.html"):
         assert (tmp_path / name).is_file(), name
     assert metrics["report/after/eval/brightness"] > 0
 
