@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from tqdm.auto import tqdm
 
 from flowrl.algorithms.advantages import zero_std_fraction
 from flowrl.algorithms.combine import COMBINERS
@@ -31,6 +32,7 @@ from flowrl.sampling import StepPlan, concat_trajectories, rollout, root_seeds, 
 from flowrl.sampling.plan import branch_schedule, depth_pruned_steps
 from flowrl.sampling.pilot import commit_candidates, join_committed, pilot_variances, slot_seeds
 from flowrl.training.ema import LoraEMA, ema_weights
+from flowrl.training.guard import DiversityGuard, restore_weights
 from flowrl.training.metrics import MetricsLogger
 
 
@@ -218,11 +220,24 @@ class Run:
     reference: LoraEMA | None = None  # GARDO's adaptive reference: the adapter snapshot at the last reset
     reference_resets: int = 0  # 0: the reference is still the base model (adapter off)
     anchor: LoraEMA | None = None  # HRF: the adapter at the start of the current phase
+    guard: DiversityGuard | None = None  # guard.enabled: the diversity guard (flowrl/training/guard.py)
 
     @property
     def snapshots(self) -> dict[str, LoraEMA]:
         """The adapter copies that checkpoints save and resume restores."""
-        return {name: s for name, s in (("reference", self.reference), ("anchor", self.anchor)) if s is not None}
+        best = self.guard.best if self.guard is not None and self.guard.best.tensors else None
+        return {name: s for name, s in (("reference", self.reference), ("anchor", self.anchor), ("guard_best", best))
+                if s is not None}
+
+    @property
+    def beta(self) -> float:
+        """The KL beta in force: train.beta, or what the diversity guard raised it to."""
+        return self.cfg.train.beta if self.guard is None else self.guard.beta
+
+    @property
+    def guard_stopped(self) -> bool:
+        """Whether the diversity guard (guard.policy=stop) ended the run."""
+        return self.guard is not None and self.guard.stopped
 
 
 def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
@@ -250,11 +265,21 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
     snapshot = lambda: LoraEMA(policy.named_trainable_parameters(), decay=0.0)  # noqa: E731  (copies the weights)
     reference = snapshot() if g.reset_every is not None or g.reset_kl is not None else None
     anchor = snapshot() if cfg.hrf.anchor_weight > 0 else None
-    snapshots = {name: s for name, s in (("reference", reference), ("anchor", anchor)) if s is not None}
+    gd = cfg.guard
+    guard = DiversityGuard(every=gd.every, warmup=gd.warmup, max_drop=gd.max_drop, policy=gd.policy, beta=t.beta,
+                           beta_factor=gd.beta_factor, beta_floor=gd.beta_floor, cooldown=gd.cooldown,
+                           diversity_weight=gd.diversity_weight,
+                           write=tqdm.write if accelerator.is_main_process else None) if gd.enabled else None
+    snapshots = {name: s for name, s in (("reference", reference), ("anchor", anchor),
+                                         ("guard_best", guard.best if guard else None)) if s is not None}
     resumed = restore_checkpoint(cfg, policy, optimizer, ema, rank=accelerator.process_index,
                                  snapshots=snapshots) if t.resume else {"epoch": -1}
     start_epoch = int(resumed["epoch"]) + 1
     logger.truncate_after(start_epoch - 1)
+    if guard is not None and "guard" in resumed:
+        guard.load_state_dict(resumed["guard"])
+        if guard.stopped:  # the guard ended this run: resuming only exports and reports its best weights
+            start_epoch = t.epochs
     marble = None
     if t.combine == "marble":
         marble = MarbleBalancer({k: w for k, w in weights.items() if w != 0}, refresh_every=t.marble.refresh_every,
@@ -269,6 +294,7 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
         guidance=cfg.sampling.guidance_scale if (t.cfg or policy.family == "flux") else 1.0, start_epoch=start_epoch,
         counters={"rollouts": resumed.get("rollouts", 0), "train_wall_s": resumed.get("train_wall_s", 0.0)},
         marble=marble, reference=reference, reference_resets=int(resumed.get("reference_resets", 0)), anchor=anchor,
+        guard=guard,
     )
 
 
@@ -447,17 +473,20 @@ def end_epoch(run: Run, epoch: int, *, gathered: dict[str, torch.Tensor], combin
     run.counters["rollouts"] += rollouts
     run.counters["train_wall_s"] += train_done - epoch_start
     metrics.update({f"perf/{k}": v for k, v in run.counters.items()})
-    if cfg.log.test_every and ((epoch + 1) % cfg.log.test_every == 0 or out_of_time(run)):  # the curve's last point
+    last = out_of_time(run) or run.guard_stopped  # the run ends after this epoch, before train.epochs
+    if cfg.log.test_every and ((epoch + 1) % cfg.log.test_every == 0 or last):  # the curve's last point
         metrics.update(held_out_metrics(run.policy, run.ema, run.rewards, run.test_set, cfg, run.guidance, accelerator))
     if cfg.log.eval_every and (epoch + 1) % cfg.log.eval_every == 0:  # every rank samples (sharded models)
         eval_grid(run.policy, run.ema, run.eval_prompts, cfg, run.guidance,
                   run.run_dir / "grids" / f"epoch_{epoch:05d}.png", save=accelerator.is_main_process)
     metrics["perf/epoch_s"] = time.perf_counter() - epoch_start
     run.logger.log(metrics, step=epoch)  # before the checkpoint: a resumed run redoes later epochs only
-    if epoch + 1 == t.epochs or out_of_time(run) or (t.checkpoint_every and (epoch + 1) % t.checkpoint_every == 0):
+    if epoch + 1 == t.epochs or last or (t.checkpoint_every and (epoch + 1) % t.checkpoint_every == 0):
         extra = {"marble": run.marble.state_dict()} if run.marble else {}
         if run.reference is not None:
             extra["reference_resets"] = run.reference_resets
+        if run.guard is not None:
+            extra["guard"] = run.guard.state_dict()
         save_run_checkpoint(cfg, run.policy, run.optimizer, run.ema, accelerator, epoch=epoch, counters=run.counters,
                             extra=extra, snapshots=run.snapshots)
     bar.set_postfix(reward=f"{metrics['reward/combined_mean']:.3f}", loss=f"{metrics.get('loss/total', 0):.4f}",
@@ -474,6 +503,8 @@ def out_of_time(run: Run) -> bool:
 def finish_run(run: Run, metrics: dict) -> dict[str, float]:
     """Export the final adapter (EMA weights when kept) and report before/after on held-out prompts."""
     cfg, accelerator = run.cfg, run.accelerator
+    if run.guard_stopped and run.guard.best.tensors:  # export and report the best reward-diversity weights
+        restore_weights(run.policy, run.ema, run.guard.best.tensors)
     if cfg.train.export_lora and accelerator.is_main_process:
         export_final_lora(run.policy, run.ema, run.run_dir / "lora")
     if cfg.log.report_prompts:

@@ -61,6 +61,7 @@ from flowrl.recipes.snapshots import maybe_reset_reference, reference_weights, s
 from flowrl.rewards_api import AsyncScorer
 from flowrl.sampling import sde_step, transition
 from flowrl.sampling.steps import kl_std, velocity_sensitivity
+from flowrl.training.guard import exported_weights, finite_mean, in_group_diversity
 
 
 def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, float]:
@@ -79,6 +80,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                desc="grpo", dynamic_ncols=True)
     features = build_features(cfg.gardo.features, cfg.gardo.feature_kwargs) if cfg.gardo.diversity else None
     auxiliary = cfg.gardo.auxiliary or [key for key, w in run.weights.items() if w == 0]
+    guard_features = build_features(cfg.guard.features, cfg.guard.feature_kwargs) if run.guard else None
     metrics: dict[str, float] = {}
     log_base_model(run)
     for epoch in bar:
@@ -111,6 +113,11 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
             scores = uncertainty(combined, {key: gathered[key] for key in auxiliary}, all_groups)  # [N_all]
             kl_gate = gated_rows(scores, cfg.gardo.kl_fraction)[local]  # [N]
         traj.advantages = edge_advantages(row_adv, traj.edge_ids)  # [N, K]
+        # Diversity guard: these rollouts' in-group diversity against its start; past guard.max_drop it warns,
+        # raises the live KL beta (run.beta, this epoch's update on) or stops the run after this epoch.
+        guard_metrics = {} if run.guard is None or not run.guard.due(epoch) else run.guard.observe(
+            epoch, in_group_diversity(guard_features(traj.images, traj.final_latents), traj.group_ids, accelerator),
+            reward=finite_mean(combined), weights=lambda: exported_weights(policy, ema))
         # GRPO-Guard: each trained step's velocity sensitivity over their mean (1 everywhere without it).
         sensitivity = step_sensitivities(traj.sigmas, trained_cols, noise_level=s.noise_level, kind=s.kind,
                                          normalise=t.ratio_norm)
@@ -162,7 +169,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                         with (torch.enable_grad() if sync else accelerator.no_sync(policy.forward_module)):
                             loss_sum = transition_loss(policy, traj, rows, k, mask, accelerator=accelerator,
                                                        guidance=guidance, noise_level=s.noise_level, kind=s.kind,
-                                                       beta=t.beta, policy_loss=policy_loss, clip_low=t.clip_range,
+                                                       beta=run.beta, policy_loss=policy_loss, clip_low=t.clip_range,
                                                        clip_high=clip_high, stats=chunk_stats,
                                                        on_policy=inner == 0 and chunk_index == 0,
                                                        ratio_scale=sensitivity.get(k), kl_gate=kl_gate,
@@ -187,10 +194,10 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         metrics = end_epoch(run, epoch, gathered=gathered, combined=combined, group_ids=all_groups, stats=stats,
                             extra={"advantages/abs_mean": advantage_size, "policy/trained_fraction": trained_fraction,
                                    **gardo_metrics(distances, kl_gate), **reference_metrics, **phase_metrics,
-                                   **traj.sampling_metrics},
+                                   **guard_metrics, **traj.sampling_metrics},
                             rollouts=traj.rollouts_sampled,
                             times=(epoch_start, sample_done, reward_done, train_done), bar=bar)
-        if out_of_time(run):
+        if out_of_time(run) or run.guard_stopped:
             break
 
     # 9. Export the final adapter (EMA weights when kept) and report before/after on held-out prompts.

@@ -86,7 +86,9 @@ from flowrl.recipes.common import (
 from flowrl.recipes.snapshots import start_phase
 from flowrl.rewards_api import AsyncScorer
 from flowrl.sampling import StepPlan
+from flowrl.algorithms.gardo import build_features
 from flowrl.training.ema import ema_weights
+from flowrl.training.guard import exported_weights, finite_mean, in_group_diversity
 
 
 def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, float]:
@@ -104,6 +106,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
     scorer = AsyncScorer(run.rewards, on_error=t.reward_errors, asynchronous=t.async_rewards)
     bar = tqdm(range(run.start_epoch, t.epochs), disable=not (cfg.log.progress and accelerator.is_main_process),
                desc="nft", dynamic_ncols=True)
+    guard_features = build_features(cfg.guard.features, cfg.guard.feature_kwargs) if run.guard else None
     metrics: dict[str, float] = {}
     log_base_model(run)
     for epoch in bar:
@@ -119,6 +122,11 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         gathered, advantages, combined, local, all_groups = group_advantages(run, traj, estimator)
         clipped = advantages[local].clamp(-t.advantage_clip, t.advantage_clip) / t.advantage_clip  # [N]
         keep = torch.isfinite(combined[local])  # [N]
+        # Diversity guard: these rollouts' in-group diversity against its start; past guard.max_drop it warns,
+        # raises the live KL beta toward the base model (run.beta) or stops the run after this epoch.
+        guard_metrics = {} if run.guard is None or not run.guard.due(epoch) else run.guard.observe(
+            epoch, in_group_diversity(guard_features(traj.images, traj.final_latents), traj.group_ids, accelerator),
+            reward=finite_mean(combined), weights=lambda: exported_weights(policy, ema))
         # MARBLE: each weighted reward's own advantage, clipped the same way, balanced per optimizer step.
         # Advantages are per (sample, t) pair from here: pair p has sample p % N's ([pairs] = tiled [N]).
         per_reward = None if run.marble is None else {
@@ -160,7 +168,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                             loss_sum = forward_process_loss(
                                 policy, ema, traj.final_latents[rows], traj.cond.select(traj.prompt_ids[rows]),
                                 advantage[micro], keep[rows].float(), loss=n.loss, guidance=run.guidance,
-                                strength=n.strength, adaptive=n.adaptive_weighting, awm_kl=n.awm_kl, beta=t.beta,
+                                strength=n.strength, adaptive=n.adaptive_weighting, awm_kl=n.awm_kl, beta=run.beta,
                                 noise_seed=noise_seed, stats=chunk_stats, sigma=sigma)
                             accelerator.backward(loss_sum * world / max(weight, 1.0))
 
@@ -191,10 +199,10 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         weight_size = ({"nft/optimality_abs_dev": float(0.5 * clipped.abs().mean())} if n.loss == "nft"
                        else {f"{n.loss}/advantage_abs": float(clipped.abs().mean())})
         metrics = end_epoch(run, epoch, gathered=gathered, combined=combined, group_ids=all_groups, stats=stats,
-                            extra={**weight_size, **phase_metrics, **traj.sampling_metrics},
+                            extra={**weight_size, **phase_metrics, **guard_metrics, **traj.sampling_metrics},
                             rollouts=traj.rollouts_sampled, times=(epoch_start, sample_done, reward_done, train_done),
                             bar=bar)
-        if out_of_time(run):
+        if out_of_time(run) or run.guard_stopped:
             break
 
     scorer.close()
