@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(evaluate)
     evaluate.add_argument("--checkpoint", action="append", default=[], metavar="[LABEL=]WHAT[:ema]",
                           help="base, a LoRA file, an adapter/export dir, a checkpoint dir or a run dir (repeatable; "
-                               "the base model is always added); :ema takes a checkpoint's EMA weights")
+                               "the base model is always added; none: the config's run_dir); :ema takes a "
+                               "checkpoint's EMA weights")
     evaluate.add_argument("--out", default=None, help="output directory (default: RUN_DIR/eval)")
 
     export = commands.add_parser("export-lora", help="export a checkpoint's LoRA for diffusers or ComfyUI")

@@ -42,6 +42,8 @@ def run_eval(config: str, overrides: list[str], checkpoints: list[str], out: str
 
     cfg = load_config(Config, config, overrides)
     suite = load_suite(cfg.eval.suite)
+    if not checkpoints and _has_adapter(Path(cfg.run_dir)):  # `flowrl eval CONFIG`: the config's own run
+        checkpoints = [cfg.run_dir]
     specs = [parse_checkpoint(spec) for spec in checkpoints]
     if not any(c.is_base for c in specs):
         specs.insert(0, EvalCheckpoint("base"))
@@ -61,6 +63,10 @@ def run_eval(config: str, overrides: list[str], checkpoints: list[str], out: str
 
     return write_eval_report(out_dir, results, suite, {c.label: images[c.label][0] for c in specs},
                              cfg.eval.images_per_prompt, grid_prompts=cfg.eval.grid_prompts)
+
+
+def _has_adapter(run_dir: Path) -> bool:
+    return (run_dir / "lora").is_dir() or (run_dir / "checkpoints").is_dir()
 
 
 # --- 1. generation ---------------------------------------------------------------------------------
