@@ -1,0 +1,124 @@
+"""Does the diversity guard see preference mode collapse coming? GRPO on the hackable toy proxy without
+KL (``configs/toy/grpo_proxy.yaml``: ToyProxy prefers a black background no prompt asks for) collapses
+the ground-truth background diversity of each prompt's samples; the guard watches the in-group latent
+cosine diversity of the rollouts it trains on and, with ``guard.policy=stop``, ends the run and keeps
+the best reward-diversity weights.
+
+Two runs, same seeds, one after the other:
+- unguarded: ``guard.policy=warn``, which only measures and writes a line (training is bit for bit the
+  unguarded run's), so its in-group diversity curve and the epoch the guard would fire are logged;
+- guarded: ``guard.policy=stop`` with ``--max-drop``.
+Both log the held-out ground-truth diversity (``test/diversity/gt_mean``, ``test/diversity/background``)
+every ``--test-every`` epochs, and the guarded run at the epoch it stops; each run's report.json holds
+the held-out diversity of the adapter it exported (the guarded run's: the best snapshot's).
+
+    OMP_NUM_THREADS=1 python scripts/toy_guard.py                      # 60 epochs as shipped, max_drop 0.3
+    OMP_NUM_THREADS=1 python scripts/toy_guard.py --max-drop 0.2 train.epochs=30
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from flowrl.commands.train import recipe_train  # noqa: E402
+from flowrl.config import Config, load_config  # noqa: E402
+from flowrl.training.metrics import read_metrics  # noqa: E402
+
+CONFIG = "configs/toy/grpo_proxy.yaml"
+HELD_OUT = ("test/diversity/gt_mean", "test/diversity/background", "test/toy_proxy", "test/toyeval")
+
+
+def train(run_dir: Path, overrides: list[str]) -> list[dict]:
+    """Train the proxy config into ``run_dir`` (a finished run, one with a report, is reused)."""
+    if not (run_dir / "report.json").exists():
+        cfg = load_config(Config, CONFIG, [f"run_dir={run_dir}", "log.report_diversity=toy", "log.progress=false",
+                                           "guard.enabled=true", *overrides])
+        recipe_train(cfg.recipe)(cfg)
+    return read_metrics(run_dir)
+
+
+def first_firing(records: list[dict]) -> dict | None:
+    return next((r for r in records if r.get("diversity/guard_fired") == 1.0), None)
+
+
+def held_out_at(records: list[dict], epoch: int) -> dict:
+    """The held-out point at ``epoch``, else the last one before it (the base model's is epoch -1)."""
+    points = [r for r in records if "test/diversity/gt_mean" in r and r["epoch"] <= epoch]
+    return points[-1] if points else {}
+
+
+def report_key(key: str) -> str:
+    """A held-out curve key's name in report.json (test/toyeval -> eval/toyeval, diversity keys unprefixed)."""
+    key = key.removeprefix("test/")
+    return key if key.startswith("diversity/") else f"eval/{key}"
+
+
+def fmt(value) -> str:
+    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.3f}"
+
+
+def row(label: str, record: dict, held: dict) -> str:
+    return (f"| {label} | {held.get('epoch', 'n/a')} | {fmt(record.get('diversity/cosine'))} | "
+            f"{fmt(record.get('reward/toy_proxy_mean'))} | " + " | ".join(fmt(held.get(k)) for k in HELD_OUT) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="config overrides applied to both runs")
+    parser.add_argument("--max-drop", type=float, default=0.3, help="guard.max_drop of the guarded run")
+    parser.add_argument("--test-every", type=int, default=5, help="epochs between held-out points")
+    parser.add_argument("--out", default="runs/toy_guard")
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    common = [f"log.test_every={args.test_every}", "train.checkpoint_every=0", *args.overrides]
+    out = Path(args.out)
+    free = train(out / "unguarded", ["guard.policy=warn", f"guard.max_drop={args.max_drop}", *common])
+    stopped = train(out / f"stop_{args.max_drop:g}", ["guard.policy=stop", f"guard.max_drop={args.max_drop}", *common])
+    free_train = [r for r in free if r["epoch"] >= 0]
+    stop_train = [r for r in stopped if r["epoch"] >= 0]
+    fired = first_firing(stop_train)
+    same = all(a.get("diversity/cosine") == b.get("diversity/cosine") for a, b in zip(free_train, stop_train))
+    base = held_out_at(free, -1)
+
+    print(f"{CONFIG}, {len(free_train)} epochs unguarded; guard.policy=stop guard.max_drop={args.max_drop:g}")
+    print("| run / epoch | held-out epoch | in-group diversity/cosine | proxy reward (train) | "
+          + " | ".join(HELD_OUT) + " |")
+    print("| --- " * (4 + len(HELD_OUT)) + "|")
+    print(row("base model", {}, base))
+    print(row(f"unguarded, epoch {free_train[0]['epoch']} (start)", free_train[0], held_out_at(free, 0)))
+    if fired is not None:
+        epoch = fired["epoch"]
+        print(row(f"guard fires, epoch {epoch}", fired, held_out_at(stopped, epoch)))
+        print(row(f"unguarded, epoch {epoch}", free_train[epoch], held_out_at(free, epoch)))
+    end = free_train[-1]
+    print(row(f"unguarded, end (epoch {end['epoch']})", end, held_out_at(free, end["epoch"])))
+    if fired is None:
+        print("the guard never fired")
+        return
+    best = int(stop_train[-1]["diversity/best_epoch"])
+    print(f"guard fired at epoch {fired['epoch']}: diversity {fired['diversity/cosine']:.3f} vs start "
+          f"{fired['diversity/start']:.3f} (drop {fired['diversity/drop']:.1%}); best epoch kept {best} "
+          f"(score {stop_train[best]['diversity/score']:.3f}); guarded run identical to the unguarded one until it "
+          f"stopped: {same}")
+    runs = (("unguarded (final adapter)", "unguarded"), (f"guarded (epoch {best} kept)", f"stop_{args.max_drop:g}"))
+    reports = {name: json.loads((out / d / "report.json").read_text()) for name, d in runs}
+    print("| exported adapter, report | " + " | ".join(report_key(k) for k in HELD_OUT) + " |\n"
+          + "| --- " * (1 + len(HELD_OUT)) + "|")
+    first = next(iter(reports.values()))["before"]
+    print("| base model | " + " | ".join(fmt(first.get(report_key(k))) for k in HELD_OUT) + " |")
+    for name, report in reports.items():
+        print(f"| {name} | " + " | ".join(fmt(report["after"].get(report_key(k))) for k in HELD_OUT) + " |")
+    curve = " ".join(f"{r['epoch']}:{r['diversity/cosine']:.3f}" for r in free_train[:: args.test_every])
+    print(f"unguarded in-group diversity/cosine every {args.test_every} epochs: {curve}")
+
+
+if __name__ == "__main__":
+    main()
