@@ -128,3 +128,31 @@ def test_cli_missing_checkpoint_is_one_line_error(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr
     assert "no checkpoint" in result.stderr
+
+
+def test_lora_state_dict_is_a_copy_so_the_ema_export_holds_the_ema_weights():
+    """export_final_lora reads the state inside ema_weights(...): a view of the live float32 parameters
+    would turn back into the raw weights when the block restores them, before the file is written."""
+    from flowrl.recipes.common import export_final_lora
+
+    policy = build_policy("sd3", "tiny", seed=0)
+    policy.add_lora(rank=RANK, alpha=ALPHA, init_seed=0)
+    ema = LoraEMA(policy.named_trainable_parameters(), decay=0.5)
+    ema.step()  # diffusers' first EMA step copies the weights
+    ema.step()
+    with torch.no_grad():
+        for param in policy.trainable_parameters():
+            param.add_(0.25)  # the live weights move; the EMA lags at half the step
+    ema.step()
+    raw = lora_state_dict(policy.transformer)
+    with ema.swapped_in():
+        averaged = lora_state_dict(policy.transformer)
+    assert all(not torch.equal(raw[k], averaged[k]) for k in raw)
+    assert all(torch.equal(raw[k], v) for k, v in lora_state_dict(policy.transformer).items())  # restored
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as out:
+        written = load_file(str(export_final_lora(policy, ema, Path(out))))
+    exported = {k.removeprefix("transformer."): v for k, v in written.items()}
+    assert exported.keys() == averaged.keys()
+    assert all(torch.equal(exported[k], averaged[k]) for k in averaged)

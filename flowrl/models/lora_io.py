@@ -21,10 +21,14 @@ DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 
 
 def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
-    """The adapter's tensors, keys relative to the transformer (``blocks.0.attn.to_q.lora_A.weight``)."""
+    """A copy of the adapter's tensors, keys relative to the transformer (``blocks.0.attn.to_q.lora_A.weight``).
+
+    Always a copy: float32 CPU parameters would otherwise be returned as themselves, and a caller that
+    reads the state inside ``ema_weights(...)`` would see it revert to the raw weights on leaving."""
     from peft.utils import get_peft_model_state_dict
 
-    return {k: v.detach().float().cpu().contiguous() for k, v in get_peft_model_state_dict(transformer).items()}
+    return {k: v.detach().to("cpu", torch.float32, copy=True).contiguous()
+            for k, v in get_peft_model_state_dict(transformer).items()}
 
 
 def lora_config_dict(transformer) -> dict:
