@@ -169,6 +169,11 @@ def test_resume_keeps_the_guard_state(tmp_path, policy):
         assert len(full) == 4 and full[-1]["diversity/best_epoch"] == 0
     a, b = (load_file(tmp_path / run / "lora" / "pytorch_lora_weights.safetensors") for run in ("full", "split"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    if policy == "stop":  # resuming a run the guard stopped trains nothing and exports the same best weights
+        (tmp_path / "full" / "lora" / "pytorch_lora_weights.safetensors").unlink()
+        assert smoke_run(tmp_path / "full", "train.epochs=6", "train.resume=latest", *common) == full
+        c = load_file(tmp_path / "full" / "lora" / "pytorch_lora_weights.safetensors")
+        assert all(torch.equal(a[k], c[k]) for k in a)
 
 
 @pytest.mark.parametrize("override, key", [
