@@ -47,11 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
     export = commands.add_parser("export-lora", help="export a checkpoint's LoRA for diffusers or ComfyUI")
     export.add_argument("checkpoint", help="checkpoint directory, or a run directory (its latest checkpoint)")
     export.add_argument("out", help="output directory")
-    export.add_argument("--format", choices=("diffusers", "comfyui"), default="diffusers",
-                        help="diffusers: pytorch_lora_weights.safetensors; comfyui: with per-module .alpha tensors")
+    export.add_argument("--format", choices=("all", "diffusers", "comfyui", "kohya"), default="all",
+                        help="all: the diffusers file (diffusers, ComfyUI, flowrl), the kohya file (lora_unet_ native "
+                             "names) and README.md; diffusers / kohya: that file; comfyui: the diffusers file under "
+                             "its old comfyui name. Every file has alpha/r folded into lora_B: strength 1.0 everywhere")
     export.add_argument("--ema", action="store_true", help="export the EMA weights instead of the raw LoRA")
     export.add_argument("--merge", action="store_true",
                         help="also write OUT/transformer: the base transformer with the LoRA fused in")
+    export.add_argument("--force", action="store_true", help="overwrite export files already in OUT")
     return parser
 
 

@@ -1,14 +1,20 @@
-"""``flowrl export-lora CHECKPOINT OUT``: a checkpoint's LoRA as files other tools load.
+"""``flowrl export-lora CHECKPOINT OUT``: a checkpoint's LoRA as files other tools load at the trained scale.
 
-- ``--format diffusers`` (default): ``OUT/pytorch_lora_weights.safetensors``, written by the
-  family's pipeline class (``StableDiffusion3Pipeline`` / ``FluxPipeline``), so
-  ``pipe.load_lora_weights(OUT)`` works and the peft config (rank, alpha) rides in the metadata.
-- ``--format comfyui``: ``OUT/pytorch_lora_weights_comfyui.safetensors``, the same tensors plus
-  one ``<module>.alpha`` per adapted module (ComfyUI ignores metadata and scales by alpha / rank).
+Every file has the LoRA scale folded into lora_B (see ``flowrl.models.lora_io``), so diffusers, ComfyUI and
+kohya-style loaders all apply the trained update at strength 1.0, and its header records the base model,
+rank, alpha, targets, flowrl version and config hash.
+
+- ``--format all`` (default): ``pytorch_lora_weights.safetensors`` (diffusers ``pipe.load_lora_weights(OUT)``,
+  ComfyUI, flowrl), ``pytorch_lora_weights_kohya.safetensors`` (native ``lora_unet_`` names: kohya-style
+  loaders, ComfyUI) and ``README.md`` saying which to use where. ``RUN_DIR/lora`` holds the same set.
+- ``--format diffusers`` / ``kohya``: that one file. ``--format comfyui``: kept for old scripts; the diffusers
+  file under ``pytorch_lora_weights_comfyui.safetensors`` (it used to add ``.alpha`` tensors, which broke
+  diffusers' SD3 loader; ComfyUI reads the folded file at the right scale without them).
 - ``--ema``: the EMA weights instead of the raw ones (the checkpoint must hold them).
 - ``--merge``: additionally ``OUT/transformer/``, the base transformer with the LoRA fused in and
   the peft layers removed, loadable with plain ``<Transformer class>.from_pretrained``. The base
   model is rebuilt from the checkpoint's ``config.yaml`` (``model`` section and ``seed``).
+- ``--force``: overwrite files already in ``OUT``; without it an existing output is a one-line error.
 """
 
 from __future__ import annotations
@@ -17,41 +23,45 @@ from pathlib import Path
 
 import yaml
 
-COMFYUI_WEIGHT_NAME = "pytorch_lora_weights_comfyui.safetensors"
+from flowrl.models.lora_io import COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME, KOHYA_WEIGHT_NAME  # noqa: F401
+
 PIPELINE_CLASSES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline"}
 
 
-def export_lora(checkpoint: str | Path, out: str | Path, *, format: str = "diffusers", ema: bool = False,
-                merge: bool = False) -> list[Path]:
+def export_lora(checkpoint: str | Path, out: str | Path, *, format: str = "all", ema: bool = False,
+                merge: bool = False, force: bool = False) -> list[Path]:
     """Export the LoRA of ``checkpoint`` (a checkpoint dir, or a run dir: its latest); returns written paths."""
-    from flowrl.models.lora_io import save_comfyui_lora, save_diffusers_lora
+    from flowrl.models.lora_io import write_lora_files
     from flowrl.training.checkpoint import read_checkpoint_lora, resolve_checkpoint
 
-    if format not in ("diffusers", "comfyui"):
-        raise ValueError(f"unknown export format {format!r}; use diffusers or comfyui")
-    path = resolve_checkpoint(checkpoint)
-    run_config = _run_config(path)
-    family = run_config.get("model", {}).get("family", "sd3")
+    try:
+        path = resolve_checkpoint(checkpoint)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{checkpoint} holds no adapter to export: no checkpoint with lora.safetensors "
+                                "(give a run dir with checkpoints/ or a checkpoint dir)") from None
+    run_config, config_text = _run_config(path)
+    model = run_config.get("model", {})
+    family = model.get("family", "sd3")
     state, lora_config = read_checkpoint_lora(path, ema=ema)
+    if merge and format == "kohya":
+        raise ValueError("--merge reads the diffusers file back; use --format all or diffusers with --merge")
     out = Path(out)
+    if merge and (out / "transformer").exists() and not force:
+        raise ValueError(f"{out / 'transformer'} already exists; pass --force to overwrite")
     out.mkdir(parents=True, exist_ok=True)
-    if format == "diffusers":
-        import diffusers
-
-        written = save_diffusers_lora(getattr(diffusers, PIPELINE_CLASSES[family]), out, state, lora_config)
-    else:
-        written = save_comfyui_lora(out / COMFYUI_WEIGHT_NAME, state, alpha=float(lora_config["lora_alpha"]))
-    paths = [written]
+    paths = write_lora_files(out, state, lora_config, family=family, base_model=model.get("path"),
+                             config_text=config_text, format=format, force=force)
     if merge:
-        paths.append(_merged_transformer(run_config, written, out / "transformer"))
+        paths.append(_merged_transformer(run_config, paths[0], out / "transformer"))
     return paths
 
 
-def _run_config(path: Path) -> dict:
+def _run_config(path: Path) -> tuple[dict, str]:
     file = path / "config.yaml"
     if not file.is_file():
         raise FileNotFoundError(f"{path} has no config.yaml; cannot tell the model family")
-    return yaml.safe_load(file.read_text()) or {}
+    text = file.read_text()
+    return yaml.safe_load(text) or {}, text
 
 
 def _merged_transformer(run_config: dict, lora_file: Path, out_dir: Path) -> Path:
@@ -71,4 +81,5 @@ def _merged_transformer(run_config: dict, lora_file: Path, out_dir: Path) -> Pat
 
 
 def run_export(args) -> list[Path]:
-    return export_lora(args.checkpoint, args.out, format=args.format, ema=args.ema, merge=args.merge)
+    return export_lora(args.checkpoint, args.out, format=args.format, ema=args.ema, merge=args.merge,
+                       force=getattr(args, "force", False))

@@ -160,14 +160,23 @@ def eval_grid(policy, ema, prompts: PromptSet, cfg: Config, guidance: float, out
     return out
 
 
-def export_final_lora(policy, ema, out_dir: Path) -> Path:
-    """Write the adapter (EMA weights when kept) as a diffusers LoRA that plain diffusers loads."""
-    import diffusers
+def export_final_lora(policy, ema, out_dir: Path, config_file: Path | None = None) -> Path:
+    """Write the adapter (EMA weights when kept) to ``out_dir`` as ``export-lora --format all`` does: the diffusers
+    file (returned), the kohya file and a README, scale folded, with the base model and the hash of ``config_file``
+    (default ``out_dir/../config.yaml``, the run's saved config) in the metadata. Overwrites an earlier export."""
+    import yaml
+
+    from flowrl.models.lora_io import FAMILY_OF_PIPELINE, write_lora_files
 
     with ema_weights(ema):
         state = lora_state_dict(policy.transformer)
-    pipeline_class = getattr(diffusers, policy.pipeline_class_name)
-    return save_diffusers_lora(pipeline_class, out_dir, state, lora_config_dict(policy.transformer))
+    config_file = Path(config_file) if config_file is not None else Path(out_dir).parent / "config.yaml"
+    config_text = config_file.read_text() if config_file.is_file() else None
+    model = (yaml.safe_load(config_text) or {}).get("model", {}) if config_text else {}
+    family = model.get("family") or FAMILY_OF_PIPELINE[policy.pipeline_class_name]
+    base_model = model.get("path") or getattr(policy.pipeline, "name_or_path", None)
+    return write_lora_files(out_dir, state, lora_config_dict(policy.transformer), family=family, base_model=base_model,
+                            config_text=config_text, force=True)[0]
 
 
 def flat_config(cfg: Config) -> dict[str, int | float | str | bool]:
