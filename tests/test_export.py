@@ -1,4 +1,6 @@
-"""``flowrl export-lora``: files plain diffusers / ComfyUI load, EMA export, merged transformer, CLI."""
+"""``flowrl export-lora``: files plain diffusers / ComfyUI load, EMA export, merged transformer, CLI errors.
+
+The per-loader scale checks (ComfyUI, kohya, diffusers for SD3 and FLUX) are in tests/test_lora_compat.py."""
 
 import json
 import os
@@ -13,7 +15,7 @@ from diffusers import SD3Transformer2DModel
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from flowrl.commands.export import COMFYUI_WEIGHT_NAME, export_lora
+from flowrl.commands.export import COMFYUI_WEIGHT_NAME, KOHYA_WEIGHT_NAME, export_lora
 from flowrl.config import Config
 from flowrl.models import build_policy, tiny
 from flowrl.models.lora_io import lora_config_dict, lora_state_dict
@@ -62,12 +64,14 @@ def run(tmp_path_factory):
 
 
 def test_diffusers_export_loads_in_plain_diffusers(run, tmp_path):
-    (file,) = export_lora(run["dir"], tmp_path)
+    (file,) = export_lora(run["dir"], tmp_path, format="diffusers")
     assert file == tmp_path / "pytorch_lora_weights.safetensors"
     with safe_open(str(file), framework="pt") as handle:
-        meta = json.loads(handle.metadata()["lora_adapter_metadata"])
+        header = handle.metadata()
         keys = list(handle.keys())
-    assert meta["transformer.r"] == RANK and meta["transformer.lora_alpha"] == ALPHA
+    meta = json.loads(header["lora_adapter_metadata"])
+    assert meta["transformer.r"] == RANK and meta["transformer.lora_alpha"] == RANK  # scale folded into lora_B
+    assert header["flowrl.alpha_trained"] == "8" and header["flowrl.base_model"] == "sd3:tiny"
     assert keys and all(k.startswith("transformer.") for k in keys)
     pipe = tiny.tiny_sd3_pipeline(0)
     pipe.load_lora_weights(tmp_path)
@@ -75,20 +79,28 @@ def test_diffusers_export_loads_in_plain_diffusers(run, tmp_path):
     assert not torch.allclose(run["raw_out"], _forward(tiny.tiny_sd3_pipeline(0).transformer), atol=1e-3)
 
 
-def test_comfyui_export_has_one_alpha_per_module(run, tmp_path):
+def test_default_export_is_one_file_per_target_with_a_readme(run, tmp_path):
+    paths = export_lora(run["dir"], tmp_path)
+    assert [p.name for p in paths] == ["pytorch_lora_weights.safetensors", KOHYA_WEIGHT_NAME, "README.md"]
+    assert "ComfyUI" in (tmp_path / "README.md").read_text()
+
+
+def test_comfyui_export_is_the_folded_file_and_loads_in_diffusers(run, tmp_path):
+    """It used to add .alpha tensors, which SD3's diffusers loader refuses; now lora_B carries alpha / r."""
     (file,) = export_lora(run["ckpt"], tmp_path, format="comfyui")
     assert file == tmp_path / COMFYUI_WEIGHT_NAME
     tensors, raw = load_file(str(file)), load_file(str(run["ckpt"] / "lora.safetensors"))
-    alphas = {k: v for k, v in tensors.items() if k.endswith(".alpha")}
-    modules = {k.rsplit(".lora_", 1)[0] for k in raw}
-    assert set(alphas) == {f"transformer.{m}.alpha" for m in modules}
-    assert all(float(v) == ALPHA for v in alphas.values())
-    rest = {k.removeprefix("transformer."): v for k, v in tensors.items() if not k.endswith(".alpha")}
-    assert rest.keys() == raw.keys() and all(torch.equal(rest[k], raw[k]) for k in raw)
+    assert not any(k.endswith(".alpha") for k in tensors)
+    rest = {k.removeprefix("transformer."): v for k, v in tensors.items()}
+    assert rest.keys() == raw.keys()
+    assert all(torch.equal(rest[k], raw[k] * (ALPHA / RANK if ".lora_B." in k else 1)) for k in raw)
+    pipe = tiny.tiny_sd3_pipeline(0)
+    pipe.load_lora_weights(tmp_path, weight_name=COMFYUI_WEIGHT_NAME)
+    torch.testing.assert_close(_forward(pipe.transformer), run["raw_out"], atol=1e-5, rtol=0)
 
 
 def test_ema_export_uses_ema_weights(run, tmp_path):
-    (file,) = export_lora(run["dir"], tmp_path, ema=True)
+    export_lora(run["dir"], tmp_path, ema=True)
     pipe = tiny.tiny_sd3_pipeline(0)
     pipe.load_lora_weights(tmp_path)
     out = _forward(pipe.transformer)
@@ -130,6 +142,27 @@ def test_cli_missing_checkpoint_is_one_line_error(tmp_path):
     assert "no checkpoint" in result.stderr
 
 
+def _one_line_error(result, text):
+    assert result.returncode == 2, result.stdout
+    assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr
+    assert text in result.stderr, result.stderr
+
+
+def test_cli_bad_input_is_one_line_error(run, tmp_path):
+    untrained = tmp_path / "untrained"  # a run dir that has its config but no adapter yet
+    untrained.mkdir()
+    (untrained / "config.yaml").write_text("model:\n  family: sd3\n  path: tiny\n")
+    _one_line_error(_flowrl("export-lora", str(untrained), str(tmp_path / "a")), "holds no adapter")
+    out = tmp_path / "out"
+    assert _flowrl("export-lora", str(run["dir"]), str(out), "--format", "diffusers").returncode == 0
+    _one_line_error(_flowrl("export-lora", str(run["dir"]), str(out), "--format", "diffusers"), "--force")
+    assert _flowrl("export-lora", str(run["dir"]), str(out), "--format", "diffusers", "--force").returncode == 0
+    no_ema = tmp_path / "no_ema"
+    shutil.copytree(run["ckpt"], no_ema)
+    (no_ema / "ema.safetensors").unlink()
+    _one_line_error(_flowrl("export-lora", str(no_ema), str(tmp_path / "b"), "--ema"), "no EMA weights")
+
+
 def test_lora_state_dict_is_a_copy_so_the_ema_export_holds_the_ema_weights():
     """export_final_lora reads the state inside ema_weights(...): a view of the live float32 parameters
     would turn back into the raw weights when the block restores them, before the file is written."""
@@ -152,7 +185,13 @@ def test_lora_state_dict_is_a_copy_so_the_ema_export_holds_the_ema_weights():
     import tempfile
 
     with tempfile.TemporaryDirectory() as out:
-        written = load_file(str(export_final_lora(policy, ema, Path(out))))
+        (Path(out) / "config.yaml").write_text("model:\n  family: sd3\n  path: tiny\n")
+        file = export_final_lora(policy, ema, Path(out) / "lora")
+        written = load_file(str(file))
+        with safe_open(str(file), framework="pt") as handle:
+            header = handle.metadata()
+    assert header["flowrl.base_model"] == "sd3:tiny" and header["flowrl.config_sha256"] != "unknown"
     exported = {k.removeprefix("transformer."): v for k, v in written.items()}
     assert exported.keys() == averaged.keys()
-    assert all(torch.equal(exported[k], averaged[k]) for k in averaged)
+    scale = ALPHA / RANK  # folded into lora_B
+    assert all(torch.equal(exported[k], averaged[k] * (scale if ".lora_B." in k else 1)) for k in averaged)

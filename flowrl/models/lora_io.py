@@ -297,8 +297,8 @@ ROWS = {
     DIFFUSERS_WEIGHT_NAME: "diffusers `pipe.load_lora_weights(DIR)`; ComfyUI (LoraLoader, `transformer.` keys); "
                            "flowrl `lora.init_from` / `sample --lora` / eval",
     COMFYUI_WEIGHT_NAME: f"the same tensors as {DIFFUSERS_WEIGHT_NAME} (ComfyUI, diffusers with weight_name=...)",
-    KOHYA_WEIGHT_NAME: "kohya sd-scripts-style loaders and ComfyUI (native `lora_unet_` names, fused qkv); "
-                       f"not diffusers for SD3: use {DIFFUSERS_WEIGHT_NAME} there",
+    KOHYA_WEIGHT_NAME: "kohya sd-scripts-style loaders (Forge, A1111-style UIs) and ComfyUI (native `lora_unet_` "
+                       f"names, q/k/v fused); not for diffusers: use {DIFFUSERS_WEIGHT_NAME} there",
 }
 
 
