@@ -71,8 +71,8 @@ def exported_weights(policy, ema) -> dict[str, torch.Tensor]:
     """CPU float32 copies of what the final export writes now: the EMA weights when kept, else the live ones."""
     from flowrl.models.lora_io import lora_state_dict
 
-    with ema_weights(ema):  # cloned inside: on CPU lora_state_dict's tensors share the parameters' storage
-        return {key: value.clone() for key, value in lora_state_dict(policy.transformer).items()}
+    with ema_weights(ema):  # lora_state_dict copies, so the EMA weights outlive the swap
+        return lora_state_dict(policy.transformer)
 
 
 def restore_weights(policy, ema, tensors: dict[str, torch.Tensor]) -> None:
