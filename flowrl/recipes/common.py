@@ -25,7 +25,7 @@ from flowrl.config.schema import RewardSpec
 from flowrl.data import PromptSet, epoch_prompt_indices, load_prompts, train_test_split
 from flowrl.eval_tasks import stratified_prefix
 from flowrl.models import build_policy
-from flowrl.models.lora_io import load_lora_into, lora_config_dict, lora_state_dict, save_diffusers_lora
+from flowrl.models.lora_io import load_lora_into, lora_config_dict, lora_state_dict
 from flowrl.report import evaluate, render, write_report
 from flowrl.rewards_api import accepts_keyword, build_reward, nan_summary
 from flowrl.sampling import StepPlan, concat_trajectories, rollout, root_seeds, window_start
@@ -521,8 +521,11 @@ def finish_run(run: Run, metrics: dict) -> dict[str, float]:
         report = write_report(run.run_dir, policy=run.policy, ema=run.ema, rewards=run.rewards, prompts=prompts,
                               images_per_prompt=cfg.log.eval_images_per_prompt, num_steps=cfg.sampling.num_steps,
                               guidance=run.guidance, seed=cfg.seed + 2, diversity=cfg.log.report_diversity,
-                              save=accelerator.is_main_process)
+                              save=accelerator.is_main_process,
+                              trained=[r.key or r.name for r in cfg.rewards if r.weight != 0])
         metrics.update({f"report/{when}/{k}": v for when in ("before", "after") for k, v in report[when].items()})
+        if accelerator.is_main_process:
+            tqdm.write(f"flowrl train: {metrics.get('epoch', -1) + 1} epochs; {report['summary']}")
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return metrics
