@@ -107,6 +107,30 @@ def check_same_model(checkpoint: EvalCheckpoint, family: str, model_path: str) -
                          f"config evaluates {family} model {model_path!r}: set model.family/model.path to match")
 
 
+def check_fits(transformer, checkpoint: EvalCheckpoint, state: dict[str, torch.Tensor]) -> None:
+    """Refuse a LoRA whose tensors name modules the transformer lacks or have shapes its layers don't take.
+
+    Needs no adapter on the transformer: ``lora_A`` must take the layer's input size, ``lora_B`` give its
+    output size."""
+    for key, tensor in state.items():
+        name, _, part = key.rpartition(".lora_")
+        try:
+            module = transformer.get_submodule(name)
+        except AttributeError:
+            module = None
+        weight = getattr(getattr(module, "base_layer", module), "weight", None)
+        if weight is None or weight.dim() < 2 or tensor.dim() < 2:
+            problem = "has no module for"
+        elif part.startswith("A") and tensor.shape[1] != weight.shape[1]:
+            problem = f"takes inputs of size {weight.shape[1]} at"
+        elif part.startswith("B") and tensor.shape[0] != weight.shape[0]:
+            problem = f"gives outputs of size {weight.shape[0]} at"
+        else:
+            continue
+        raise ValueError(f"LoRA {checkpoint.path} does not fit this model: the model {problem} {key!r} "
+                         f"(the LoRA has shape {tuple(tensor.shape)}); was it trained on another model?")
+
+
 def load_adapter(policy, checkpoint: EvalCheckpoint) -> None:
     """Attach (or overwrite) the policy's LoRA with the checkpoint's weights, after checking they fit."""
     from peft.utils import set_peft_model_state_dict

@@ -3,9 +3,11 @@ checkpoint on the same seeds, score rewards, diversity and FID/KID, write ``resu
 
 For every checkpoint (the base model is always added, as the column deltas are taken against):
 1. render ``eval.images_per_prompt`` ODE images per suite prompt with the eval seeds, written as PNG under
-   ``OUT/images/<label>/`` with the clean latents beside them; prompts whose files exist are not
-   rendered again, so an interrupted eval resumes. Scores are computed from the written PNGs, so a
-   resumed eval scores exactly what a fresh one does;
+   ``OUT/images/<label>/`` with the clean latents beside them; batches of ``eval.batch_prompts`` prompts
+   whose files all exist (rendered with the same settings and checkpoint, see ``manifest.json``) are not
+   rendered again, so an interrupted eval resumes. A missing prompt's whole batch is rendered again, as
+   a prompt's floats depend on its batch, and scores are computed from the written files, so a resumed
+   eval scores exactly what a fresh one does;
 2. score every configured reward (``reward/*`` for trained ones, ``held_out/*`` for weight-0 ones, which
    catch hacking), per task where prompts carry one, and the share of prompts whose images all score alike;
 3. diversity within each prompt's images: mean pairwise cosine distance and Vendi score of
@@ -27,7 +29,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from flowrl.eval.checkpoints import EvalCheckpoint, check_same_model, load_adapter, read_adapter, unique_labels
+from flowrl.eval.checkpoints import (EvalCheckpoint, check_fits, check_same_model, load_adapter, read_adapter,
+                                     unique_labels)
 from flowrl.eval.suites import axis_scores, prompt_axes
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
@@ -71,29 +74,83 @@ def _has_adapter(run_dir: Path) -> bool:
 
 # --- 1. generation ---------------------------------------------------------------------------------
 def generate_all(cfg, suite, specs: list[EvalCheckpoint], out_dir: Path, device) -> dict[str, tuple]:
-    """``{label: (images [P*n, 3, H, W] read back from PNG, latents [P*n, C, h, w])}`` for every checkpoint."""
+    """``{label: (images [P*n, 3, H, W] read back from PNG, latents [P*n, C, h, w])}`` for every checkpoint.
+
+    A label's folder keeps ``manifest.json`` (the render settings, a digest of the checkpoint's files and
+    the prompt of each index): files rendered under other settings, another prompt or another version of
+    the checkpoint (a run trained further) are rendered again instead of being reused."""
     from flowrl.models import build_policy
 
     m, e = cfg.model, cfg.eval
-    policy, attached = None, None
-    results = {}
+    plans = []
     for checkpoint in specs:
         folder = out_dir / "images" / checkpoint.label
-        todo = [i for i in range(len(suite)) if not _prompt_done(folder, i, e.images_per_prompt)]
+        settings = render_settings(cfg, checkpoint)
+        done = _manifest_prompts(folder, settings)
+        missing = [i for i in range(len(suite))
+                   if done.get(str(i)) != suite.prompts[i] or not _prompt_done(folder, i, e.images_per_prompt)]
+        # whole batches, as a fresh eval cuts them: a prompt's floats depend on its batch's composition
+        size = e.batch_prompts
+        todo = [i for b in sorted({i // size for i in missing}) for i in range(b * size, min((b + 1) * size, len(suite)))]
+        plans.append((checkpoint, folder, settings, todo))
+    policy, attached = None, None
+    if any(todo for *_, todo in plans):
+        policy = build_policy(m.family, m.path, dtype=m.dtype, device=device, height=m.height, width=m.width,
+                              max_sequence_length=m.max_sequence_length, seed=cfg.seed)
+        for checkpoint, *_, todo in plans:  # refuse a LoRA of another shape before rendering anything
+            if todo and not checkpoint.is_base:
+                check_fits(policy.transformer, checkpoint, read_adapter(checkpoint)[0])
+    results = {}
+    for checkpoint, folder, settings, todo in plans:
         if todo:
             adapter = None if checkpoint.is_base else read_adapter(checkpoint)[1]
             shape = None if adapter is None else (int(adapter["r"]), float(adapter["lora_alpha"]),
                                                   tuple(sorted(adapter["target_modules"])))
-            if policy is None or (shape is not None and attached is not None and shape != attached):
+            if shape is not None and attached is not None and shape != attached:
                 policy = build_policy(m.family, m.path, dtype=m.dtype, device=device, height=m.height, width=m.width,
                                       max_sequence_length=m.max_sequence_length, seed=cfg.seed)
                 attached = None
             if not checkpoint.is_base:
                 load_adapter(policy, checkpoint)
                 attached = shape
-            _render_missing(policy, suite, todo, folder, cfg, base=checkpoint.is_base, label=checkpoint.label)
+            _render_missing(policy, suite, todo, folder, cfg, base=checkpoint.is_base, label=checkpoint.label,
+                            settings=settings)
         results[checkpoint.label] = read_images(folder, len(suite), e.images_per_prompt)
     return results
+
+
+def render_settings(cfg, checkpoint: EvalCheckpoint) -> dict:
+    """What a label's images depend on besides the prompt: model, seeds, sampler and the checkpoint's bytes."""
+    import hashlib
+
+    m, e = cfg.model, cfg.eval
+    digest = None
+    if not checkpoint.is_base:
+        path = checkpoint.path
+        files = sorted(f for f in path.iterdir() if f.suffix in (".safetensors", ".json")) if path.is_dir() else [path]
+        sha = hashlib.sha256()
+        for file in files:
+            sha.update(file.name.encode())
+            with open(file, "rb") as handle:
+                for block in iter(lambda: handle.read(1 << 20), b""):
+                    sha.update(block)
+        digest = sha.hexdigest()
+    return {"model": [m.family, str(m.path), m.dtype, m.height, m.width, m.max_sequence_length],
+            "seed": e.seed, "images_per_prompt": e.images_per_prompt, "num_steps": e.num_steps or cfg.sampling.num_steps,
+            "guidance_scale": cfg.sampling.guidance_scale if e.guidance_scale is None else e.guidance_scale,
+            "checkpoint": None if checkpoint.is_base else [str(checkpoint.path), checkpoint.ema, digest]}
+
+
+def _manifest_prompts(folder: Path, settings: dict) -> dict[str, str]:
+    """``{index: prompt}`` rendered in ``folder`` under ``settings`` (empty for other settings or none)."""
+    file = folder / "manifest.json"
+    if not file.is_file():
+        return {}
+    try:
+        manifest = json.loads(file.read_text())
+    except ValueError:
+        return {}
+    return dict(manifest.get("prompts", {})) if manifest.get("settings") == settings else {}
 
 
 def _prompt_done(folder: Path, index: int, n: int) -> bool:
@@ -101,7 +158,8 @@ def _prompt_done(folder: Path, index: int, n: int) -> bool:
         (folder / f"p{index:04d}_{k:02d}.png").is_file() for k in range(n))
 
 
-def _render_missing(policy, suite, todo: list[int], folder: Path, cfg, *, base: bool, label: str) -> None:
+def _render_missing(policy, suite, todo: list[int], folder: Path, cfg, *, base: bool, label: str,
+                    settings: dict) -> None:
     """Render the prompts ``todo`` (indices into the suite), ``eval.batch_prompts`` at a time, and write them."""
     import contextlib
 
@@ -112,6 +170,7 @@ def _render_missing(policy, suite, todo: list[int], folder: Path, cfg, *, base: 
 
     e, n = cfg.eval, cfg.eval.images_per_prompt
     folder.mkdir(parents=True, exist_ok=True)
+    done = {k: v for k, v in _manifest_prompts(folder, settings).items() if int(k) not in todo}
     steps = e.num_steps or cfg.sampling.num_steps
     guidance = cfg.sampling.guidance_scale if e.guidance_scale is None else e.guidance_scale
     context = policy.reference() if base and policy.has_lora else contextlib.nullcontext()
@@ -125,6 +184,8 @@ def _render_missing(policy, suite, todo: list[int], folder: Path, cfg, *, base: 
                     save_image(images[row * n + k], folder / f"p{index:04d}_{k:02d}.png")
                 save_file({"latents": latents[row * n:(row + 1) * n].contiguous()},
                           str(folder / f"p{index:04d}.latents.safetensors"))
+                done[str(index)] = suite.prompts[index]
+            (folder / "manifest.json").write_text(json.dumps({"settings": settings, "prompts": done}, indent=1))
             bar.update(len(chunk))
 
 
