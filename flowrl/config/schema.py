@@ -477,7 +477,6 @@ class EvalConfig:
         check(self.grid_prompts >= 0, "grid_prompts", "must be >= 0")
 
 
-
 @dataclass
 class GardoConfig:
     kl_fraction: float = 1.0
