@@ -58,9 +58,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed command line; ``a.b=value`` overrides may also follow the options
+    (``flowrl eval CONFIG --checkpoint X a.b=1``), which plain argparse would reject."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        unknown = [e for e in extra if e.startswith("-") or "=" not in e or not hasattr(args, "overrides")]
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     from flowrl.config import ConfigError
 
     try:

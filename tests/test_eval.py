@@ -361,13 +361,12 @@ def test_bad_suites_are_one_line_errors(world):
 
 def test_arguments_after_checkpoint_are_overrides(world):
     """The documented `flowrl eval CONFIG --checkpoint A a.b=c` form."""
-    from flowrl.cli import build_parser
+    from flowrl.cli import parse_args
 
-    try:
-        args = build_parser().parse_args(["eval", CONFIG, "--checkpoint", "base", "eval.seed=1"])
-    except SystemExit:
-        pytest.xfail("cli.py: argparse rejects overrides placed after --checkpoint (unrecognized arguments)")
-    assert args.overrides == ["eval.seed=1"] and args.checkpoint == ["base"]
+    args = parse_args(["eval", CONFIG, "--checkpoint", "base", "eval.seed=1", "--checkpoint", "b=x"])
+    assert args.overrides == ["eval.seed=1"] and args.checkpoint == ["base", "b=x"]
+    with pytest.raises(SystemExit):
+        parse_args(["eval", CONFIG, "--checkpoint", "base", "--no-such-flag"])
 
 
 # --- FID / KID ---------------------------------------------------------------------------------------

@@ -27,8 +27,8 @@ th { background: #f5f5f7; }
 .up { color: #1a7f37; } .down { color: #c62828; } .note { color: #555; font-size: 0.9em; }
 .prompt { margin: 1.2em 0; } .prompt h3 { font-size: 1em; margin: 0.3em 0; font-weight: 600; }
 .row { display: flex; align-items: center; gap: 0.6em; margin: 0.2em 0; }
-.row .label { width: 9em; font-size: 0.85em; color: #444; text-align: right; overflow-wrap: anywhere; }
-.row img { image-rendering: pixelated; height: 96px; }
+.row .label { flex: none; width: 9em; font-size: 0.85em; color: #444; text-align: right; overflow-wrap: anywhere; }
+.row img { image-rendering: pixelated; width: calc(100% - 10em); max-width: 720px; height: auto; }
 .grids { columns: 2 560px; }
 .grids .prompt { break-inside: avoid; }
 """

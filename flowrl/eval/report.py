@@ -46,13 +46,20 @@ def tradeoff_plot(metrics: dict[str, dict[str, float]], x_key: str, y_key: str) 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(5, 3.6))
-    for label, values in metrics.items():
+    from matplotlib.ticker import MaxNLocator
+
+    figure, axis = plt.subplots(figsize=(5.5, 3.8))
+    for k, (label, values) in enumerate(metrics.items()):
         x, y = values.get(x_key), values.get(y_key)
         if x is None or y is None:
             continue
         axis.scatter([x], [y], s=40)
-        axis.annotate(label, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        # alternate label offsets, so checkpoints that land close together stay readable
+        axis.annotate(label, (x, y), textcoords="offset points", xytext=(6, 8 - 14 * (k % 2)), fontsize=8)
+    axis.xaxis.set_major_locator(MaxNLocator(4))
+    axis.yaxis.set_major_locator(MaxNLocator(5))
+    axis.ticklabel_format(useOffset=False)
+    axis.margins(0.2)
     axis.set_xlabel(f"{x_key} (more diverse →)")
     axis.set_ylabel(y_key)
     axis.set_title("reward-diversity trade-off", fontsize=10)
