@@ -14,8 +14,11 @@ FAMILIES = ("sd3", "flux")
 
 
 def build_policy(family: str, path: str, *, dtype: str = "float32", device="cpu", height: int | None = None,
-                 width: int | None = None, max_sequence_length: int | None = None, seed: int = 0) -> PolicyBase:
-    """Load the pipeline of ``family`` from ``path`` and wrap it in its policy adapter."""
+                 width: int | None = None, max_sequence_length: int | None = None, seed: int = 0,
+                 text_encoder_device: str = "gpu") -> PolicyBase:
+    """Load the pipeline of ``family`` from ``path`` and wrap it in its policy adapter.
+
+    ``text_encoder_device="cpu"`` keeps the text encoders on the CPU (they never reach ``device``)."""
     from flowrl.models.flux import FluxPolicy
     from flowrl.models.sd3 import SD3Policy
 
@@ -31,14 +34,17 @@ def build_policy(family: str, path: str, *, dtype: str = "float32", device="cpu"
         extra.setdefault("max_sequence_length", tiny.TINY_T5_MAX_LENGTH)
         if resolve_dtype(dtype) != torch.float32:
             pipeline = pipeline.to(dtype=resolve_dtype(dtype))
-        pipeline = pipeline.to(device)
         pipeline.set_progress_bar_config(disable=True)
     else:
         import diffusers
 
         pipeline_class = getattr(diffusers, policy_class.pipeline_class_name)
-        pipeline = load_pipeline(pipeline_class, path, torch_dtype=resolve_dtype(dtype), device=device)
-    return policy_class(pipeline, height=height, width=width, **extra)
+        pipeline = load_pipeline(pipeline_class, path, torch_dtype=resolve_dtype(dtype), device="cpu")
+    policy = policy_class(pipeline, height=height, width=width, **extra)
+    if text_encoder_device not in ("gpu", "cpu"):
+        raise ValueError(f"text_encoder_device must be 'gpu' or 'cpu', got {text_encoder_device!r}")
+    policy.text_encoders_on_cpu = text_encoder_device == "cpu"
+    return policy.to(device)  # loaded on the CPU first: CPU text encoders never pass through the GPU
 
 
 __all__ = ["FAMILIES", "Policy", "PolicyBase", "TextCond", "build_policy", "resolve_dtype"]

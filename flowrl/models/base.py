@@ -27,6 +27,12 @@ FLUX_LORA_TARGETS: tuple[str, ...] = SD3_LORA_TARGETS + (
     "proj_mlp", "proj_out",
 )
 
+TEXT_CHUNK = 8
+"""Prompts per text-encoder call. Every encoding, live or into the text cache, runs in calls of exactly this
+many prompts (the last one padded with ""): a GEMM's rounding depends on its batch size (the CLIP pooled
+projection differs by ~5e-7 between batches of 3 and 42), so this makes a prompt's embedding the same bits
+whatever batch it arrives in, and the cache bit-identical to the live encoders."""
+
 
 @dataclass
 class TextCond:
@@ -97,6 +103,8 @@ class PolicyBase:
         self.height, self.width = height, width
         self.has_lora = False
         self.forward_module = None  # e.g. the DDP-wrapped transformer; None calls the transformer itself
+        self.text_cache = None  # a flowrl.models.text_cache.TextCache: prompts looked up before encoding
+        self.text_encoders_on_cpu = False  # model.text_encoder_device=cpu: encode there, move the rows over
 
     def run_transformer(self, **kwargs):
         """One transformer forward through the (possibly distributed) wrapper; returns the sample."""
@@ -113,8 +121,68 @@ class PolicyBase:
         return next(self.transformer.parameters()).dtype
 
     def to(self, device) -> "PolicyBase":
-        self.pipeline.to(device)
+        if not self.text_encoders_on_cpu:
+            self.pipeline.to(device)
+            return self
+        encoders = {id(m) for m in self.text_encoders()}  # stay on the CPU, never passing through ``device``
+        for module in self.pipeline.components.values():
+            if isinstance(module, torch.nn.Module):
+                module.to("cpu" if id(module) in encoders else device)
         return self
+
+    # --- text conditioning -----------------------------------------------------------------
+    @torch.no_grad()
+    def encode_text(self, prompts: Sequence[str], *, negative: bool) -> TextCond:
+        """Conditioning of ``prompts`` (the empty prompt as the negative): each distinct prompt is looked up in
+        the text cache, else encoded in chunks of ``TEXT_CHUNK`` (:meth:`encode_chunks`); rows index into it."""
+        unique = list(dict.fromkeys(list(prompts) + ([""] if negative else [])))
+        if self.text_cache is not None:
+            encode = self.encode_chunks if self.text_encoders() else None
+            embeds, pooled = self.text_cache.lookup(unique, encode=encode, device=self.device)
+        else:
+            embeds, pooled = self.encode_chunks(unique)
+        position = {p: i for i, p in enumerate(unique)}
+        rows = torch.tensor([position[p] for p in prompts], dtype=torch.long, device=embeds.device)
+        cond = TextCond(embeds[rows], pooled[rows])
+        if negative:
+            empty = torch.full_like(rows, position[""])
+            cond.negative_prompt_embeds, cond.negative_pooled_prompt_embeds = embeds[empty], pooled[empty]
+        return self.finish_cond(cond)
+
+    @torch.no_grad()
+    def encode_chunks(self, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The live text encoders: (embeds ``[B, L, D]``, pooled ``[B, P]``) on the policy's device, computed in
+        calls of exactly ``TEXT_CHUNK`` prompts, wherever the encoders are (GPU, or CPU with
+        ``model.text_encoder_device=cpu``). Always without autograd: grad mode can pick other kernels."""
+        if not self.text_encoders():
+            raise RuntimeError("the text encoders were freed (model.free_text_encoders); only cached prompts can be "
+                               "encoded: set model.text_cache=disk or model.free_text_encoders=false")
+        prompts = list(prompts)
+        padded = prompts + [""] * (-len(prompts) % TEXT_CHUNK)
+        device = next(self.text_encoders()[0].parameters()).device
+        parts = [self.encode_batch(padded[i:i + TEXT_CHUNK], device) for i in range(0, len(padded), TEXT_CHUNK)]
+        embeds = torch.cat([e for e, _ in parts])[:len(prompts)]
+        pooled = torch.cat([p for _, p in parts])[:len(prompts)]
+        return embeds.to(self.device), pooled.to(self.device)
+
+    def encode_batch(self, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
+        """One call of the family's text encoders on ``device`` -> (embeds ``[B, L, D]``, pooled ``[B, P]``)."""
+        raise NotImplementedError
+
+    def finish_cond(self, cond: TextCond) -> TextCond:
+        """Family-specific fields derived from the embeddings (FLUX's text position ids)."""
+        return cond
+
+    def free_text_encoders(self) -> None:
+        """Delete the text encoders (every prompt the run uses must be in ``text_cache``) and release their memory."""
+        import gc
+
+        for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+            if getattr(self.pipeline, name, None) is not None:
+                setattr(self.pipeline, name, None)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     # --- LoRA ----------------------------------------------------------------------------
     def add_lora(self, *, rank: int = 32, alpha: float = 64.0, target_modules: Sequence[str] | None = None,

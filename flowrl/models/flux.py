@@ -42,19 +42,20 @@ class FluxPolicy(PolicyBase):
         channels = self.transformer.config.in_channels // 4
         return (n, channels, 2 * (self.height // scale), 2 * (self.width // scale))
 
-    @torch.no_grad()
     def encode(self, prompts: list[str], *, negative: bool = False) -> TextCond:
-        """FLUX.1-dev needs no negative prompt; ``negative=True`` adds one for true-CFG variants."""
-        embeds, pooled, text_ids = self.pipeline.encode_prompt(
-            prompt=prompts, prompt_2=None, device=self.device, max_sequence_length=self.max_sequence_length,
+        """FLUX.1-dev needs no negative prompt; ``negative=True`` adds the empty one for true-CFG variants."""
+        return self.encode_text(prompts, negative=negative)
+
+    def encode_batch(self, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
+        embeds, pooled, _ = self.pipeline.encode_prompt(
+            prompt=prompts, prompt_2=None, device=device, max_sequence_length=self.max_sequence_length,
         )
-        cond = TextCond(embeds, pooled, text_ids=text_ids)
-        if negative:
-            neg_embeds, neg_pooled, _ = self.pipeline.encode_prompt(
-                prompt=[""] * len(prompts), prompt_2=None, device=self.device,
-                max_sequence_length=self.max_sequence_length,
-            )
-            cond.negative_prompt_embeds, cond.negative_pooled_prompt_embeds = neg_embeds, neg_pooled
+        return embeds, pooled
+
+    def finish_cond(self, cond: TextCond) -> TextCond:
+        """Text position ids ``[L, 3]``: zeros, as ``FluxPipeline.encode_prompt`` makes them."""
+        length = cond.prompt_embeds.shape[1]
+        cond.text_ids = torch.zeros(length, 3, device=cond.prompt_embeds.device, dtype=cond.prompt_embeds.dtype)
         return cond
 
     def image_seq_len(self) -> int:

@@ -3,7 +3,8 @@
 SD3 uses a static time shift (3.0 for SD3.5-M/L) baked into its FlowMatchEulerDiscreteScheduler,
 classifier-free guidance by batching the unconditional and conditional passes, and three text
 encoders (CLIP-L, CLIP-G, T5) whose embeddings we compute once per prompt batch with the
-pipeline's own ``encode_prompt``.
+pipeline's own ``encode_prompt`` (or look up in the text cache: ``flowrl.models.text_cache``); the
+negative is the empty prompt's embedding, encoded like any other prompt.
 """
 
 from __future__ import annotations
@@ -34,15 +35,17 @@ class SD3Policy(PolicyBase):
         scale = self.pipeline.vae_scale_factor
         return (n, self.transformer.config.in_channels, self.height // scale, self.width // scale)
 
-    @torch.no_grad()
     def encode(self, prompts: list[str], *, negative: bool = True) -> TextCond:
+        """Conditioning of ``prompts`` with the empty prompt as the CFG negative (cached or live, same bits)."""
+        return self.encode_text(prompts, negative=negative)
+
+    def encode_batch(self, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
         with _quiet(type(self.pipeline).__module__):
-            embeds, negative_embeds, pooled, negative_pooled = self.pipeline.encode_prompt(
-                prompt=prompts, prompt_2=None, prompt_3=None, device=self.device,
-                do_classifier_free_guidance=negative, negative_prompt=[""] * len(prompts) if negative else None,
+            embeds, _, pooled, _ = self.pipeline.encode_prompt(
+                prompt=prompts, prompt_2=None, prompt_3=None, device=device, do_classifier_free_guidance=False,
                 max_sequence_length=self.max_sequence_length,
             )
-        return TextCond(embeds, pooled, negative_embeds, negative_pooled)
+        return embeds, pooled
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """The scheduler's own shifted sigmas, ``[num_steps + 1]`` ending at 0."""
