@@ -93,6 +93,17 @@ def epoch_prompt_indices(num_prompts: int, per_batch: int, *, seed: int, epoch: 
     return order[rank * per_batch:(rank + 1) * per_batch].tolist()
 
 
+def prompts_per_batch(groups_per_epoch: int, *, world_size: int, batches_per_epoch: int) -> int:
+    """Each process's prompts per rollout batch when an epoch holds ``groups_per_epoch`` groups over all
+    processes; raises a one-line ValueError naming the numbers when they do not divide evenly."""
+    per_batch, rest = divmod(groups_per_epoch, world_size * batches_per_epoch)
+    if rest or not per_batch:
+        raise ValueError(f"sampling.groups_per_epoch={groups_per_epoch} does not split evenly over {world_size} "
+                         f"processes x train.batches_per_epoch={batches_per_epoch}: use a multiple of "
+                         f"{world_size * batches_per_epoch}")
+    return per_batch
+
+
 def stratified_order(strata: Sequence[Hashable], size: int, *, seed: int, epoch: int) -> np.ndarray:
     """``size`` prompt indices in which every stratum (distinct label) has an equal share.
 

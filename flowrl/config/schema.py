@@ -20,6 +20,10 @@ class ModelConfig:
     """Model family; picks the policy adapter (SD3/SD3.5 or FLUX.1)."""
     path: str = "tiny"
     """Hub id or local pipeline directory; 'tiny' builds the offline tiny pipeline of the family."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) passed to from_pretrained (null: the default branch)."""
+    variant: str | None = None
+    """Weight-file variant passed to from_pretrained, e.g. fp16 for *.fp16.safetensors files (null: the plain files)."""
     dtype: str = "float32"
     """Weights dtype: float32, bfloat16 or float16 (LoRA weights always stay float32)."""
     height: int | None = None
@@ -34,6 +38,9 @@ class ModelConfig:
     def validate(self):
         check(self.dtype in ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16"), "dtype",
               f"unknown dtype {self.dtype!r}; use float32, bfloat16 or float16")
+        for key in ("revision", "variant"):
+            check(self.path != "tiny" or getattr(self, key) is None, key,
+                  "applies to hub or local pipelines, and model.path=tiny builds the offline tiny one: remove it")
 
 
 @dataclass
@@ -134,7 +141,15 @@ class SamplingConfig:
     group_size: int = 24
     """Trajectories per prompt (the GRPO group)."""
     prompts_per_batch: int = 2
-    """Distinct prompts per rollout batch on each process."""
+    """Distinct prompts per rollout batch on each process (derived from groups_per_epoch when that is set)."""
+    groups_per_epoch: int | None = None
+    """Prompt groups per epoch over all processes, whatever their number: each process rolls out
+    groups_per_epoch / world_size of them in train.batches_per_epoch batches, so prompts_per_batch becomes
+    groups_per_epoch / (world_size * batches_per_epoch), checked at start (null: prompts_per_batch per process)."""
+    rollout_chunk: int | None = None
+    """Trajectories sampled per model batch: a rollout batch is generated this many at a time and joined,
+    the same trajectories as in one go (per-row seeds; up to kernels' batch-size rounding); a multiple or a divisor
+    of group_size (null: the whole batch)."""
     same_noise_in_group: bool = False
     """Start every trajectory of a group from the same initial noise."""
     window: WindowConfig = field(default_factory=WindowConfig)
@@ -202,6 +217,16 @@ class SamplingConfig:
                   "Pilot-Commit needs flat groups; set it to 0 or drop sampling.tree.branch_steps")
             check(not self.same_noise_in_group, "pilot.candidates",
                   "Pilot-Commit draws a group in two passes; set it to 0 or sampling.same_noise_in_group=false")
+            check(self.rollout_chunk is None, "rollout_chunk", "is not supported with Pilot-Commit "
+                  "(sampling.pilot.candidates); remove one of them")
+        check(self.groups_per_epoch is None or self.groups_per_epoch >= 1, "groups_per_epoch", "must be >= 1, or null")
+        chunk, leaves = self.rollout_chunk, self.tree.branch_factor ** len(self.tree.branch_steps)
+        if chunk is not None:
+            check(chunk >= 1 and (chunk % self.group_size == 0 or self.group_size % chunk == 0), "rollout_chunk",
+                  f"must be a multiple or a divisor of sampling.group_size={self.group_size} (got {chunk}), or null")
+            check(chunk % leaves == 0, "rollout_chunk", f"must be a multiple of the tree's {leaves} leaves per root")
+            check(chunk >= self.group_size or not self.same_noise_in_group, "rollout_chunk",
+                  "same_noise_in_group needs whole groups per chunk: use a multiple of sampling.group_size")
 
 
 @dataclass
@@ -264,6 +289,11 @@ class TrainConfig:
     """Trajectories per forward/backward (gradient accumulation fills the rest)."""
     learning_rate: float = 3e-4
     """AdamW learning rate."""
+    lr_scheduler: Literal["constant", "constant_with_warmup", "cosine", "linear"] = "constant"
+    """Learning-rate schedule over the run's optimizer steps (diffusers.optimization.get_scheduler), stepped
+    once per optimizer step and restored on resume; cosine and linear decay to 0 at the last step."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 (diffusers' rule: step s uses learning_rate * s / warmup)."""
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """AdamW betas."""
     adam_eps: float = 1e-8
@@ -311,6 +341,14 @@ class TrainConfig:
     """Keep an EMA of the LoRA weights for eval and export."""
     ema_decay: float = 0.9
     """EMA decay per optimizer step."""
+    ema_start_step: int = 1
+    """Optimizer steps through which the EMA copies the live weights, averaging from the next on (1: it starts
+    from the first step's weights, diffusers' EMAModel rule; 0: from the initial weights, as Flow-GRPO; recipe grpo)."""
+    ema_every: int = 1
+    """Fold the weights into the EMA every this many optimizer steps (Flow-GRPO: 8 on its SD3.5 runs; recipe grpo)."""
+    ema_warmup: Literal["none", "flow_grpo"] = "none"
+    """none: the decay is ema_decay from the start; flow_grpo: Flow-GRPO's ramp min(ema_decay, (1 + s) / (10 + s)),
+    s the optimizer steps since ema_start_step, so early updates average over fewer steps (recipe grpo)."""
     mixed_precision: Literal["no", "fp16", "bf16"] = "bf16"
     """Autocast precision on GPU (CPU always runs float32)."""
     async_rewards: bool = True
@@ -340,6 +378,11 @@ class TrainConfig:
         for key in ("epochs", "batches_per_epoch", "inner_epochs", "optimizer_steps_per_epoch", "micro_batch_size"):
             check(getattr(self, key) >= 1, key, "must be >= 1")
         check(self.learning_rate > 0, "learning_rate", "must be > 0")
+        check(self.lr_warmup_steps >= 0, "lr_warmup_steps", "must be >= 0")
+        check(self.lr_warmup_steps == 0 or self.lr_scheduler != "constant", "lr_warmup_steps",
+              "train.lr_scheduler=constant has no warm-up: use constant_with_warmup, cosine or linear")
+        check(self.ema_start_step >= 0, "ema_start_step", "must be >= 0")
+        check(self.ema_every >= 1, "ema_every", "must be >= 1 optimizer step")
         check(len(self.adam_betas) == 2, "adam_betas", "must be [beta1, beta2]")
         check(0 < self.timestep_fraction <= 1, "timestep_fraction", "must be in (0, 1]")
         check(self.beta >= 0, "beta", "must be >= 0")
@@ -414,10 +457,21 @@ class LogConfig:
     """Tracker besides the always-written metrics.jsonl."""
     project: str = "flowrl"
     """Tracker project name."""
+    run_name: str | None = None
+    """The run's name in the tracker (wandb's run name; null: the run directory's name)."""
+    wandb_entity: str | None = None
+    """wandb team or user the run is logged under (null: wandb's default entity)."""
+    wandb_tags: list[str] = field(default_factory=list)
+    """wandb tags of the run."""
     eval_every: int = 10
     """Render the fixed eval prompts into an image grid every this many epochs (0: never)."""
     eval_images_per_prompt: int = 4
     """Images per eval prompt in each grid."""
+    eval_num_steps: int | None = None
+    """ODE steps of the in-training evaluation (eval grids, test_every, the end-of-run report; null:
+    sampling.num_steps). Flow-GRPO trains SD3.5 on 10-step rollouts and evaluates with 40 steps at CFG 4.5."""
+    eval_guidance_scale: float | None = None
+    """CFG scale (FLUX: guidance embedding) of the in-training evaluation (null: the training value)."""
     progress: bool = True
     """Show a progress bar with reward, loss and time per stage."""
     test_every: int = 0
@@ -430,6 +484,12 @@ class LogConfig:
     round-robin over metadata "task" values, scored per task and as the mean over tasks."""
     report_diversity: Literal["none", "toy"] = "none"
     """Add the toy world's ground-truth diversity (background, position, size) to the report."""
+
+    def validate(self):
+        check(self.eval_num_steps is None or self.eval_num_steps >= 1, "eval_num_steps", "must be >= 1 or null")
+        check(self.eval_guidance_scale is None or self.eval_guidance_scale >= 0, "eval_guidance_scale",
+              "must be >= 0 or null")
+        check(self.run_name is None or bool(self.run_name.strip()), "run_name", "must be a name or null")
 
 
 @dataclass
@@ -643,6 +703,11 @@ class Config:
             warnings.warn(f"train.combine=marble balances several rewards, but only {trained} trains (nonzero "
                           "weight); using train.combine=weighted", stacklevel=2)
             self.train.combine = "weighted"
+        t = self.train
+        check(self.recipe != "nft" or (t.ema_start_step, t.ema_every, t.ema_warmup) == (1, 1, "none"),
+              "train.ema_every",
+              "recipe nft's EMA is its old policy, stepped once per epoch: use nft.old_decay_ramp for its schedule and "
+              "leave train.ema_start_step, ema_every and ema_warmup at 1, 1, none")
         check(self.recipe != "nft" or self.train.ema, "train.ema",
               "recipe nft samples with the EMA ('old') adapter: set train.ema=true (ema_decay 0 follows the live one)")
         check(self.recipe != "nft" or self.nft.timestep_schedule != "sampling"

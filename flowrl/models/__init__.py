@@ -15,8 +15,10 @@ FAMILIES = ("sd3", "flux")
 
 def build_policy(family: str, path: str, *, dtype: str = "float32", device="cpu", height: int | None = None,
                  width: int | None = None, max_sequence_length: int | None = None, seed: int = 0,
-                 text_encoder_device: str = "gpu") -> PolicyBase:
-    """Load the pipeline of ``family`` from ``path`` and wrap it in its policy adapter.
+                 text_encoder_device: str = "gpu", revision: str | None = None,
+                 variant: str | None = None) -> PolicyBase:
+    """Load the pipeline of ``family`` from ``path`` (at ``revision``, with ``variant`` weight files) and wrap it in
+    its policy adapter.
 
     ``text_encoder_device="cpu"`` keeps the text encoders on the CPU (they never reach ``device``)."""
     from flowrl.models.flux import FluxPolicy
@@ -39,7 +41,8 @@ def build_policy(family: str, path: str, *, dtype: str = "float32", device="cpu"
         import diffusers
 
         pipeline_class = getattr(diffusers, policy_class.pipeline_class_name)
-        pipeline = load_pipeline(pipeline_class, path, torch_dtype=resolve_dtype(dtype), device="cpu")
+        hub = {k: v for k, v in (("revision", revision), ("variant", variant)) if v is not None}  # from_pretrained's
+        pipeline = load_pipeline(pipeline_class, path, torch_dtype=resolve_dtype(dtype), device="cpu", **hub)
     policy = policy_class(pipeline, height=height, width=width, **extra)
     if text_encoder_device not in ("gpu", "cpu"):
         raise ValueError(f"text_encoder_device must be 'gpu' or 'cpu', got {text_encoder_device!r}")

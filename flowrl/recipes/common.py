@@ -7,6 +7,7 @@ copied verbatim into every loop.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import time
 from dataclasses import dataclass, field
@@ -20,27 +21,30 @@ from flowrl.algorithms.advantages import zero_std_fraction
 from flowrl.algorithms.combine import COMBINERS
 from flowrl.algorithms.marble import MarbleBalancer
 from flowrl.recipes.snapshots import anchor_pull
-from flowrl.config import Config, SamplingConfig, save_config, to_dict
+from flowrl.config import Config, ConfigError, SamplingConfig, check, save_config, to_dict
 from flowrl.config.schema import RewardSpec
-from flowrl.data import PromptSet, epoch_prompt_indices, load_prompts, train_test_split
+from flowrl.data import PromptSet, epoch_prompt_indices, load_prompts, prompts_per_batch, train_test_split
 from flowrl.eval_tasks import stratified_prefix
 from flowrl.models import build_policy
 from flowrl.models.lora_io import load_lora_into, lora_config_dict, lora_state_dict
 from flowrl.report import evaluate, render, write_report
 from flowrl.rewards_api import accepts_keyword, build_reward, nan_summary
-from flowrl.sampling import StepPlan, concat_trajectories, rollout, root_seeds, window_start
+from flowrl.sampling import StepPlan, chunked_rollout, concat_trajectories, rollout, root_seeds, window_start
 from flowrl.sampling.plan import branch_schedule, depth_pruned_steps
 from flowrl.sampling.pilot import commit_candidates, join_committed, pilot_variances, slot_seeds
 from flowrl.training.ema import LoraEMA, ema_weights
+from flowrl.training.lr import build_lr_scheduler
 from flowrl.training.guard import DiversityGuard, restore_weights
 from flowrl.training.metrics import MetricsLogger
+from flowrl.training.stats import StatsAccumulator
 
 
 def build_training_policy(cfg: Config, device):
     """The configured model with a fresh (seeded) or loaded LoRA; base weights frozen."""
     m = cfg.model
     policy = build_policy(m.family, m.path, dtype=m.dtype, device=device, height=m.height, width=m.width,
-                          max_sequence_length=m.max_sequence_length, seed=cfg.seed)
+                          max_sequence_length=m.max_sequence_length, seed=cfg.seed, revision=m.revision,
+                          variant=m.variant)
     if cfg.lora.init_from:
         load_lora_into(policy, cfg.lora.init_from)
     else:
@@ -152,8 +156,8 @@ def eval_grid(policy, ema, prompts: PromptSet, cfg: Config, guidance: float, out
 
     n = cfg.log.eval_images_per_prompt
     with ema_weights(ema):
-        images = render(policy, prompts, images_per_prompt=n, num_steps=cfg.sampling.num_steps, guidance=guidance,
-                        seed=cfg.seed + 1)
+        images = render(policy, prompts, images_per_prompt=n, guidance=guidance, seed=cfg.seed + 1,
+                        num_steps=cfg.log.eval_num_steps or cfg.sampling.num_steps)
     if save:
         out.parent.mkdir(parents=True, exist_ok=True)
         save_image(images, out, nrow=n, padding=2)
@@ -200,6 +204,9 @@ def make_accelerator(cfg: Config) -> Accelerator:
     """CPU runs stay float32; GPU runs autocast to the configured precision."""
     on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
     log_with = None if cfg.log.backend == "none" else cfg.log.backend
+    if log_with and not importlib.util.find_spec(log_with):  # accelerate would only warn and log nothing
+        raise ConfigError(f"config key 'log.backend': {log_with} is not installed: pip install 'flowrl[tracking]' "
+                          "(or set log.backend=none; metrics.jsonl is written either way)", key="log.backend")
     return Accelerator(cpu=on_cpu, mixed_precision="no" if on_cpu else cfg.train.mixed_precision,
                        log_with=log_with, project_dir=cfg.run_dir)
 
@@ -230,6 +237,7 @@ class Run:
     reference_resets: int = 0  # 0: the reference is still the base model (adapter off)
     anchor: LoraEMA | None = None  # HRF: the adapter at the start of the current phase
     guard: DiversityGuard | None = None  # guard.enabled: the diversity guard (flowrl/training/guard.py)
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None  # train.lr_scheduler, one step per optimizer step
 
     @property
     def snapshots(self) -> dict[str, LoraEMA]:
@@ -237,6 +245,12 @@ class Run:
         best = self.guard.best if self.guard is not None and self.guard.best.tensors else None
         return {name: s for name, s in (("reference", self.reference), ("anchor", self.anchor), ("guard_best", best))
                 if s is not None}
+
+    @property
+    def eval_guidance(self) -> float:
+        """The guidance of eval grids, held-out scores and the report: log.eval_guidance_scale, else training's."""
+        scale = self.cfg.log.eval_guidance_scale
+        return self.guidance if scale is None else scale
 
     @property
     def beta(self) -> float:
@@ -254,6 +268,17 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
     prompt splits, metrics logger and trackers, and the state of ``train.resume``."""
     accelerator = accelerator or make_accelerator(cfg)
     run_dir = Path(cfg.run_dir)
+    sampling = cfg.sampling
+    if sampling.groups_per_epoch is not None:  # a global epoch: this process's share, read by every step below
+        try:
+            world, batches = accelerator.num_processes, cfg.train.batches_per_epoch
+            sampling.prompts_per_batch = prompts_per_batch(sampling.groups_per_epoch, world_size=world,
+                                                           batches_per_epoch=batches)
+        except ValueError as error:
+            raise ConfigError(str(error), key="sampling.groups_per_epoch") from None
+        candidates = sampling.pilot.candidates
+        check(not candidates or candidates >= sampling.prompts_per_batch, "sampling.pilot.candidates",
+              f"must be >= the {sampling.prompts_per_batch} prompts per batch that sampling.groups_per_epoch gives")
     if accelerator.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
@@ -263,13 +288,17 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
     optimizer = torch.optim.AdamW(params, lr=t.learning_rate, betas=tuple(t.adam_betas), eps=t.adam_eps,
                                   weight_decay=t.weight_decay)
     policy.forward_module, optimizer = accelerator.prepare(policy.transformer, optimizer)
+    scheduler = build_lr_scheduler(optimizer, t.lr_scheduler, warmup_steps=t.lr_warmup_steps,  # not prepared: one
+                                   total_steps=t.epochs * t.inner_epochs * t.optimizer_steps_per_epoch)  # step a step
     ema = LoraEMA(policy.named_trainable_parameters(), decay=t.ema_decay) if t.ema else None
     rewards, weights = build_rewards(cfg.rewards, accelerator.device)
     train_prompts, test_prompts = load_prompt_splits(cfg)
     logger = MetricsLogger(run_dir, enabled=accelerator.is_main_process,
                            tracker=accelerator if cfg.log.backend != "none" else None)
     if cfg.log.backend != "none":
-        accelerator.init_trackers(cfg.log.project, config=flat_config(cfg))
+        accelerator.init_trackers(cfg.log.project, config=flat_config(cfg), init_kwargs={"wandb": {
+            "name": cfg.log.run_name or run_dir.name, "tags": list(cfg.log.wandb_tags),
+            **({"entity": cfg.log.wandb_entity} if cfg.log.wandb_entity else {})}})  # other trackers ignore it
     g = cfg.gardo
     snapshot = lambda: LoraEMA(policy.named_trainable_parameters(), decay=0.0)  # noqa: E731  (copies the weights)
     reference = snapshot() if g.reset_every is not None or g.reset_kl is not None else None
@@ -283,6 +312,8 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
                                          ("guard_best", guard.best if guard else None)) if s is not None}
     resumed = restore_checkpoint(cfg, policy, optimizer, ema, rank=accelerator.process_index,
                                  snapshots=snapshots) if t.resume else {"epoch": -1}
+    if "lr_scheduler" in resumed:
+        scheduler.load_state_dict(resumed["lr_scheduler"])
     start_epoch = int(resumed["epoch"]) + 1
     logger.truncate_after(start_epoch - 1)
     if guard is not None and "guard" in resumed:
@@ -303,7 +334,7 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
         guidance=cfg.sampling.guidance_scale if (t.cfg or policy.family == "flux") else 1.0, start_epoch=start_epoch,
         counters={"rollouts": resumed.get("rollouts", 0), "train_wall_s": resumed.get("train_wall_s", 0.0)},
         marble=marble, reference=reference, reference_resets=int(resumed.get("reference_resets", 0)), anchor=anchor,
-        guard=guard,
+        guard=guard, scheduler=scheduler,
     )
 
 
@@ -333,11 +364,11 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
         batch = run.train_prompts.subset(index)
         first_root = (batch_index * world + rank) * s.prompts_per_batch * roots_per_group
         with policy.local_forward():
-            part = rollout(policy, batch.prompts, group_size=s.group_size, num_steps=s.num_steps,
-                           guidance_scale=run.guidance, noise_level=noise_level, kind=kind, plan=plan,
-                           same_noise_in_group=same_noise_in_group, metadata=batch.metadata,
-                           store_x0_preds=store_x0_preds, ode_solver=s.ode_solver,
-                           seeds=root_seeds(cfg.seed, first_root, len(batch) * roots_per_group))
+            part = chunked_rollout(policy, batch.prompts, group_size=s.group_size, chunk=s.rollout_chunk,
+                                   num_steps=s.num_steps, guidance_scale=run.guidance, noise_level=noise_level,
+                                   kind=kind, plan=plan, same_noise_in_group=same_noise_in_group,
+                                   metadata=batch.metadata, store_x0_preds=store_x0_preds, ode_solver=s.ode_solver,
+                                   seeds=root_seeds(cfg.seed, first_root, len(batch) * roots_per_group))
         part.group_ids = part.group_ids + (batch_index * world + rank) * s.prompts_per_batch
         futures.append(scorer.submit(part.images, part.row_prompts, part.row_metadata))
         parts.append(part)
@@ -441,7 +472,7 @@ def log_base_model(run: Run) -> None:
     """With ``log.test_every``, the held-out score of the base model: the curve's starting point."""
     if run.cfg.log.test_every and run.start_epoch == 0:
         run.logger.log({"epoch": -1, **held_out_metrics(run.policy, run.ema, run.rewards, run.test_set, run.cfg,
-                                                        run.guidance, run.accelerator),
+                                                        run.eval_guidance, run.accelerator),
                         **{f"perf/{k}": v for k, v in run.counters.items()}}, step=-1)
 
 
@@ -454,6 +485,8 @@ def optimizer_step(run: Run, stats: StatsAccumulator) -> None:
     grad_norm = run.accelerator.clip_grad_norm_(run.params, max_norm) if max_norm > 0 else None
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
+    if run.scheduler is not None:
+        run.scheduler.step()
     if grad_norm is not None:
         stats.add_scalar("optim/grad_norm", float(grad_norm))
 
@@ -484,14 +517,17 @@ def end_epoch(run: Run, epoch: int, *, gathered: dict[str, torch.Tensor], combin
     metrics.update({f"perf/{k}": v for k, v in run.counters.items()})
     last = out_of_time(run) or run.guard_stopped  # the run ends after this epoch, before train.epochs
     if cfg.log.test_every and ((epoch + 1) % cfg.log.test_every == 0 or last):  # the curve's last point
-        metrics.update(held_out_metrics(run.policy, run.ema, run.rewards, run.test_set, cfg, run.guidance, accelerator))
+        metrics.update(held_out_metrics(run.policy, run.ema, run.rewards, run.test_set, cfg, run.eval_guidance,
+                                        accelerator))
     if cfg.log.eval_every and (epoch + 1) % cfg.log.eval_every == 0:  # every rank samples (sharded models)
-        eval_grid(run.policy, run.ema, run.eval_prompts, cfg, run.guidance,
+        eval_grid(run.policy, run.ema, run.eval_prompts, cfg, run.eval_guidance,
                   run.run_dir / "grids" / f"epoch_{epoch:05d}.png", save=accelerator.is_main_process)
     metrics["perf/epoch_s"] = time.perf_counter() - epoch_start
     run.logger.log(metrics, step=epoch)  # before the checkpoint: a resumed run redoes later epochs only
     if epoch + 1 == t.epochs or last or (t.checkpoint_every and (epoch + 1) % t.checkpoint_every == 0):
         extra = {"marble": run.marble.state_dict()} if run.marble else {}
+        if run.scheduler is not None:
+            extra["lr_scheduler"] = run.scheduler.state_dict()
         if run.reference is not None:
             extra["reference_resets"] = run.reference_resets
         if run.guard is not None:
@@ -519,8 +555,9 @@ def finish_run(run: Run, metrics: dict) -> dict[str, float]:
     if cfg.log.report_prompts:
         prompts = stratified_prefix(run.test_prompts, cfg.log.report_prompts)  # equal share per task
         report = write_report(run.run_dir, policy=run.policy, ema=run.ema, rewards=run.rewards, prompts=prompts,
-                              images_per_prompt=cfg.log.eval_images_per_prompt, num_steps=cfg.sampling.num_steps,
-                              guidance=run.guidance, seed=cfg.seed + 2, diversity=cfg.log.report_diversity,
+                              images_per_prompt=cfg.log.eval_images_per_prompt,
+                              num_steps=cfg.log.eval_num_steps or cfg.sampling.num_steps, guidance=run.eval_guidance,
+                              seed=cfg.seed + 2, diversity=cfg.log.report_diversity,
                               save=accelerator.is_main_process,
                               trained=[r.key or r.name for r in cfg.rewards if r.weight != 0])
         metrics.update({f"report/{when}/{k}": v for when in ("before", "after") for k, v in report[when].items()})
@@ -536,8 +573,8 @@ def held_out_metrics(policy, ema, rewards, prompts, cfg: Config, guidance: float
     metadata also test/<reward>/task/<task> and test/<reward>/task_mean (the mean over tasks)."""
     n = cfg.log.eval_images_per_prompt
     with ema_weights(ema):
-        images = render(policy, prompts, images_per_prompt=n, num_steps=cfg.sampling.num_steps, guidance=guidance,
-                        seed=cfg.seed + 3)
+        images = render(policy, prompts, images_per_prompt=n, guidance=guidance, seed=cfg.seed + 3,
+                        num_steps=cfg.log.eval_num_steps or cfg.sampling.num_steps)
     scores = evaluate(images, prompts, n, rewards, cfg.log.report_diversity)
     return {f"test/{k.removeprefix('eval/')}": v for k, v in scores.items()}
 
@@ -553,35 +590,3 @@ def reward_metrics(rewards: dict[str, torch.Tensor], combined: torch.Tensor, mai
     out["reward/combined_mean"] = float(finite.mean()) if finite.numel() else math.nan
     out.update({k: float(v) for k, v in nan_summary({n: rewards[n] for n in main}).items()})
     return out
-
-
-class StatsAccumulator:
-    """Weighted means of per-transition statistics, reduced across processes at the end of an epoch."""
-
-    def __init__(self):
-        self.sums: dict[str, float] = {}
-        self.weights: dict[str, float] = {}
-        self.scalars: dict[str, list[float]] = {}
-        self.scalar_reduce: dict[str, str] = {}
-
-    def add(self, name: str, values: torch.Tensor, weights: torch.Tensor) -> None:
-        self.sums[name] = self.sums.get(name, 0.0) + float((values.detach().float() * weights).sum())
-        self.weights[name] = self.weights.get(name, 0.0) + float(weights.sum())
-
-    def add_scalar(self, name: str, value: float, reduce: str = "mean") -> None:
-        self.scalars.setdefault(name, []).append(value)
-        self.scalar_reduce[name] = reduce
-
-    def reduce(self, accelerator: Accelerator) -> dict[str, float]:
-        names = sorted(self.sums)
-        packed = torch.tensor([[self.sums[n], self.weights[n]] for n in names] or [[0.0, 0.0]], dtype=torch.float64)
-        packed = accelerator.reduce(packed.to(accelerator.device), "sum").cpu()
-        out = {n: float(packed[i, 0] / max(packed[i, 1], 1e-12)) for i, n in enumerate(names)}
-        for name, values in sorted(self.scalars.items()):
-            if self.scalar_reduce[name] == "max":
-                tensor = torch.tensor([max(values)], dtype=torch.float64, device=accelerator.device)
-                out[name] = float(accelerator.gather(tensor).max())
-            else:
-                tensor = torch.tensor(sum(values) / len(values), dtype=torch.float64, device=accelerator.device)
-                out[name] = float(accelerator.reduce(tensor, "mean"))
-        return out

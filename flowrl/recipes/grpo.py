@@ -71,7 +71,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
     accelerator, policy, ema = run.accelerator, run.policy, run.ema
     rank, world, guidance = accelerator.process_index, accelerator.num_processes, run.guidance
     s, t = cfg.sampling, cfg.train
-    rollout_batch = s.prompts_per_batch * s.group_size  # rows one rollout call holds: the look-ahead's batch
+    rollout_batch = s.rollout_chunk or s.prompts_per_batch * s.group_size  # rows per model batch: the look-ahead's
     estimator = ADVANTAGE_ESTIMATORS[t.advantage]
     policy_loss = POLICY_LOSSES[t.loss]
     clip_high = t.clip_range if t.clip_range_high is None else t.clip_range_high
@@ -183,8 +183,9 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                     balanced_backward(run.marble, run.params, step, per_reward, chunk_backward, stats,
                                       StatsAccumulator)
                 optimizer_step(run, stats)
-                if ema is not None:
-                    ema.step()
+                if ema is not None:  # steps so far: train.ema_start_step / ema_every / ema_warmup count them
+                    done = (epoch * t.inner_epochs + inner) * t.optimizer_steps_per_epoch + chunk_index + 1
+                    ema.scheduled_step(done, start=t.ema_start_step, every=t.ema_every, warmup=t.ema_warmup)
         reference_metrics = maybe_reset_reference(run, epoch, stats)  # GARDO's adaptive reference
         train_done = time.perf_counter()
 

@@ -23,7 +23,7 @@ from flowrl.models.base import Policy, TextCond
 from flowrl.sampling.plan import StepPlan
 from flowrl.sampling.seeding import derive_seed, generators
 from flowrl.sampling.steps import ODE_SOLVERS, ScheduleSteps, StepKind
-from flowrl.sampling.trajectory import Trajectory
+from flowrl.sampling.trajectory import Trajectory, concat_trajectories
 
 
 def root_seeds(seed: int, first_row: int, count: int) -> list[int]:
@@ -172,3 +172,41 @@ def rollout(
         cond=cond,
         x0_preds=torch.stack(stored_x0, dim=1) if store_x0_preds else None,
     )
+
+
+def chunked_rollout(policy: Policy, prompts: Sequence[str], *, group_size: int, seeds: Sequence[int],
+                    chunk: int | None = None, plan: StepPlan | None = None, metadata: Sequence[dict] | None = None,
+                    cond: TextCond | None = None, **kwargs) -> Trajectory:
+    """:func:`rollout` ``chunk`` trajectories at a time (whole groups, or equal parts of each group), joined:
+    the same trajectories as one call, since every row's noise comes from its own seed; only memory differs,
+    and the float rounding of kernels that a backend picks by batch size (bit-identical where it does not).
+
+    ``chunk`` must be a multiple or a divisor of ``group_size`` and a multiple of the tree's leaves per root;
+    None (or a chunk holding the whole batch) is one call. Tree edge ids are numbered per chunk."""
+    if not chunk or chunk >= len(prompts) * group_size:
+        return rollout(policy, prompts, group_size=group_size, seeds=seeds, plan=plan, metadata=metadata, cond=cond,
+                       **kwargs)
+    leaves = plan.leaves_per_root if plan is not None else 1
+    if (chunk % group_size and group_size % chunk) or chunk % leaves:
+        raise ValueError(f"rollout chunk {chunk} must be a multiple or a divisor of group_size {group_size} "
+                         f"and a multiple of the tree's {leaves} leaves per root")
+    if kwargs.get("same_noise_in_group") and chunk < group_size:
+        raise ValueError("same_noise_in_group needs whole groups per rollout chunk")
+    cond = policy.encode(list(prompts)) if cond is None else cond
+    per_chunk, size = max(chunk // group_size, 1), min(chunk, group_size)  # prompts per chunk, rows per group part
+    roots, group_roots = size // leaves, group_size // leaves
+    parts, prompt_ids = [], []
+    for first in range(0, len(prompts), per_chunk):
+        index = list(range(first, min(first + per_chunk, len(prompts))))
+        for offset in range(0, group_roots, roots):
+            part = rollout(policy, [prompts[p] for p in index], group_size=size, plan=plan, cond=cond.select(index),
+                           seeds=[seeds[p * group_roots + offset + j] for p in index for j in range(roots)],
+                           metadata=[metadata[p] for p in index] if metadata is not None else None, **kwargs)
+            prompt_ids.append(part.prompt_ids + first)
+            parts.append(part)
+    traj = concat_trajectories(parts)
+    # One entry per prompt, as one call gives: a group split over chunks keeps one prompt id and group id.
+    traj.prompt_ids = torch.cat(prompt_ids)
+    traj.group_ids = traj.prompt_ids.clone()
+    traj.prompts, traj.metadata, traj.cond = list(prompts), list(metadata) if metadata is not None else [], cond
+    return traj

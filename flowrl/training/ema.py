@@ -50,6 +50,7 @@ class LoraEMA:
             raise ValueError("LoraEMA: parameter names collide after removing the adapter name")
         self.parameters = [p for _, p in named_parameters]
         warmup, decay = power is not None, float(decay)
+        self.decay = decay  # the decay scheduled_step averages at (step's pinned one may overwrite the model's)
         # Without warmup, min_decay=decay pins diffusers' default (1+s)/(10+s) ramp to a constant decay.
         self.model = EMAModel(self.parameters, decay=decay, min_decay=0.0 if warmup else decay,
                               update_after_step=update_after_step, use_ema_warmup=warmup,
@@ -67,6 +68,24 @@ class LoraEMA:
         if decay is not None:
             self.model.decay = self.model.min_decay = float(decay)
         self.model.step(self.parameters)
+
+    def scheduled_step(self, step: int, *, start: int = 1, every: int = 1, warmup: str = "none") -> None:
+        """The update after optimizer step ``step`` (1: the first) on a schedule: through step ``start``
+        the EMA copies the live weights; from then on every ``every``-th step folds them in at the built
+        decay, or with ``warmup="flow_grpo"`` at Flow-GRPO's ramp ``min(decay, (1 + k) / (10 + k))``, k the
+        steps since ``start`` (its ``EMAModuleWrapper.get_current_decay``). start=1, every=1, warmup none
+        is :meth:`step`'s (diffusers') rule; start=0 averages from the initial weights, as Flow-GRPO does."""
+        since = step - start
+        if since > 0 and since % every:
+            return
+        decay = 0.0 if since <= 0 else self.decay
+        if since > 0 and warmup == "flow_grpo":
+            decay = min(decay, (1 + since) / (10 + since))
+        self.model.get_decay = lambda _: decay  # noqa: E731  diffusers' own update, at this decay
+        try:
+            self.model.step(self.parameters)
+        finally:
+            del self.model.get_decay
 
     # --- tensors, by name -------------------------------------------------------------
     def state_tensors(self) -> dict[str, torch.Tensor]:
