@@ -34,6 +34,17 @@ class ModelConfig:
     """T5 token budget (default: 256 for SD3, 512 for FLUX)."""
     gradient_checkpointing: bool = False
     """Recompute transformer activations in the backward pass to save memory."""
+    text_encoder_device: Literal["gpu", "cpu"] = "gpu"
+    """Where the text encoders live: gpu, the run's device; cpu, off the accelerator (T5-XXL alone is ~9.5 GB in
+    bf16), encoding there and moving the embeddings over."""
+    text_cache: Literal["none", "disk"] = "none"
+    """disk: encode every prompt the run uses (train, held-out, eval and the empty negative) once at start, in
+    safetensors keyed by the text encoders' hash, and look them up (the same bits as the live encoders)."""
+    text_cache_path: str | None = None
+    """The cache: a directory shared by runs (files of other encoders are ignored) or one .safetensors file
+    (default RUN_DIR/text_cache)."""
+    free_text_encoders: bool = False
+    """After caching, delete the text encoders; an uncached prompt is then an error (needs text_cache=disk)."""
 
     def validate(self):
         check(self.dtype in ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16"), "dtype",
@@ -41,6 +52,10 @@ class ModelConfig:
         for key in ("revision", "variant"):
             check(self.path != "tiny" or getattr(self, key) is None, key,
                   "applies to hub or local pipelines, and model.path=tiny builds the offline tiny one: remove it")
+        check(not self.free_text_encoders or self.text_cache == "disk", "free_text_encoders",
+              "frees the encoders after caching every prompt: set model.text_cache=disk, or remove it")
+        check(self.text_cache_path is None or self.text_cache == "disk", "text_cache_path",
+              "names the cache of model.text_cache=disk: set that, or remove it")
 
 
 @dataclass

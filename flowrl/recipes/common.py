@@ -27,6 +27,7 @@ from flowrl.data import PromptSet, epoch_prompt_indices, load_prompts, prompts_p
 from flowrl.eval_tasks import stratified_prefix
 from flowrl.models import build_policy
 from flowrl.models.lora_io import load_lora_into, lora_config_dict, lora_state_dict
+from flowrl.models.text_cache import attach_text_cache
 from flowrl.report import evaluate, render, write_report
 from flowrl.rewards_api import accepts_keyword, build_reward, nan_summary
 from flowrl.sampling import StepPlan, chunked_rollout, concat_trajectories, rollout, root_seeds, window_start
@@ -43,8 +44,8 @@ def build_training_policy(cfg: Config, device):
     """The configured model with a fresh (seeded) or loaded LoRA; base weights frozen."""
     m = cfg.model
     policy = build_policy(m.family, m.path, dtype=m.dtype, device=device, height=m.height, width=m.width,
-                          max_sequence_length=m.max_sequence_length, seed=cfg.seed, revision=m.revision,
-                          variant=m.variant)
+                          max_sequence_length=m.max_sequence_length, seed=cfg.seed,
+                          text_encoder_device=m.text_encoder_device, revision=m.revision, variant=m.variant)
     if cfg.lora.init_from:
         load_lora_into(policy, cfg.lora.init_from)
     else:
@@ -293,6 +294,10 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
     ema = LoraEMA(policy.named_trainable_parameters(), decay=t.ema_decay) if t.ema else None
     rewards, weights = build_rewards(cfg.rewards, accelerator.device)
     train_prompts, test_prompts = load_prompt_splits(cfg)
+    if cfg.model.text_cache == "disk":  # every prompt the run encodes, once; the encoders may go after
+        attach_text_cache(policy, cfg.model.text_cache_path or run_dir / "text_cache",
+                          [*train_prompts.prompts, *test_prompts.prompts, *eval_prompt_set(cfg, test_prompts).prompts],
+                          write=accelerator.is_main_process, free=cfg.model.free_text_encoders)
     logger = MetricsLogger(run_dir, enabled=accelerator.is_main_process,
                            tracker=accelerator if cfg.log.backend != "none" else None)
     if cfg.log.backend != "none":
