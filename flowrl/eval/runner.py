@@ -201,18 +201,26 @@ def _batches(indices: list[int], size: int) -> list[list[int]]:
 
 
 def read_images(folder: Path, num_prompts: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A checkpoint's written images ``[P*n, 3, H, W]`` and clean latents ``[P*n, C, h, w]``."""
     from safetensors.torch import load_file
-    from torchvision.io import ImageReadMode, decode_image
 
-    images = [decode_image(str(folder / f"p{i:04d}_{k:02d}.png"), mode=ImageReadMode.RGB).float() / 255
-              for i in range(num_prompts) for k in range(n)]
+    images = [read_rgb(folder / f"p{i:04d}_{k:02d}.png") for i in range(num_prompts) for k in range(n)]
     latents = [load_file(str(folder / f"p{i:04d}.latents.safetensors"))["latents"] for i in range(num_prompts)]
     return torch.stack(images), torch.cat(latents)
 
 
+def read_rgb(path: Path) -> torch.Tensor:
+    """An image file as ``[3, H, W]`` float32 in [0, 1] (PIL: torchvision's decoders are deprecated)."""
+    import numpy as np
+    from PIL import Image
+
+    with Image.open(path) as image:
+        array = np.asarray(image.convert("RGB"))  # [H, W, 3] uint8
+    return torch.from_numpy(array.copy()).permute(2, 0, 1).float() / 255
+
+
 def load_reference(path: str, cfg) -> torch.Tensor:
     """Reference images ``[R, 3, H, W]`` in [0, 1] for FID/KID, resized to the eval resolution."""
-    from torchvision.io import ImageReadMode, decode_image
     from torchvision.transforms.functional import resize
 
     folder = Path(path)
@@ -225,7 +233,7 @@ def load_reference(path: str, cfg) -> torch.Tensor:
     size = None
     images = []
     for file in files:
-        image = decode_image(str(file), mode=ImageReadMode.RGB).float() / 255
+        image = read_rgb(file)
         size = size or (cfg.model.height or image.shape[1], cfg.model.width or image.shape[2])
         images.append(resize(image, list(size), antialias=True))
     return torch.stack(images)
