@@ -23,12 +23,16 @@ def _run(launcher: list[str], run_dir: Path, *overrides: str) -> None:
 
 
 @pytest.mark.slow
-def test_two_processes_match_one(tmp_path):
+@pytest.mark.parametrize("two_processes, one_process", [
+    (["sampling.prompts_per_batch=2"], ["sampling.prompts_per_batch=4"]),  # the same global batch by hand
+    (["sampling.groups_per_epoch=4"], ["sampling.groups_per_epoch=4"]),  # ... and by sampling.groups_per_epoch
+], ids=["prompts_per_batch", "groups_per_epoch"])
+def test_two_processes_match_one(tmp_path, two_processes, one_process):
     # --multi_gpu selects accelerate's torchrun launcher; without CUDA each process joins a gloo group.
     accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    _run(accelerate, tmp_path / "two", "sampling.prompts_per_batch=2")
-    _run([sys.executable], tmp_path / "one", "sampling.prompts_per_batch=4")
+    _run(accelerate, tmp_path / "two", *two_processes)
+    _run([sys.executable], tmp_path / "one", *one_process)
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert len(one) == len(two) == 2
     for a, b in zip(one, two):
