@@ -26,7 +26,7 @@ import torch
 
 from flowrl.algorithms.losses import POLICY_LOSSES
 from flowrl.config import Config, load_config
-from flowrl.recipes.common import build_training_policy
+from flowrl.recipes.build import build_training_policy
 from flowrl.recipes.grpo import StatsAccumulator, make_accelerator, train, transition_loss
 from flowrl.sampling import rollout, root_seeds
 from flowrl.training.metrics import read_metrics

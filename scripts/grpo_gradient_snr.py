@@ -25,7 +25,7 @@ from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS  # noqa: E402
 from flowrl.config import Config, load_config  # noqa: E402
 from flowrl.data import load_prompts  # noqa: E402
 from flowrl.eval_tasks import stratified_prefix  # noqa: E402
-from flowrl.recipes.common import build_training_policy  # noqa: E402
+from flowrl.recipes.build import build_training_policy  # noqa: E402
 from flowrl.sampling import StepPlan, rollout, root_seeds, sde_step  # noqa: E402
 from rewards.toyeval import ToyEval  # noqa: E402
 

@@ -1,0 +1,108 @@
+"""What a run is built from, read off the config: the policy with its LoRA, the rewards, the prompt
+splits, the eval grid's prompts and the accelerator (with its tracker). ``start_run`` in
+:mod:`flowrl.recipes.common` calls these; scripts that need one piece (a policy to benchmark, the
+prompt splits to fit a reward direction on) call them directly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+from accelerate import Accelerator
+
+from flowrl.config import Config, ConfigError, to_dict
+from flowrl.config.schema import RewardSpec
+from flowrl.data import PromptSet, load_prompts, train_test_split
+from flowrl.models import build_policy
+from flowrl.models.lora_io import load_lora_into
+from flowrl.rewards_api import accepts_keyword, build_reward
+
+
+def build_training_policy(cfg: Config, device):
+    """The configured model with a fresh (seeded) or loaded LoRA; base weights frozen."""
+    m = cfg.model
+    policy = build_policy(m.family, m.path, dtype=m.dtype, device=device, height=m.height, width=m.width,
+                          max_sequence_length=m.max_sequence_length, seed=cfg.seed,
+                          text_encoder_device=m.text_encoder_device, revision=m.revision, variant=m.variant)
+    if cfg.lora.init_from:
+        load_lora_into(policy, cfg.lora.init_from)
+    else:
+        policy.add_lora(rank=cfg.lora.rank, alpha=cfg.lora.alpha, target_modules=cfg.lora.target_modules,
+                        dropout=cfg.lora.dropout, init_seed=cfg.seed)
+    if m.gradient_checkpointing:
+        policy.transformer.enable_gradient_checkpointing()
+    return policy
+
+
+def build_rewards(specs: list[RewardSpec], device) -> tuple[list, dict[str, float]]:
+    """Instantiate the configured rewards -> (rewards, {training signal key: weight}).
+
+    The signal key is the reward's main score unless the spec names one of its sub-scores (a dense
+    partial score trains better than a sparse strict one when the base model rarely succeeds)."""
+    rewards, weights, built = [], {}, {}
+    for spec in specs:
+        kwargs = dict(spec.kwargs)
+        if device is not None and accepts_keyword(spec.name, "device"):
+            kwargs.setdefault("device", str(device))  # each process scores on its own accelerator
+        identity = (spec.name, repr(sorted(kwargs.items())))  # one instance scores every sub-score it is named for
+        if identity not in built:
+            built[identity] = build_reward(spec.name, **kwargs)
+            rewards.append(built[identity])
+        reward = built[identity]
+        key = spec.key or reward.name
+        if key != reward.name and not key.startswith(f"{reward.name}/"):
+            raise ValueError(f"reward '{spec.name}': key {key!r} is not one of its outputs "
+                             f"(use '{reward.name}' or '{reward.name}/<sub-score>')")
+        weights[key] = spec.weight
+    return rewards, weights
+
+
+def load_prompt_splits(cfg: Config) -> tuple[PromptSet, PromptSet]:
+    """(train prompts, held-out prompts): an explicit test file or a deterministic split."""
+    prompts = load_prompts(cfg.data.prompts)
+    key = cfg.data.balance_by
+    missing = [i for i, m in enumerate(prompts.metadata) if key not in m] if key else []
+    if missing:
+        raise ValueError(f"data.balance_by: {len(missing)} prompts of {cfg.data.prompts} lack metadata key {key!r} "
+                         f"(first: prompt {missing[0] + 1}, {prompts.prompts[missing[0]]!r})")
+    if cfg.data.test_prompts:
+        return prompts, load_prompts(cfg.data.test_prompts)
+    if cfg.data.test_fraction > 0 and len(prompts) >= 2:
+        return train_test_split(prompts, cfg.data.test_fraction, cfg.seed)
+    return prompts, prompts
+
+
+def eval_prompt_set(cfg: Config, test: PromptSet) -> PromptSet:
+    """The fixed prompts of the eval grids: configured ones, else the first four held-out prompts."""
+    if cfg.data.eval_prompts:
+        return PromptSet(list(cfg.data.eval_prompts))
+    return test.subset(range(min(4, len(test))))
+
+
+def flat_config(cfg: Config) -> dict[str, int | float | str | bool]:
+    """``{"train.lr": 3e-4, ...}`` with scalar values only, as tracker hyper-parameter tables need."""
+    flat: dict[str, int | float | str | bool] = {}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), inner)
+        elif isinstance(value, (bool, int, float, str)):
+            flat[prefix] = value
+        else:  # lists, None
+            flat[prefix] = str(value)
+
+    walk("", to_dict(cfg))
+    return flat
+
+
+def make_accelerator(cfg: Config) -> Accelerator:
+    """CPU runs stay float32; GPU runs autocast to the configured precision."""
+    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+    log_with = None if cfg.log.backend == "none" else cfg.log.backend
+    if log_with and not importlib.util.find_spec(log_with):  # accelerate would only warn and log nothing
+        raise ConfigError(f"config key 'log.backend': {log_with} is not installed: pip install 'flowrl[tracking]' "
+                          "(or set log.backend=none; metrics.jsonl is written either way)", key="log.backend")
+    return Accelerator(cpu=on_cpu, mixed_precision="no" if on_cpu else cfg.train.mixed_precision,
+                       log_with=log_with, project_dir=cfg.run_dir)
