@@ -48,3 +48,86 @@ def test_two_processes_match_one(tmp_path, two_processes, one_process):
         # up to the learning rate, so compare each tensor as a whole.
         difference = (lora_one[key] - lora_two[key]).norm() / lora_one[key].norm().clamp(min=1e-12)
         assert difference < 1e-2, (key, float(difference))
+
+
+FSDP2_CPU = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+             "configs/accelerate/fsdp2_cpu_2proc.yaml"]
+
+
+def _without_timings(records):
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in records]
+
+
+def _relative(a, b):
+    return float((a - b).norm() / a.norm().clamp(min=1e-12))
+
+
+@pytest.mark.slow
+def test_fsdp2_two_processes_match_one_and_resume_exactly(tmp_path):
+    """FSDP2 (accelerate's fully_shard path, 2 gloo CPU processes, the LoRA'd transformer sharded per
+    JointTransformerBlock): the same metrics as 1 process to the DDP test's tolerance, checkpoint files of
+    the 1-process layout (gathered LoRA, EMA and AdamW state), an exact resume from the first checkpoint
+    (a run killed after it, as tests/test_resume.py kills one) and the exported LoRA equal."""
+    import shutil
+
+    import torch
+
+    overrides = ["sampling.groups_per_epoch=4", "train.checkpoint_every=1"]
+    two, one, resumed = tmp_path / "two", tmp_path / "one", tmp_path / "resumed"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([*FSDP2_CPU, "-m", "flowrl", "train", *COMMON, f"run_dir={two}", *overrides],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "FSDP2 over 2 processes: 30 of 30 LoRA tensors sharded" in result.stdout + result.stderr
+    _run([sys.executable], one, *overrides)
+
+    # 1. Metrics: as the DDP test compares them (sums over two shards reorder float additions).
+    metrics_one, metrics_two = read_metrics(one), read_metrics(two)
+    assert len(metrics_one) == len(metrics_two) == 2
+    for a, b in zip(metrics_one, metrics_two):
+        for key in a:
+            if not key.startswith("perf/") and key != "step":
+                assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-6), key
+
+    # 2. Checkpoints: the same files, keys, shapes and optimizer layout as 1 process, values to tolerance.
+    for step in ("step_000000", "step_000001"):
+        ck_one, ck_two = one / "checkpoints" / step, two / "checkpoints" / step
+        assert sorted(p.name for p in ck_two.iterdir()) == sorted(
+            [*(p.name for p in ck_one.iterdir()), "rng_rank1.pt"])
+        for name in ("lora.safetensors", "ema.safetensors"):
+            a, b = load_file(ck_one / name), load_file(ck_two / name)
+            assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)
+            assert max(_relative(a[k], b[k]) for k in a) < 1e-2, (step, name)
+        opt_one = torch.load(ck_one / "optimizer.pt", weights_only=True)
+        opt_two = torch.load(ck_two / "optimizer.pt", weights_only=True)
+        assert opt_one["param_groups"] == opt_two["param_groups"]
+        assert opt_one["state"].keys() == opt_two["state"].keys()
+        for index, state in opt_one["state"].items():
+            for key, value in state.items():
+                other = opt_two["state"][index][key]
+                assert type(other) is torch.Tensor and other.shape == value.shape, (index, key)  # whole, not shards
+                # exp_avg_sq holds squared gradients: a relative 1e-3 of the gradient doubles; AdamW's step count is exact
+                assert _relative(value.double(), other.double()) < 1e-2, (step, index, key)
+
+    # 3. Resume: the FSDP2 run killed after its first checkpoint and resumed under FSDP2 is bit-exact.
+    shutil.copytree(two, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_000001")
+    shutil.rmtree(resumed / "lora")
+    (resumed / "checkpoints" / "latest").write_text("step_000000\n")
+    result = subprocess.run([*FSDP2_CPU, "-m", "flowrl", "train", *COMMON, f"run_dir={resumed}", *overrides,
+                             "train.resume=latest"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert _without_timings(read_metrics(resumed)) == _without_timings(metrics_two)
+    for name in ("checkpoints/step_000001/lora.safetensors", "checkpoints/step_000001/ema.safetensors",
+                 "lora/pytorch_lora_weights.safetensors"):
+        a, b = load_file(two / name), load_file(resumed / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    opt_two = torch.load(two / "checkpoints/step_000001/optimizer.pt", weights_only=True)
+    opt_resumed = torch.load(resumed / "checkpoints/step_000001/optimizer.pt", weights_only=True)
+    assert all(torch.equal(v, opt_resumed["state"][i][k]) for i, s in opt_two["state"].items() for k, v in s.items())
+
+    # 4. Export: the FSDP2 run's final adapter (EMA weights, gathered) equals the 1-process one's.
+    lora_one = load_file(one / "lora" / "pytorch_lora_weights.safetensors")
+    lora_two = load_file(two / "lora" / "pytorch_lora_weights.safetensors")
+    assert lora_one.keys() == lora_two.keys()
+    assert max(_relative(lora_one[k], lora_two[k]) for k in lora_one) < 1e-2

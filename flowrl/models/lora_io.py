@@ -40,11 +40,13 @@ def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
     """A copy of the adapter's tensors, keys relative to the transformer (``blocks.0.attn.to_q.lora_A.weight``).
 
     Always a copy: float32 CPU parameters would otherwise be returned as themselves, and a caller that
-    reads the state inside ``ema_weights(...)`` would see it revert to the raw weights on leaving."""
+    reads the state inside ``ema_weights(...)`` would see it revert to the raw weights on leaving.
+    Under FSDP2 the sharded (DTensor) weights are gathered whole: every process must call this."""
     from peft.utils import get_peft_model_state_dict
 
-    return {k: v.detach().to("cpu", torch.float32, copy=True).contiguous()
-            for k, v in get_peft_model_state_dict(transformer).items()}
+    from flowrl.training.sharded import full_state
+
+    return full_state(get_peft_model_state_dict(transformer))
 
 
 def lora_config_dict(transformer) -> dict:

@@ -7,6 +7,7 @@ prompt splits to fit a reward direction on) call them directly.
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 from accelerate import Accelerator
@@ -98,11 +99,60 @@ def flat_config(cfg: Config) -> dict[str, int | float | str | bool]:
 
 
 def make_accelerator(cfg: Config) -> Accelerator:
-    """CPU runs stay float32; GPU runs autocast to the configured precision."""
+    """CPU runs stay float32; GPU runs autocast to the configured precision.
+
+    Launched with an FSDP2 accelerate config on the CPU (``fsdp2_cpu_2proc.yaml``), the gloo processes
+    shard the transformer too (:func:`_fsdp2_on_cpu`). A DeepSpeed launch without CUDA or without the
+    deepspeed package is a one-line error here, before accelerate or anything else starts."""
     on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
     log_with = None if cfg.log.backend == "none" else cfg.log.backend
     if log_with and not importlib.util.find_spec(log_with):  # accelerate would only warn and log nothing
         raise ConfigError(f"config key 'log.backend': {log_with} is not installed: pip install 'flowrl[tracking]' "
                           "(or set log.backend=none; metrics.jsonl is written either way)", key="log.backend")
-    return Accelerator(cpu=on_cpu, mixed_precision="no" if on_cpu else cfg.train.mixed_precision,
-                       log_with=log_with, project_dir=cfg.run_dir)
+    check_deepspeed_launch(on_cpu)
+    accelerator = Accelerator(cpu=on_cpu, mixed_precision="no" if on_cpu else cfg.train.mixed_precision,
+                              log_with=log_with, project_dir=cfg.run_dir)
+    if on_cpu and _env_flag("ACCELERATE_USE_FSDP") and accelerator.num_processes > 1:
+        _fsdp2_on_cpu(accelerator)
+    return accelerator
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "false").strip().lower() in ("1", "true", "yes")
+
+
+def check_deepspeed_launch(on_cpu: bool) -> None:
+    """A DeepSpeed launch (``distributed_type: DEEPSPEED``, i.e. ``ACCELERATE_USE_DEEPSPEED=true``) that cannot run:
+    accelerate would silently drop DeepSpeed on the CPU (its state ignores the flag with ``cpu=True``) and raise
+    an ImportError with a traceback without the package. DeepSpeed needs CUDA GPUs."""
+    if not _env_flag("ACCELERATE_USE_DEEPSPEED"):
+        return
+    if on_cpu or not torch.cuda.is_available():
+        raise ConfigError("accelerate config: DeepSpeed (distributed_type: DEEPSPEED) needs CUDA GPUs and this run "
+                          "is on the CPU; launch with configs/accelerate/fsdp2_cpu_2proc.yaml or multi_cpu_2proc.yaml "
+                          "instead (or unset ACCELERATE_USE_DEEPSPEED)")
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError("accelerate config: DeepSpeed (distributed_type: DEEPSPEED) is not installed: "
+                          "pip install deepspeed, or launch with configs/accelerate/fsdp2_sd3.yaml / ddp_8gpu.yaml")
+
+
+def _fsdp2_on_cpu(accelerator: Accelerator) -> None:
+    """Turn accelerate's gloo CPU group into an FSDP2 one, so CPU processes shard as GPUs do.
+
+    accelerate refuses FSDP on the CPU: with ``cpu=True`` its state is ``MULTI_CPU`` and the FSDP plugin
+    is only attached for ``MULTI_GPU``-like types (``AcceleratorState.__init__``, accelerate/state.py,
+    ``elif self.distributed_type in [DistributedType.MULTI_GPU, ...]: ... self.distributed_type =
+    DistributedType.FSDP``). torch's ``fully_shard`` and DTensor do run on CPU tensors over gloo, so
+    flowrl sets the type and the plugin (read from the launcher's ``FSDP_*`` variables) itself; from
+    then on ``accelerator.prepare`` takes accelerate's own FSDP2 path (``_prepare_fsdp2``), the one a
+    GPU launch takes. Only FSDP version 2 is supported this way."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()
+    if plugin.fsdp_version != 2:
+        raise ConfigError("accelerate config: FSDP on the CPU needs fsdp_config.fsdp_version: 2 "
+                          "(see configs/accelerate/fsdp2_cpu_2proc.yaml)")
+    accelerator.state.fsdp_plugin = plugin
+    accelerator.state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP

@@ -34,6 +34,7 @@ from flowrl.sampling import StepPlan, chunked_rollout, concat_trajectories, roll
 from flowrl.sampling.plan import branch_schedule, depth_pruned_steps
 from flowrl.sampling.pilot import commit_candidates, join_committed, pilot_variances, slot_seeds
 from flowrl.training.ema import LoraEMA, ema_weights
+from flowrl.training.faults import FaultCounter, TrainingAborted, checkpoint_write_failed, grad_norm as total_grad_norm
 from flowrl.training.lr import build_lr_scheduler
 from flowrl.training.guard import DiversityGuard, restore_weights
 from flowrl.training.metrics import MetricsLogger
@@ -65,8 +66,13 @@ def restore_checkpoint(cfg: Config, policy, optimizer, ema, *, rank: int, snapsh
 
     from flowrl.training.checkpoint import load_checkpoint
 
+    from flowrl.training.ema import peft_key
+    from flowrl.training.sharded import like
+
     lora_state, trainer_state = load_checkpoint(cfg.run_dir, resume=cfg.train.resume, optimizer=optimizer, ema=ema,
                                                 rank=rank, snapshots=snapshots)
+    live = {peft_key(name): param for name, param in policy.named_trainable_parameters()}
+    lora_state = {k: like(v, live[k]) if k in live else v for k, v in lora_state.items()}  # FSDP2: this rank's slice
     set_peft_model_state_dict(policy.transformer, lora_state)
     return trainer_state
 
@@ -104,16 +110,20 @@ def eval_grid(policy, ema, prompts: PromptSet, cfg: Config, guidance: float, out
     return out
 
 
-def export_final_lora(policy, ema, out_dir: Path, config_file: Path | None = None) -> Path:
+def export_final_lora(policy, ema, out_dir: Path, config_file: Path | None = None, *, write: bool = True) -> Path:
     """Write the adapter (EMA weights when kept) to ``out_dir`` as ``export-lora --format all`` does: the diffusers
     file (returned), the kohya file and a README, scale folded, with the base model and the hash of ``config_file``
-    (default ``out_dir/../config.yaml``, the run's saved config) in the metadata. Overwrites an earlier export."""
+    (default ``out_dir/../config.yaml``, the run's saved config) in the metadata. Overwrites an earlier export.
+
+    Under FSDP2 every process must call this (the sharded adapter is gathered whole); only ``write`` ones write."""
     import yaml
 
-    from flowrl.models.lora_io import FAMILY_OF_PIPELINE, write_lora_files
+    from flowrl.models.lora_io import DIFFUSERS_WEIGHT_NAME, FAMILY_OF_PIPELINE, write_lora_files
 
     with ema_weights(ema):
         state = lora_state_dict(policy.transformer)
+    if not write:
+        return Path(out_dir) / DIFFUSERS_WEIGHT_NAME
     config_file = Path(config_file) if config_file is not None else Path(out_dir).parent / "config.yaml"
     config_text = config_file.read_text() if config_file.is_file() else None
     model = (yaml.safe_load(config_text) or {}).get("model", {}) if config_text else {}
@@ -150,6 +160,14 @@ class Run:
     anchor: LoraEMA | None = None  # HRF: the adapter at the start of the current phase
     guard: DiversityGuard | None = None  # guard.enabled: the diversity guard (flowrl/training/guard.py)
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None  # train.lr_scheduler, one step per optimizer step
+    faults: FaultCounter | None = None  # skipped non-finite steps and unscorable epochs (flowrl/training/faults.py)
+
+    @property
+    def fault_counter(self) -> FaultCounter:
+        if self.faults is None:
+            t = self.cfg.train
+            self.faults = FaultCounter(max_skipped_steps=t.max_skipped_steps, max_nan_epochs=t.max_nan_epochs)
+        return self.faults
 
     @property
     def snapshots(self) -> dict[str, LoraEMA]:
@@ -191,20 +209,26 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
         candidates = sampling.pilot.candidates
         check(not candidates or candidates >= sampling.prompts_per_batch, "sampling.pilot.candidates",
               f"must be >= the {sampling.prompts_per_batch} prompts per batch that sampling.groups_per_epoch gives")
-    if accelerator.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
     t = cfg.train
     policy = build_training_policy(cfg, accelerator.device)
     params = policy.trainable_parameters()
     optimizer = torch.optim.AdamW(params, lr=t.learning_rate, betas=tuple(t.adam_betas), eps=t.adam_eps,
                                   weight_decay=t.weight_decay)
     policy.forward_module, optimizer = accelerator.prepare(policy.transformer, optimizer)
+    params = policy.trainable_parameters()  # FSDP2 shards in place: the parameters are new (DTensor) objects
+    if accelerator.is_fsdp2 and accelerator.is_main_process:
+        from flowrl.training.sharded import is_sharded
+
+        tqdm.write(f"flowrl train: FSDP2 over {accelerator.num_processes} processes: "
+                   f"{sum(map(is_sharded, params))} of {len(params)} LoRA tensors sharded")
     scheduler = build_lr_scheduler(optimizer, t.lr_scheduler, warmup_steps=t.lr_warmup_steps,  # not prepared: one
                                    total_steps=t.epochs * t.inner_epochs * t.optimizer_steps_per_epoch)  # step a step
     ema = LoraEMA(policy.named_trainable_parameters(), decay=t.ema_decay) if t.ema else None
     rewards, weights = build_rewards(cfg.rewards, accelerator.device)
     train_prompts, test_prompts = load_prompt_splits(cfg)
+    if accelerator.is_main_process:  # only now: a bad model path, reward or prompt file leaves no run directory
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
     if cfg.model.text_cache == "disk":  # every prompt the run encodes, once; the encoders may go after
         attach_text_cache(policy, cfg.model.text_cache_path or run_dir / "text_cache",
                           [*train_prompts.prompts, *test_prompts.prompts, *eval_prompt_set(cfg, test_prompts).prompts],
@@ -394,11 +418,22 @@ def log_base_model(run: Run) -> None:
 
 def optimizer_step(run: Run, stats: StatsAccumulator) -> None:
     """Clip the accumulated gradients (``train.max_grad_norm``, 0: no clipping), step, clear them;
-    the pre-clip norm goes into ``stats``."""
+    the pre-clip norm goes into ``stats``. A non-finite norm (NaN/inf loss or gradient) skips the step with the
+    gradients zeroed, so the weights stay finite; ``train.max_skipped_steps`` in a row stop the run."""
     if run.anchor is not None:
         anchor_pull(run)
     max_norm = run.cfg.train.max_grad_norm
     grad_norm = run.accelerator.clip_grad_norm_(run.params, max_norm) if max_norm > 0 else None
+    norm = float(grad_norm) if grad_norm is not None else float(total_grad_norm(run.params))
+    if run.fault_counter.step(norm):  # after the all-reduce: every process sees the same norm and skips alike
+        if run.accelerator.is_main_process:
+            tqdm.write(f"flowrl train: warning: non-finite gradient (norm {norm}); optimizer step skipped "
+                       f"({run.fault_counter.skipped_in_a_row} in a row, train.max_skipped_steps="
+                       f"{run.cfg.train.max_skipped_steps})")
+        run.optimizer.zero_grad(set_to_none=True)
+        if run.scheduler is not None:
+            run.scheduler.step()  # the schedule stays a function of the step index
+        return
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     if run.scheduler is not None:
@@ -422,6 +457,14 @@ def end_epoch(run: Run, epoch: int, *, gathered: dict[str, torch.Tensor], combin
     metrics["policy/zero_std_groups"] = zero_std_fraction(combined, group_ids)  # groups that teach nothing
     metrics.update(stats.reduce(accelerator))
     metrics.update(extra)
+    aborted = None
+    try:  # every trained reward NaN: nothing trained this epoch (a dead reward server under reward_errors=nan)
+        warning = run.fault_counter.epoch(gathered, [k for k, w in run.weights.items() if w != 0], epoch=epoch)
+    except TrainingAborted as error:
+        warning, aborted = None, error
+    if warning and accelerator.is_main_process:
+        tqdm.write(warning)
+    metrics.update(run.fault_counter.metrics())
     if run.marble is not None:
         metrics.update(run.marble.weight_metrics())
     metrics["optim/lr"] = run.optimizer.param_groups[0]["lr"]
@@ -431,6 +474,9 @@ def end_epoch(run: Run, epoch: int, *, gathered: dict[str, torch.Tensor], combin
     run.counters["rollouts"] += rollouts
     run.counters["train_wall_s"] += train_done - epoch_start
     metrics.update({f"perf/{k}": v for k, v in run.counters.items()})
+    if aborted is not None:  # logged, but no checkpoint of this epoch: the last one on disk stays the latest
+        run.logger.log(metrics, step=epoch)
+        raise aborted
     last = out_of_time(run) or run.guard_stopped  # the run ends after this epoch, before train.epochs
     if cfg.log.test_every and ((epoch + 1) % cfg.log.test_every == 0 or last):  # the curve's last point
         metrics.update(held_out_metrics(run.policy, run.ema, run.rewards, run.test_set, cfg, run.eval_guidance,
@@ -448,8 +494,11 @@ def end_epoch(run: Run, epoch: int, *, gathered: dict[str, torch.Tensor], combin
             extra["reference_resets"] = run.reference_resets
         if run.guard is not None:
             extra["guard"] = run.guard.state_dict()
-        save_run_checkpoint(cfg, run.policy, run.optimizer, run.ema, accelerator, epoch=epoch, counters=run.counters,
-                            extra=extra, snapshots=run.snapshots)
+        try:
+            save_run_checkpoint(cfg, run.policy, run.optimizer, run.ema, accelerator, epoch=epoch,
+                                counters=run.counters, extra=extra, snapshots=run.snapshots)
+        except OSError as error:  # a full disk: the save is atomic, so the previous checkpoint is still the latest
+            raise checkpoint_write_failed(run.run_dir, epoch, error, clean=accelerator.is_main_process) from error
     bar.set_postfix(reward=f"{metrics['reward/combined_mean']:.3f}", loss=f"{metrics.get('loss/total', 0):.4f}",
                     sample=f"{metrics['perf/sample_s']:.1f}s", train=f"{metrics['perf/train_s']:.1f}s")
     return metrics
@@ -466,8 +515,8 @@ def finish_run(run: Run, metrics: dict) -> dict[str, float]:
     cfg, accelerator = run.cfg, run.accelerator
     if run.guard_stopped and run.guard.best.tensors:  # export and report the best reward-diversity weights
         restore_weights(run.policy, run.ema, run.guard.best.tensors)
-    if cfg.train.export_lora and accelerator.is_main_process:
-        export_final_lora(run.policy, run.ema, run.run_dir / "lora")
+    if cfg.train.export_lora:  # every rank gathers (FSDP2), the main one writes
+        export_final_lora(run.policy, run.ema, run.run_dir / "lora", write=accelerator.is_main_process)
     if cfg.log.report_prompts:
         prompts = stratified_prefix(run.test_prompts, cfg.log.report_prompts)  # equal share per task
         report = write_report(run.run_dir, policy=run.policy, ema=run.ema, rewards=run.rewards, prompts=prompts,

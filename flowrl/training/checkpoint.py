@@ -24,7 +24,9 @@ stored as tensors and lists of ints for that reason).
 
 Multi-process: every rank writes its own RNG file, rank 0 everything else; ranks meet at
 ``barrier`` (e.g. ``accelerator.wait_for_everyone``). The run directory must be shared by all
-ranks (one filesystem), as it is for single-node training.
+ranks (one filesystem), as it is for single-node training. Under FSDP2 the LoRA, EMA and optimizer
+states are sharded DTensors: every rank gathers them (:mod:`flowrl.training.sharded`) before rank 0
+writes, so the files are those of a 1-process run, and loading slices them back onto each rank.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ from typing import Any, Callable
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+
+from flowrl.training.sharded import full_optimizer_state, shard_optimizer_state
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +93,14 @@ def save_checkpoint(run_dir: str | Path, step: int, *, lora_state: dict[str, tor
         tmp.mkdir()
     barrier()  # the tmp dir exists (and is clean) before any rank writes into it
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    # Every rank gathers (FSDP2: the optimizer and EMA states are sharded DTensors; an all-gather each),
+    # so rank 0 writes the files a 1-process run writes. Plain tensors pass through unchanged.
+    optimizer_state = full_optimizer_state(optimizer)
+    averaged = {name: (a.state_tensors(), a.state_dict()) for name, a in (("ema", ema), *(snapshots or {}).items())
+                if a is not None}
     if rank == 0:
-        _write_payload(tmp, step, lora_state=lora_state, lora_config=lora_config, optimizer=optimizer, ema=ema,
-                       snapshots=snapshots or {}, scaler=scaler,
+        _write_payload(tmp, step, lora_state=lora_state, lora_config=lora_config, optimizer_state=optimizer_state,
+                       averaged=averaged, scaler=scaler,
                        trainer_state={"step": step, "world_size": world_size, **(trainer_state or {})},
                        config=config)
     barrier()  # every rank's RNG file is in place
@@ -105,16 +114,16 @@ def save_checkpoint(run_dir: str | Path, step: int, *, lora_state: dict[str, tor
     return final
 
 
-def _write_payload(tmp: Path, step: int, *, lora_state, lora_config, optimizer, ema, snapshots, scaler,
+def _write_payload(tmp: Path, step: int, *, lora_state, lora_config, optimizer_state, averaged, scaler,
                    trainer_state, config) -> None:
-    """Rank 0's files. Each is complete before the next starts, so a crash leaves only the tmp dir."""
+    """Rank 0's files. Each is complete before the next starts, so a crash leaves only the tmp dir.
+
+    ``averaged``: {name: (tensors, JSON state)} of the EMA and snapshots, already gathered."""
     save_file(_cpu_float(lora_state), str(tmp / "lora.safetensors"),
               metadata={"format": "pt", "lora_config": json.dumps(lora_config)})
-    for name, averaged in (("ema", ema), *snapshots.items()):
-        if averaged is not None:
-            save_file(averaged.state_tensors(), str(tmp / f"{name}.safetensors"),
-                      metadata={"format": "pt", "ema_state": json.dumps(averaged.state_dict())})
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    for name, (tensors, state) in averaged.items():
+        save_file(tensors, str(tmp / f"{name}.safetensors"), metadata={"format": "pt", "ema_state": json.dumps(state)})
+    torch.save(optimizer_state, tmp / "optimizer.pt")
     if scaler is not None:
         torch.save(scaler.state_dict(), tmp / "scaler.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
@@ -241,6 +250,7 @@ def load_checkpoint(path_or_run_dir: str | Path, *, resume: str | Path = "latest
     trainer_state = json.loads((path / "trainer_state.json").read_text())
     if optimizer is not None:
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True))
+        shard_optimizer_state(optimizer)  # FSDP2: whole state tensors -> this rank's slices (else a no-op)
     if ema is not None:
         if (path / "ema.safetensors").is_file():
             ema.load_state_tensors(load_file(str(path / "ema.safetensors")))

@@ -89,12 +89,19 @@ class LoraEMA:
 
     # --- tensors, by name -------------------------------------------------------------
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """EMA weights as float32 CPU tensors, keyed like ``lora_state_dict`` (safetensors-ready)."""
-        return {n: s.detach().float().cpu().contiguous() for n, s in zip(self.names, self.model.shadow_params)}
+        """EMA weights as float32 CPU tensors, keyed like ``lora_state_dict`` (safetensors-ready).
+
+        Under FSDP2 the shadows are DTensors laid out as their (sharded) parameters; they are gathered
+        whole here, so every process must call this."""
+        from flowrl.training.sharded import full_state
+
+        return full_state(dict(zip(self.names, self.model.shadow_params)))
 
     @torch.no_grad()
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Inverse of :meth:`state_tensors`; every tracked name must be present with its shape."""
+        from flowrl.training.sharded import like
+
         missing = [n for n in self.names if n not in tensors]
         if missing:
             raise ValueError(f"EMA state lacks {len(missing)} tensor(s), e.g. {missing[0]!r}")
@@ -102,7 +109,7 @@ class LoraEMA:
             value = tensors[name]
             if value.shape != shadow.shape:
                 raise ValueError(f"EMA tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(shadow.shape)}")
-            shadow.copy_(value.to(device=shadow.device, dtype=shadow.dtype))
+            shadow.copy_(like(value.to(device=shadow.device, dtype=shadow.dtype), shadow))  # FSDP2: this rank's slice
 
     # --- counters and hyper-parameters (JSON-safe) --------------------------------------
     def state_dict(self) -> dict:
@@ -118,12 +125,17 @@ class LoraEMA:
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
         """Temporarily put the EMA weights into the live parameters; the trained ones come back after."""
+        from flowrl.training.sharded import is_sharded
+
+        # DTensor has no sharding rule for aten._foreach_copy_ (FSDP2): copy one by one, the same values.
+        foreach, self.model.foreach = self.model.foreach, self.model.foreach and not is_sharded(self.parameters[0])
         self.model.store(self.parameters)
         self.model.copy_to(self.parameters)
         try:
             yield
         finally:
             self.model.restore(self.parameters)
+            self.model.foreach = foreach
 
 
 def ema_weights(ema: LoraEMA | None) -> contextlib.AbstractContextManager:

@@ -1,0 +1,72 @@
+"""Full tensors out of, and back into, FSDP2-sharded parameters (DTensors), for checkpoints and export.
+
+Under FSDP2 (``fully_shard``, what accelerate's ``fsdp_version: 2`` applies) each LoRA parameter is a
+DTensor holding one slice per process, and AdamW's ``exp_avg``/``exp_avg_sq`` and the EMA shadows are
+DTensors of the same layout. A checkpoint must hold the same files a 1-process run writes, so:
+
+* :func:`full` turns a DTensor into the whole tensor (an all-gather: EVERY process must call it, in the
+  same order) and leaves plain tensors alone; :func:`full_state` does so for a dict, CPU float32 copies.
+* :func:`like` cuts a whole tensor into the slice a DTensor ``reference`` holds on this process (no
+  communication: every process has read the whole tensor from the checkpoint file).
+* :func:`full_optimizer_state` is ``optimizer.state_dict()`` with whole tensors (integer parameter ids,
+  exactly the 1-process layout), and :func:`shard_optimizer_state` re-slices a loaded state to the live
+  (sharded) parameters after ``optimizer.load_state_dict``.
+
+Without DTensors every function is the identity (or a copy), so 1-process and DDP runs take the same path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def is_sharded(tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (collective: every process must call it); a plain tensor as it is."""
+    return tensor.full_tensor() if is_sharded(tensor) else tensor
+
+
+def full_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Whole, detached float32 CPU copies (collective under FSDP2: every process, same key order)."""
+    return {k: full(v.detach()).to("cpu", torch.float32, copy=True).contiguous() for k, v in state.items()}
+
+
+def like(value: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """``value`` (a whole tensor) laid out as ``reference``: this process's slice when it is a DTensor."""
+    if not is_sharded(reference):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    value = value.to(device=reference.device, dtype=reference.dtype)
+    # src_data_rank=None: every process cuts its own slice of the tensor it already holds; no scatter.
+    return distribute_tensor(value, reference.device_mesh, reference.placements, src_data_rank=None)
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer.state_dict()`` with every sharded state tensor gathered (collective under FSDP2)."""
+    state = optimizer.state_dict()
+    state["state"] = {index: {k: full(v).cpu() if torch.is_tensor(v) else v for k, v in entry.items()}
+                      for index, entry in state["state"].items()}
+    return state
+
+
+@torch.no_grad()
+def shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """After ``optimizer.load_state_dict(whole state)``: lay each state tensor out as its parameter is.
+
+    ``Optimizer.load_state_dict`` moves a state tensor to its parameter's device and dtype but cannot
+    shard it; a parameter-shaped state (``exp_avg``) of a DTensor parameter becomes its slice here.
+    Scalars (``step``) stay as they are."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not is_sharded(param):
+                continue
+            entry = optimizer.state.get(param, {})
+            for key, value in entry.items():
+                if torch.is_tensor(value) and not is_sharded(value) and value.shape == param.shape:
+                    entry[key] = like(value, param)
