@@ -1,7 +1,8 @@
 """The ``flowrl`` command line: train, sample, eval, export-lora.
 
 Every subcommand takes a YAML config plus ``a.b=value`` overrides. Errors a user can fix (bad
-config keys, missing files, impossible options) are printed as one line, without a traceback.
+config keys, missing files, impossible options, a reward that fails, a run that stopped itself to contain a
+fault) are printed as one line, without a traceback; ``--debug`` (or ``FLOWRL_DEBUG=1``) re-raises them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ import sys
 DEFAULT_CONFIG = "configs/toy/nft.yaml"
 
 
+def _debug_arg(parser: argparse.ArgumentParser, default=False) -> None:
+    parser.add_argument("--debug", action="store_true", default=default,
+                        help="show the full traceback of an error (sets FLOWRL_DEBUG=1)")
+
+
 def _config_args(parser: argparse.ArgumentParser, *, optional_config: bool = False) -> None:
+    _debug_arg(parser, argparse.SUPPRESS)  # SUPPRESS: `flowrl --debug train` is not reset by the subcommand
     parser.add_argument("config", nargs="?" if optional_config else None,
                         help="YAML config file" + (" (default: the embedded toy config)" if optional_config else ""))
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. sampling.num_steps=4")
@@ -21,6 +28,7 @@ def _config_args(parser: argparse.ArgumentParser, *, optional_config: bool = Fal
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flowrl", description="RL alignment for flow-matching text-to-image models.")
+    _debug_arg(parser)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     train = commands.add_parser("train", help="train a LoRA with an RL recipe (GRPO, NFT, TMPO, ...)")
@@ -45,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--out", default=None, help="output directory (default: RUN_DIR/eval)")
 
     export = commands.add_parser("export-lora", help="export a checkpoint's LoRA for diffusers or ComfyUI")
+    _debug_arg(export, argparse.SUPPRESS)
     export.add_argument("checkpoint", help="checkpoint directory, or a run directory (its latest checkpoint)")
     export.add_argument("out", help="output directory")
     export.add_argument("--format", choices=("all", "diffusers", "comfyui", "kohya"), default="all",
@@ -74,7 +83,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = parse_args(argv)
+    if args.debug:
+        os.environ["FLOWRL_DEBUG"] = "1"
     from flowrl.config import ConfigError
+    from flowrl.rewards_api import RewardError
+    from flowrl.training.faults import TrainingAborted
 
     try:
         if args.command == "sample":
@@ -103,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {run_eval(args.config, list(args.overrides), args.checkpoint, args.out)}")
             return 0
         raise NotImplementedError(f"'flowrl {args.command}' is not available in this release yet")
-    except (ConfigError, FileNotFoundError, NotImplementedError, ValueError) as error:
+    except (ConfigError, FileNotFoundError, NotImplementedError, ValueError, RewardError, TrainingAborted) as error:
         if os.environ.get("FLOWRL_DEBUG"):
             raise
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import types
@@ -94,11 +95,15 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     if tp in (int, float):
         if isinstance(value, str):  # PyYAML reads 1e-4 as a string; "3" from an override is fine too
             try:
-                return tp(value)
+                value = tp(value)
             except ValueError:
                 pass
         if isinstance(value, int if tp is int else (int, float)) and not isinstance(value, bool):
-            return tp(value)  # bool is an int subclass, but `lr: true` is surely a mistake
+            number = tp(value)  # bool is an int subclass, but `lr: true` is surely a mistake
+            if tp is float and not math.isfinite(number):  # no option means anything at inf or NaN
+                raise ConfigError(f"config key '{key}': must be a finite number, got {number} (lr=inf once wrote "
+                                  "NaN into every LoRA weight); use a finite value, or null where the key allows it")
+            return number
         raise _type_error(key, tp.__name__, value)
     if origin in (list, tuple) or tp in (list, tuple):
         if not isinstance(value, (list, tuple)):

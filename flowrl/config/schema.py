@@ -73,6 +73,8 @@ class LoraConfig:
 
     def validate(self):
         check(self.rank >= 1, "rank", "must be >= 1")
+        check(self.alpha > 0, "alpha", "must be > 0 (the update is scaled by alpha / rank)")
+        check(0 <= self.dropout < 1, "dropout", "must be in [0, 1)")
 
 
 @dataclass
@@ -177,7 +179,9 @@ class SamplingConfig:
     def validate(self):
         check(self.num_steps >= 1, "num_steps", "must be >= 1")
         check(self.group_size >= 1, "group_size", "must be >= 1")
+        check(self.prompts_per_batch >= 1, "prompts_per_batch", "must be >= 1 prompt per rollout batch")
         check(self.noise_level >= 0, "noise_level", "must be >= 0")
+        check(self.guidance_scale >= 0, "guidance_scale", "must be >= 0")
         size = self.window.size
         if size is not None:
             check(1 <= size <= self.num_steps, "window.size",
@@ -388,17 +392,35 @@ class TrainConfig:
     dense_lookahead: int | None = None
     """dense_ode: model calls per look-ahead (the last one steps straight to sigma 0); null runs the full
     remaining ODE, which DenseGRPO finds better than a short look-ahead."""
+    max_skipped_steps: int = 3
+    """Optimizer steps in a row whose gradient is non-finite (NaN/inf loss or gradient) that are skipped (grads
+    zeroed, weights untouched, counted in faults/skipped_steps) before the run stops with an error; a lone spike
+    is survived, 3 in a row means the weights or data diverged and every further step is wasted."""
+    max_nan_epochs: int = 2
+    """Epochs in a row in which every trained reward is NaN (nothing could be scored: a dead reward server under
+    reward_errors=nan) before the run stops with an error; such an epoch trains on nothing (loss 0)."""
 
     def validate(self):
         for key in ("epochs", "batches_per_epoch", "inner_epochs", "optimizer_steps_per_epoch", "micro_batch_size"):
             check(getattr(self, key) >= 1, key, "must be >= 1")
         check(self.learning_rate > 0, "learning_rate", "must be > 0")
+        check(self.advantage_clip > 0, "advantage_clip", "must be > 0 (advantages are clipped to +-this; 0 trains "
+              "nothing)")
+        check(self.clip_range > 0, "clip_range", "must be > 0 (the PPO ratio clip epsilon, e.g. 1e-4)")
+        check(self.clip_range_high is None or self.clip_range_high > 0, "clip_range_high", "must be > 0, or null")
+        check(self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0: no clipping)")
+        check(self.adam_eps > 0, "adam_eps", "must be > 0")
+        check(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        check(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1 (the latest is needed to resume)")
+        check(self.max_skipped_steps >= 1, "max_skipped_steps", "must be >= 1 step")
+        check(self.max_nan_epochs >= 1, "max_nan_epochs", "must be >= 1 epoch")
         check(self.lr_warmup_steps >= 0, "lr_warmup_steps", "must be >= 0")
         check(self.lr_warmup_steps == 0 or self.lr_scheduler != "constant", "lr_warmup_steps",
               "train.lr_scheduler=constant has no warm-up: use constant_with_warmup, cosine or linear")
         check(self.ema_start_step >= 0, "ema_start_step", "must be >= 0")
         check(self.ema_every >= 1, "ema_every", "must be >= 1 optimizer step")
-        check(len(self.adam_betas) == 2, "adam_betas", "must be [beta1, beta2]")
+        check(len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas), "adam_betas",
+              "must be [beta1, beta2], each in [0, 1)")
         check(0 < self.timestep_fraction <= 1, "timestep_fraction", "must be in (0, 1]")
         check(self.beta >= 0, "beta", "must be >= 0")
         check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0 (0: only at the end)")
@@ -741,3 +763,13 @@ class Config:
               "the guard measures diversity within a prompt's group: use sampling.group_size >= 2")
         check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device",
               "use auto, cpu, cuda or cuda:N")
+        check(bool(self.rewards), "rewards", "is empty, so nothing trains: list at least one reward, e.g. "
+              "rewards=[{name: brightness}]")
+        if self.device.startswith("cuda"):
+            import torch
+
+            index = self.device.partition(":")[2]
+            check(index == "" or index.isdigit(), "device", f"{self.device!r}: use cuda or cuda:N")
+            count = torch.cuda.device_count()
+            check(count > int(index or 0), "device", f"{self.device} is not available: this machine has "
+                  f"{count} CUDA device(s); use device=auto or cpu" + (f", or cuda:0..{count - 1}" if count else ""))

@@ -1,0 +1,98 @@
+"""Fault containment: what a run does when a step, an epoch's rewards or a checkpoint write goes wrong.
+
+- A non-finite gradient (a NaN/inf loss gives one too): the optimizer step is skipped, its gradients zeroed, so
+  the weights stay finite; ``train.max_skipped_steps`` such steps in a row stop the run.
+- An epoch in which every trained reward is NaN (nothing could be scored) trains on nothing: one warning line
+  names the reward, and ``train.max_nan_epochs`` such epochs in a row stop the run.
+- A checkpoint write that fails (a full disk): the previous checkpoint stays the latest one, and the run stops.
+
+Every stop is a :class:`TrainingAborted`, one line saying what happened and what to do; it is raised before
+the epoch's checkpoint, so the last checkpoint on disk is the last good state (resume with train.resume=latest).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+import torch
+
+
+class TrainingAborted(RuntimeError):
+    """The run stopped itself to contain a fault; the message is one line, the last checkpoint is intact."""
+
+
+def grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
+    """The total L2 norm of the gradients (NaN/inf if any entry is); 0 when there are none."""
+    grads = [p.grad.detach() for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norms = [g.full_tensor().norm() if hasattr(g, "full_tensor") else g.norm() for g in grads]  # DTensor: global
+    return torch.stack([n.float().cpu() for n in norms]).norm()
+
+
+class FaultCounter:
+    """Skipped steps (in a row and in all) and unscorable epochs in a row; raises TrainingAborted at the limit."""
+
+    def __init__(self, *, max_skipped_steps: int, max_nan_epochs: int) -> None:
+        self.max_skipped_steps, self.max_nan_epochs = max_skipped_steps, max_nan_epochs
+        self.skipped_in_a_row = self.skipped_total = self.nan_epochs_in_a_row = 0
+
+    def step(self, norm: float, *, step_label: str = "") -> bool:
+        """Record one optimizer step's gradient norm; True if the step must be skipped."""
+        if math.isfinite(norm):
+            self.skipped_in_a_row = 0
+            return False
+        self.skipped_in_a_row += 1
+        self.skipped_total += 1
+        if self.skipped_in_a_row >= self.max_skipped_steps:
+            raise TrainingAborted(
+                f"{self.skipped_in_a_row} optimizer steps in a row had a non-finite gradient or loss ({norm}) and "
+                f"were skipped (train.max_skipped_steps={self.max_skipped_steps}); the last checkpoint is intact: "
+                "lower train.learning_rate or raise train.max_grad_norm's clipping, check the rewards for inf, and "
+                "resume with train.resume=latest")
+        return True
+
+    def epoch(self, rewards: Mapping[str, torch.Tensor], trained: Iterable[str], *, epoch: int) -> str | None:
+        """Record one epoch's gathered rewards; returns a warning line when every trained reward is NaN."""
+        trained = [k for k in trained if k in rewards]
+        dead = [k for k in trained if not bool(torch.isfinite(rewards[k]).any())]
+        if not trained or len(dead) < len(trained):
+            self.nan_epochs_in_a_row = 0
+            return None
+        self.nan_epochs_in_a_row += 1
+        names = ", ".join(repr(k) for k in dead)
+        if self.nan_epochs_in_a_row >= self.max_nan_epochs:
+            raise TrainingAborted(
+                f"reward {names} scored every image NaN (could not score) for {self.nan_epochs_in_a_row} epochs in "
+                f"a row through epoch {epoch} (train.max_nan_epochs={self.max_nan_epochs}), so nothing trained; the "
+                "last checkpoint is intact: fix the reward (is its server up? see the warnings above) and resume "
+                "with train.resume=latest")
+        return (f"flowrl train: warning: epoch {epoch}: reward {names} scored every image NaN (could not score), so "
+                f"this epoch trains on nothing; the run stops after {self.max_nan_epochs} such epochs in a row")
+
+    def metrics(self) -> dict[str, float]:
+        return {"faults/skipped_steps": float(self.skipped_total),
+                "faults/nan_reward_epochs": float(self.nan_epochs_in_a_row)}
+
+
+def checkpoint_write_failed(run_dir, epoch: int, error: OSError, *, clean: bool = True) -> TrainingAborted:
+    """The stop after a checkpoint write failed (e.g. ENOSPC): the half-written ``.tmp_*`` directory is removed
+    (``clean``; resume ignores it anyway) and the message names the checkpoint that is still the latest."""
+    import shutil
+    from pathlib import Path
+
+    from flowrl.training.checkpoint import CHECKPOINTS, resolve_checkpoint
+
+    root = Path(run_dir) / CHECKPOINTS
+    if clean:
+        for stale in root.glob(".tmp_*"):
+            shutil.rmtree(stale, ignore_errors=True)
+    try:
+        intact = f"the last checkpoint, {resolve_checkpoint(run_dir)}, is intact"
+    except FileNotFoundError:
+        intact = "no earlier checkpoint exists"
+    reason = error.strerror or str(error) or type(error).__name__
+    return TrainingAborted(f"could not write the checkpoint of epoch {epoch} under {root}: {reason}"
+                           f"{f' ({error.filename})' if error.filename else ''}; {intact}: free disk space (or "
+                           "lower train.keep_checkpoints) and resume with train.resume=latest")
