@@ -106,7 +106,7 @@ def test_fsdp2_two_processes_match_one_and_resume_exactly(tmp_path):
             for key, value in state.items():
                 other = opt_two["state"][index][key]
                 assert type(other) is torch.Tensor and other.shape == value.shape, (index, key)  # whole, not shards
-                # exp_avg_sq holds squared gradients: a relative 1e-3 of the gradient doubles; AdamW's step count is exact
+                # exp_avg_sq holds squared gradients: their relative error doubles the gradients'
                 assert _relative(value.double(), other.double()) < 1e-2, (step, index, key)
 
     # 3. Resume: the FSDP2 run killed after its first checkpoint and resumed under FSDP2 is bit-exact.
@@ -131,3 +131,80 @@ def test_fsdp2_two_processes_match_one_and_resume_exactly(tmp_path):
     lora_two = load_file(two / "lora" / "pytorch_lora_weights.safetensors")
     assert lora_one.keys() == lora_two.keys()
     assert max(_relative(lora_one[k], lora_two[k]) for k in lora_one) < 1e-2
+
+
+def test_deepspeed_launch_without_cuda_is_one_line_and_no_run_dir(tmp_path):
+    """`distributed_type: DEEPSPEED` sets ACCELERATE_USE_DEEPSPEED=true in every process; without CUDA
+    (here) flowrl stops with one line before the run directory exists (accelerate would drop DeepSpeed
+    silently on the CPU)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_DEEPSPEED": "true"}
+    result = subprocess.run([sys.executable, "-m", "flowrl", "train", "configs/smoke/sd3_tiny.yaml",
+                             f"run_dir={tmp_path / 'run'}"], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "DeepSpeed" in lines[0] and "needs CUDA" in lines[0], result.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("overrides, env, message", [
+    ([], {"ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}, "ZeRO-3 is not supported"),
+    ([], {}, "train.combine"),  # set below: with one reward the loader turns marble into weighted
+    (["train.resume=latest"], {}, "train.resume"),
+    ([], {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4"}, "gradient_accumulation_steps is 4"),
+    ([], {"FLOWRL_NO_DEEPSPEED_PACKAGE": "1"}, "is not installed"),
+])
+def test_deepspeed_launch_refusals_on_a_simulated_gpu_machine(monkeypatch, overrides, env, message):
+    """What a DeepSpeed launch on a CUDA machine refuses, with CUDA and the package simulated."""
+    import importlib.machinery
+    import importlib.util
+
+    import torch
+
+    from flowrl.config import Config, ConfigError, load_config
+    from flowrl.recipes import build
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    real = importlib.util.find_spec
+    missing = "FLOWRL_NO_DEEPSPEED_PACKAGE" in env
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+        None if missing else importlib.machinery.ModuleSpec(name, None)) if name == "deepspeed" else real(name, *a))
+    cfg = load_config(Config, REPO / "configs/smoke/sd3_tiny.yaml", overrides)
+    if message == "train.combine":
+        cfg.train.combine = "marble"
+    with pytest.raises(ConfigError, match=message) as error:
+        build.check_deepspeed_launch(cfg, on_cpu=False)
+    assert "\n" not in str(error.value)
+
+
+class _StubAccelerator:
+    def __init__(self, distributed_type):
+        self.distributed_type, self.sync_gradients, self.unsynced = distributed_type, True, 0
+
+    def no_sync(self, model):
+        import contextlib
+
+        self.unsynced += 1
+        return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("kind", ["DEEPSPEED", "MULTI_GPU", "FSDP"])
+def test_micro_batch_marks_the_accumulation_boundary(kind):
+    """DeepSpeed: accelerate's sync_gradients is False during every backward but the step's last (so the
+    engine steps once per optimizer step) and True after each; DDP/FSDP: no_sync on all but the last."""
+    from accelerate.utils import DistributedType
+
+    from flowrl.training.accumulate import micro_batch
+
+    accelerator, seen = _StubAccelerator(DistributedType[kind]), []
+    for i in range(3):
+        with micro_batch(accelerator, None, last=i == 2):
+            seen.append(accelerator.sync_gradients)
+        assert accelerator.sync_gradients
+    if kind == "DEEPSPEED":
+        assert seen == [False, False, True] and accelerator.unsynced == 0
+    else:
+        assert seen == [True, True, True] and accelerator.unsynced == 2

@@ -109,9 +109,9 @@ def make_accelerator(cfg: Config) -> Accelerator:
     if log_with and not importlib.util.find_spec(log_with):  # accelerate would only warn and log nothing
         raise ConfigError(f"config key 'log.backend': {log_with} is not installed: pip install 'flowrl[tracking]' "
                           "(or set log.backend=none; metrics.jsonl is written either way)", key="log.backend")
-    check_deepspeed_launch(on_cpu)
+    deepspeed = check_deepspeed_launch(cfg, on_cpu)
     accelerator = Accelerator(cpu=on_cpu, mixed_precision="no" if on_cpu else cfg.train.mixed_precision,
-                              log_with=log_with, project_dir=cfg.run_dir)
+                              log_with=log_with, project_dir=cfg.run_dir, deepspeed_plugin=deepspeed)
     if on_cpu and _env_flag("ACCELERATE_USE_FSDP") and accelerator.num_processes > 1:
         _fsdp2_on_cpu(accelerator)
     return accelerator
@@ -121,12 +121,18 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "false").strip().lower() in ("1", "true", "yes")
 
 
-def check_deepspeed_launch(on_cpu: bool) -> None:
-    """A DeepSpeed launch (``distributed_type: DEEPSPEED``, i.e. ``ACCELERATE_USE_DEEPSPEED=true``) that cannot run:
-    accelerate would silently drop DeepSpeed on the CPU (its state ignores the flag with ``cpu=True``) and raise
-    an ImportError with a traceback without the package. DeepSpeed needs CUDA GPUs."""
+def check_deepspeed_launch(cfg: Config, on_cpu: bool):
+    """The DeepSpeed plugin of a DeepSpeed launch (``distributed_type: DEEPSPEED``, i.e.
+    ``ACCELERATE_USE_DEEPSPEED=true``), None for any other launch; a launch that cannot run is a
+    one-line ConfigError. accelerate would silently drop DeepSpeed on the CPU (its state ignores the
+    flag with ``cpu=True``) and raise an ImportError with a traceback without the package.
+
+    The plugin keeps DeepSpeed's ``gradient_accumulation_steps`` at 1 (the recipes mark the boundary
+    themselves, :mod:`flowrl.training.accumulate`) and clips at ``train.max_grad_norm`` (DeepSpeed
+    clips inside its step; flowrl's own clip has nothing left to do). Unsupported, each for a reason
+    configs/accelerate/README.md spells out: ZeRO-3, ``train.combine=marble`` and ``train.resume``."""
     if not _env_flag("ACCELERATE_USE_DEEPSPEED"):
-        return
+        return None
     if on_cpu or not torch.cuda.is_available():
         raise ConfigError("accelerate config: DeepSpeed (distributed_type: DEEPSPEED) needs CUDA GPUs and this run "
                           "is on the CPU; launch with configs/accelerate/fsdp2_cpu_2proc.yaml or multi_cpu_2proc.yaml "
@@ -134,6 +140,26 @@ def check_deepspeed_launch(on_cpu: bool) -> None:
     if importlib.util.find_spec("deepspeed") is None:
         raise ConfigError("accelerate config: DeepSpeed (distributed_type: DEEPSPEED) is not installed: "
                           "pip install deepspeed, or launch with configs/accelerate/fsdp2_sd3.yaml / ddp_8gpu.yaml")
+    from accelerate.utils import DeepSpeedPlugin
+
+    stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2))
+    if stage == 3:
+        raise ConfigError("accelerate config: DeepSpeed ZeRO-3 is not supported by flowrl (its partitioned LoRA and "
+                          "optimizer state cannot be checkpointed or exported yet); use "
+                          "configs/accelerate/fsdp2_sd3.yaml or fsdp2_flux.yaml, which shard the same weights, "
+                          "or deepspeed_zero2.yaml")
+    if cfg.train.combine == "marble":
+        raise ConfigError("config key 'train.combine': marble reads per-reward gradients off the parameters, which "
+                          "DeepSpeed keeps in its own buffers; use DDP or FSDP2 launches for it", key="train.combine")
+    if cfg.train.resume:
+        raise ConfigError("config key 'train.resume': resuming under DeepSpeed is not supported (its optimizer state "
+                          "is partitioned inside the engine); resume under DDP or FSDP2", key="train.resume")
+    gas = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1")
+    if gas not in ("1", "auto"):
+        raise ConfigError(f"accelerate config: deepspeed_config.gradient_accumulation_steps is {gas}; set it to 1 "
+                          "(flowrl accumulates over train.micro_batch_size itself and marks each step's boundary)")
+    return DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=1,  # 0: DeepSpeed does not clip
+                           gradient_clipping=float(cfg.train.max_grad_norm))
 
 
 def _fsdp2_on_cpu(accelerator: Accelerator) -> None:

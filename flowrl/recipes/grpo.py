@@ -61,6 +61,7 @@ from flowrl.recipes.snapshots import maybe_reset_reference, reference_weights, s
 from flowrl.rewards_api import AsyncScorer
 from flowrl.sampling import sde_step, transition
 from flowrl.sampling.steps import kl_std, velocity_sensitivity
+from flowrl.training.accumulate import micro_batch
 from flowrl.training.guard import exported_weights, finite_mean, in_group_diversity
 
 
@@ -166,7 +167,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                     traj.advantages = advantages  # [N, K]
                     for i, (rows, k) in enumerate(work):
                         sync = i == len(work) - 1
-                        with (torch.enable_grad() if sync else accelerator.no_sync(policy.forward_module)):
+                        with micro_batch(accelerator, policy.forward_module, last=sync):
                             loss_sum = transition_loss(policy, traj, rows, k, mask, accelerator=accelerator,
                                                        guidance=guidance, noise_level=s.noise_level, kind=s.kind,
                                                        beta=run.beta, policy_loss=policy_loss, clip_low=t.clip_range,

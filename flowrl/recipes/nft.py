@@ -87,6 +87,7 @@ from flowrl.recipes.snapshots import start_phase
 from flowrl.rewards_api import AsyncScorer
 from flowrl.sampling import StepPlan
 from flowrl.algorithms.gardo import build_features
+from flowrl.training.accumulate import micro_batch
 from flowrl.training.ema import ema_weights
 from flowrl.training.guard import exported_weights, finite_mean, in_group_diversity
 
@@ -163,8 +164,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                     advantage = advantage if n.loss == "crd" else advantage.clamp(-1.0, 1.0)
                     for i, micro in enumerate(micro_batches):
                         rows, sigma, noise_seed = micro_inputs(i, micro)
-                        with (torch.enable_grad() if i == len(micro_batches) - 1
-                              else accelerator.no_sync(policy.forward_module)):
+                        with micro_batch(accelerator, policy.forward_module, last=i == len(micro_batches) - 1):
                             loss_sum = forward_process_loss(
                                 policy, ema, traj.final_latents[rows], traj.cond.select(traj.prompt_ids[rows]),
                                 advantage[micro], keep[rows].float(), loss=n.loss, guidance=run.guidance,

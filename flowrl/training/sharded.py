@@ -50,6 +50,8 @@ def like(value: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
 def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
     """``optimizer.state_dict()`` with every sharded state tensor gathered (collective under FSDP2)."""
     state = optimizer.state_dict()
+    if "state" not in state:  # not a torch.optim layout (DeepSpeed's ZeRO optimizer): as it is
+        return state
     state["state"] = {index: {k: full(v).cpu() if torch.is_tensor(v) else v for k, v in entry.items()}
                       for index, entry in state["state"].items()}
     return state
