@@ -33,10 +33,12 @@ EXPECTED = {
     "fsdp2_flux.yaml": ("FSDP", 8, "bf16"),
     "deepspeed_zero2.yaml": ("DEEPSPEED", 8, "bf16"),
     "multi_cpu_2proc.yaml": ("MULTI_GPU", 2, "no"),  # torchrun launcher on CPU: see configs/accelerate/README.md
+    "fsdp2_cpu_2proc.yaml": ("FSDP", 2, "no"),  # flowrl moves the gloo group onto accelerate's FSDP2 path
 }
 # FSDP file -> (model family, where diffusers defines each block class)
 FSDP_BLOCKS = {
     "fsdp2_sd3.yaml": ("sd3", {"JointTransformerBlock": "diffusers.models.attention"}),
+    "fsdp2_cpu_2proc.yaml": ("sd3", {"JointTransformerBlock": "diffusers.models.attention"}),
     "fsdp2_flux.yaml": ("flux", {"FluxTransformerBlock": "diffusers.models.transformers.transformer_flux",
                                  "FluxSingleTransformerBlock": "diffusers.models.transformers.transformer_flux"}),
 }
