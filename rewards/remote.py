@@ -53,6 +53,7 @@ import torch
 from PIL import Image
 
 WIRE_VERSION = 1
+MAX_RESPONSE_BYTES = 16 * 2 ** 20  # a reply of N floats is kilobytes; more is a misbehaving server
 IMAGE_FORMATS = ("png", "jpeg")
 
 
@@ -117,12 +118,15 @@ class RemoteReward:
     num_workers: threads encoding images (PIL releases the GIL while compressing).
     use_env_proxy: honour http_proxy/no_proxy; off by default because judges usually sit on the
         cluster network, where a proxy meant for the internet only gets in the way.
+    max_response_bytes: a reply larger than this (default 16 MiB) is refused unread, so a broken server
+        cannot fill the trainer's memory.
     """
 
     def __init__(self, url: str, name: str = "remote", timeout: float = 60.0, max_retries: int = 3,
                  backoff: float = 0.5, max_backoff: float = 10.0, batch_size: int = 32,
                  image_format: str = "png", jpeg_quality: int = 95, main_key: str | None = None,
-                 num_workers: int = 4, use_env_proxy: bool = False) -> None:
+                 num_workers: int = 4, use_env_proxy: bool = False,
+                 max_response_bytes: int = MAX_RESPONSE_BYTES) -> None:
         parsed = urllib.parse.urlparse(str(url))
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
             raise ValueError(f"url must look like http://host:port, got {url!r}")
@@ -134,8 +138,12 @@ class RemoteReward:
             raise ValueError(f"jpeg_quality must be in [1, 100], got {jpeg_quality}")
         if int(max_retries) < 1 or int(batch_size) < 1:
             raise ValueError(f"max_retries and batch_size must be >= 1, got {max_retries}, {batch_size}")
-        if float(timeout) <= 0 or float(backoff) < 0 or float(max_backoff) < 0:
-            raise ValueError("timeout must be > 0 and backoff, max_backoff >= 0")
+        if not (math.isfinite(float(timeout)) and float(timeout) > 0) or not float(backoff) >= 0 \
+                or not float(max_backoff) >= 0:
+            raise ValueError("timeout must be finite and > 0, and backoff, max_backoff >= 0")
+        if int(max_response_bytes) < 1:
+            raise ValueError(f"max_response_bytes must be >= 1, got {max_response_bytes}")
+        self.max_response_bytes = int(max_response_bytes)
         self.url = str(url).rstrip("/")
         self.name, self.main_key = name, main_key
         self.timeout, self.max_retries = float(timeout), int(max_retries)
@@ -200,7 +208,7 @@ class RemoteReward:
                                          headers={"Content-Type": "application/json"})
             try:
                 with self._opener.open(req, timeout=self.timeout) as resp:
-                    raw = resp.read()
+                    raw = resp.read(self.max_response_bytes + 1)  # never more than the cap into memory
             except urllib.error.HTTPError as err:
                 msg = _server_message(err)
                 if err.code != 429 and err.code < 500:  # the request is wrong: retrying cannot help
@@ -211,6 +219,10 @@ class RemoteReward:
             except (urllib.error.URLError, OSError, HTTPException) as err:
                 kind, detail = _classify(err)
                 continue
+            if len(raw) > self.max_response_bytes:
+                raise RemoteRewardError(self._where(f"replied with more than max_response_bytes="
+                                                    f"{self.max_response_bytes} bytes; refused (raise "
+                                                    "max_response_bytes if the server is right)", endpoint))
             try:
                 reply = json.loads(raw)
             except ValueError:
@@ -246,6 +258,9 @@ class RemoteReward:
                 raise RemoteRewardError(self._where(f"key {key!r} has {size} values for {n} images"))
             if not all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in values):
                 raise RemoteRewardError(self._where(f"key {key!r} holds values other than numbers or null"))
+            if not all(v is None or math.isfinite(v) for v in values):  # json.loads reads NaN / Infinity
+                raise RemoteRewardError(self._where(f"key {key!r} holds NaN or Infinity; send null for an image "
+                                                    "that could not be scored"))
             tensor = torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
             if key == main:
                 new = self.name
@@ -272,7 +287,7 @@ class RemoteReward:
 def _server_message(err: urllib.error.HTTPError) -> str:
     """The server's one-line error: {"error": ...} when JSON, else the text body, else the reason."""
     try:
-        raw = err.read()
+        raw = err.read(65536)  # the message is one line; never read an unbounded error body
     except Exception:
         raw = b""
     try:

@@ -1,0 +1,162 @@
+"""Fault containment (flowrl/training/faults.py): non-finite steps skipped then a stop, all-NaN reward epochs,
+a reward server that dies, a full disk while checkpointing. Each stop is one line, exits non-zero and leaves the
+last checkpoint intact and resumable."""
+
+import errno
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import flowrl.recipes.grpo as grpo
+import flowrl.training.checkpoint as checkpoint
+from flowrl.cli import main
+from flowrl.safe_io import check_checkpoint
+from flowrl.training.checkpoint import resolve_checkpoint
+from tests.fault_helpers import TINY_TRAIN, remote_spec, reward_server
+
+
+def train(run_dir, *extra, capsys=None):
+    """flowrl train in-process -> (exit code, the stderr lines that are errors); stdout kept in OUT[0]."""
+    code = main(["train", *TINY_TRAIN, f"run_dir={run_dir}", *extra])
+    captured = capsys.readouterr()
+    OUT[:] = [captured.out]
+    return code, [line for line in captured.err.splitlines() if ": error: " in line or "Traceback" in line]
+
+
+OUT = [""]
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def lora(path):
+    return load_file(str(Path(path) / "lora.safetensors"))
+
+
+@pytest.fixture(autouse=True)
+def _no_debug(monkeypatch):
+    monkeypatch.delenv("FLOWRL_DEBUG", raising=False)
+
+
+@pytest.fixture
+def nan_loss_in(monkeypatch):
+    """nan_loss_in({2, 3}): the GRPO loss is NaN in those epochs (a diverged step), normal elsewhere."""
+    state = {"epoch": 0, "bad": set()}
+    real_loss, real_end = grpo.transition_loss, grpo.end_epoch
+
+    def loss(*args, **kwargs):
+        value = real_loss(*args, **kwargs)
+        return value * float("nan") if state["epoch"] in state["bad"] else value
+
+    def end_epoch(run, epoch, **kwargs):
+        state["epoch"] = epoch + 1
+        return real_end(run, epoch, **kwargs)
+
+    monkeypatch.setattr(grpo, "transition_loss", loss)
+    monkeypatch.setattr(grpo, "end_epoch", end_epoch)
+    return lambda epochs: state["bad"].update(epochs)
+
+
+def test_nan_steps_are_skipped_then_the_run_stops_with_the_weights_intact(tmp_path, capsys, nan_loss_in):
+    nan_loss_in({2, 3, 4})
+    code, errors = train(tmp_path, "train.epochs=6", "train.checkpoint_every=1", "train.max_skipped_steps=3",
+                         "train.keep_checkpoints=9", capsys=capsys)
+    assert code == 2 and len(errors) == 1, errors
+    assert "3 optimizer steps in a row had a non-finite gradient" in errors[0] and "train.resume=latest" in errors[0]
+    rows = metrics(tmp_path)
+    assert [r["faults/skipped_steps"] for r in rows] == [0, 0, 1, 2]  # epoch 4 aborts before it is logged
+    ckpts = tmp_path / "checkpoints"
+    assert resolve_checkpoint(tmp_path).name == "step_000003"  # nothing after the stop
+    good, skipped = lora(ckpts / "step_000001"), lora(ckpts / "step_000003")
+    assert all(torch.isfinite(v).all() for v in skipped.values())
+    assert all(torch.equal(good[k], skipped[k]) for k in good)  # skipped steps leave the weights untouched
+    assert not torch.equal(lora(ckpts / "step_000000")[next(iter(good))], good[next(iter(good))])  # it did train
+
+
+def test_a_lone_nan_step_is_survived(tmp_path, capsys, nan_loss_in):
+    nan_loss_in({1})
+    code, errors = train(tmp_path, "train.epochs=3", capsys=capsys)
+    assert code == 0 and not errors
+    assert [r["faults/skipped_steps"] for r in metrics(tmp_path)] == [0, 1, 1]
+    exported = load_file(str(tmp_path / "lora" / "pytorch_lora_weights.safetensors"))
+    assert all(torch.isfinite(v).all() for v in exported.values())
+
+
+def test_every_reward_nan_stops_after_max_nan_epochs(tmp_path, capsys):
+    code, errors = train(tmp_path, "train.epochs=5", "train.checkpoint_every=1", "train.max_nan_epochs=2",
+                         "rewards=[{name: 'tests.fault_helpers:AllNan'}]", capsys=capsys)
+    assert code == 2 and len(errors) == 1, errors
+    assert "reward 'all_nan' scored every image NaN" in errors[0] and "2 epochs in a row" in errors[0]
+    assert OUT[0].count("warning: epoch 0: reward 'all_nan' scored every image NaN") == 1
+    assert [r["faults/nan_reward_epochs"] for r in metrics(tmp_path)] == [1, 2]
+    assert resolve_checkpoint(tmp_path).name == "step_000000"  # the aborting epoch saved nothing
+    assert not (tmp_path / "lora").exists()  # and exported nothing as if it had succeeded
+
+
+def test_one_nan_epoch_warns_in_one_line_and_the_run_goes_on(tmp_path, capsys):
+    code, errors = train(tmp_path, "train.epochs=1", "train.max_nan_epochs=2",
+                         "rewards=[{name: 'tests.fault_helpers:AllNan'}]", capsys=capsys)
+    assert code == 0 and not errors
+    warnings = [line for line in OUT[0].splitlines() if "warning:" in line]
+    assert len(warnings) == 1 and "reward 'all_nan' scored every image NaN" in warnings[0]
+    assert metrics(tmp_path)[0]["faults/nan_reward_epochs"] == 1
+
+
+def test_a_server_that_dies_under_reward_errors_nan_stops_the_run(tmp_path, capsys):
+    with reward_server("dies", serve_first=1) as url:  # epoch 0 scores, then HTTP 503 for good
+        code, errors = train(tmp_path, "train.epochs=6", "train.checkpoint_every=1", "train.reward_errors=nan",
+                             remote_spec(url), capsys=capsys)
+    assert code == 2 and len(errors) == 1, errors
+    assert "reward 'judge' scored every image NaN" in errors[0]
+    rows = metrics(tmp_path)
+    assert len(rows) == 3 and rows[0]["reward/judge_nan"] == 0 and rows[2]["reward/judge_nan"] == 2
+    assert resolve_checkpoint(tmp_path).name == "step_000001"
+    check_checkpoint(resolve_checkpoint(tmp_path))
+
+
+def test_a_server_that_dies_under_reward_errors_raise_is_one_line_after_bounded_retries(tmp_path, capsys):
+    with reward_server("dies", serve_first=1) as url:
+        code, errors = train(tmp_path, "train.epochs=4", "train.checkpoint_every=1", remote_spec(url),
+                             capsys=capsys)
+    assert code == 2 and len(errors) == 1, errors
+    assert "remote reward 'judge'" in errors[0] and "failed after 2 attempts: HTTP 503" in errors[0]
+    assert resolve_checkpoint(tmp_path).name == "step_000000"
+    check_checkpoint(tmp_path / "checkpoints" / "step_000000")
+
+
+def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint_and_resumes(tmp_path, capsys, monkeypatch):
+    real_save, calls = checkpoint.save_file, []
+
+    def save_file(tensors, filename, *args, **kwargs):
+        calls.append(filename)
+        if "step_000001" in filename and filename.endswith("lora.safetensors"):
+            Path(filename).write_bytes(b"half a file")  # the disk filled mid-write
+            raise OSError(errno.ENOSPC, "No space left on device", filename)
+        return real_save(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save_file", save_file)
+    code, errors = train(tmp_path, "train.epochs=3", "train.checkpoint_every=1", capsys=capsys)
+    assert code == 2 and len(errors) == 1, errors
+    assert "No space left on device" in errors[0] and "step_000000, is intact" in errors[0]
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_000000"]  # the .tmp_ dir is gone
+    assert (ckpts / "latest").read_text().strip() == "step_000000"
+    check_checkpoint(ckpts / "step_000000")
+
+    monkeypatch.setattr(checkpoint, "save_file", real_save)  # space freed: resume where it stopped
+    (ckpts / ".tmp_step_000007").mkdir()  # a crashed save's leftover is ignored, then cleaned
+    code, errors = train(tmp_path, "train.epochs=3", "train.checkpoint_every=1", "train.resume=latest",
+                         capsys=capsys)
+    assert code == 0 and not errors
+    assert [r["epoch"] for r in metrics(tmp_path)] == [0, 1, 2]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_000000", "step_000001", "step_000002"]
+
+
+def test_learning_rate_inf_is_rejected_at_load(tmp_path, capsys):
+    code, errors = train(tmp_path / "run", "train.learning_rate=inf", capsys=capsys)
+    assert code == 2 and "train.learning_rate" in errors[0] and "finite" in errors[0]
+    assert not (tmp_path / "run").exists()
