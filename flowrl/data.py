@@ -38,8 +38,13 @@ def load_prompts(path: str | Path) -> PromptSet:
     """Read a ``.txt`` or ``.jsonl`` prompt file; a one-line error names the file and line."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"prompt file not found: {path}")
-    lines = path.read_text(encoding="utf-8").splitlines()
+        raise FileNotFoundError(f"prompt file not found: {path}" + (" (a directory)" if path.is_dir() else ""))
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as error:
+        line = path.read_bytes()[:error.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text (byte 0x{error.object[error.start]:02x}); save the prompt "
+                         "file as UTF-8, e.g. iconv -f latin1 -t utf-8") from None
     if path.suffix == ".jsonl":
         prompts, metadata = [], []
         for number, line in enumerate(lines, start=1):
@@ -51,8 +56,12 @@ def load_prompts(path: str | Path) -> PromptSet:
                 raise ValueError(f"{path}:{number}: invalid JSON ({error.msg})") from None
             if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
                 raise ValueError(f"{path}:{number}: each line needs a string field 'prompt'")
+            meta = record.get("metadata", {})
+            if meta is not None and not isinstance(meta, dict):
+                raise ValueError(f"{path}:{number}: 'metadata' must be a JSON object {{...}}, got "
+                                 f"{type(meta).__name__}")
             prompts.append(record["prompt"])
-            metadata.append(dict(record.get("metadata", {})))
+            metadata.append(dict(meta or {}))
         result = PromptSet(prompts, metadata)
     elif path.suffix == ".txt":
         result = PromptSet([line.strip() for line in lines if line.strip()])

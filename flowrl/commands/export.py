@@ -42,15 +42,24 @@ def export_lora(checkpoint: str | Path, out: str | Path, *, format: str = "all",
     run_config, config_text = _run_config(path)
     model = run_config.get("model", {})
     family = model.get("family", "sd3")
+    from flowrl.safe_io import check_safetensors
+
+    weights = path / ("ema.safetensors" if ema else "lora.safetensors")
+    if weights.is_file():  # a missing EMA file gets read_checkpoint_lora's own message
+        check_safetensors(weights, "checkpoint file")
     state, lora_config = read_checkpoint_lora(path, ema=ema)
     if merge and format == "kohya":
         raise ValueError("--merge reads the diffusers file back; use --format all or diffusers with --merge")
     out = Path(out)
     if merge and (out / "transformer").exists() and not force:
         raise ValueError(f"{out / 'transformer'} already exists; pass --force to overwrite")
-    out.mkdir(parents=True, exist_ok=True)
-    paths = write_lora_files(out, state, lora_config, family=family, base_model=model.get("path"),
-                             config_text=config_text, format=format, force=force)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        paths = write_lora_files(out, state, lora_config, family=family, base_model=model.get("path"),
+                                 config_text=config_text, format=format, force=force)
+    except OSError as error:  # not writable, a file in the way, a full disk
+        raise ValueError(f"cannot write the export to {out}: {error.strerror or error}"
+                         f"{f' ({error.filename})' if error.filename else ''}; choose a writable directory") from None
     if merge:
         paths.append(_merged_transformer(run_config, paths[0], out / "transformer"))
     return paths

@@ -7,6 +7,9 @@ from pathlib import Path
 import torch
 
 
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -23,6 +26,14 @@ def run_sample(args) -> Path:
     from flowrl.sampling import StepPlan, rollout, root_seeds
 
     cfg = load_config(Config, args.config, args.overrides)
+    n = args.num_per_prompt
+    if n < 1:
+        raise ValueError(f"--num-per-prompt must be >= 1 (got {n}): it is the number of images per prompt")
+    out = Path(args.out or Path(cfg.run_dir) / "samples.png")
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a directory; give an image file, e.g. --out {out / 'samples.png'}")
+    if out.suffix.lower() not in IMAGE_SUFFIXES:
+        raise ValueError(f"--out {out}: use an image file name ending in {', '.join(IMAGE_SUFFIXES)}")
     prompts = list(args.prompt)
     if args.prompts_file:
         prompts += load_prompts(args.prompts_file).prompts
@@ -37,12 +48,13 @@ def run_sample(args) -> Path:
     steps = cfg.sampling.num_steps
     plan = StepPlan(steps) if args.sde else StepPlan(steps, sde_start=steps - 1, sde_size=1)
     noise = cfg.sampling.noise_level if args.sde else 0.0
-    n = args.num_per_prompt
     traj = rollout(policy, prompts, group_size=n, num_steps=steps, guidance_scale=cfg.sampling.guidance_scale,
                    noise_level=noise, kind=cfg.sampling.kind, plan=plan,
                    seeds=root_seeds(cfg.seed, 0, len(prompts) * n))
-    out = Path(args.out or Path(cfg.run_dir) / "samples.png")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_image(traj.images, out, nrow=n, padding=2)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        save_image(traj.images, out, nrow=n, padding=2)
+    except OSError as error:
+        raise ValueError(f"cannot write {out}: {error.strerror or error}; choose a writable --out") from None
     (out.with_suffix(".txt")).write_text("\n".join(prompts) + "\n", encoding="utf-8")
     return out

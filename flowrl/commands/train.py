@@ -19,4 +19,16 @@ def run_train(config_path: str | Path, overrides: list[str]) -> dict[str, float]
     from flowrl.config import Config, load_config
 
     cfg = load_config(Config, config_path, overrides)
+    check_resume(cfg)
     return recipe_train(cfg.recipe)(cfg)
+
+
+def check_resume(cfg) -> None:
+    """``train.resume`` names a complete, readable checkpoint; checked before the run (and its directory) starts,
+    so a truncated file is one line naming it rather than a SafetensorError after the model has loaded."""
+    if not cfg.train.resume:
+        return
+    from flowrl.safe_io import check_checkpoint
+    from flowrl.training.checkpoint import resolve_checkpoint
+
+    check_checkpoint(resolve_checkpoint(cfg.run_dir, cfg.train.resume))

@@ -41,6 +41,7 @@ def build_policy(family: str, path: str, *, dtype: str = "float32", device="cpu"
         import diffusers
 
         pipeline_class = getattr(diffusers, policy_class.pipeline_class_name)
+        check_pipeline_family(family, path, policy_class.pipeline_class_name)
         hub = {k: v for k, v in (("revision", revision), ("variant", variant)) if v is not None}  # from_pretrained's
         pipeline = load_pipeline(pipeline_class, path, torch_dtype=resolve_dtype(dtype), device="cpu", **hub)
     policy = policy_class(pipeline, height=height, width=width, **extra)
@@ -48,6 +49,25 @@ def build_policy(family: str, path: str, *, dtype: str = "float32", device="cpu"
         raise ValueError(f"text_encoder_device must be 'gpu' or 'cpu', got {text_encoder_device!r}")
     policy.text_encoders_on_cpu = text_encoder_device == "cpu"
     return policy.to(device)  # loaded on the CPU first: CPU text encoders never pass through the GPU
+
+
+def check_pipeline_family(family: str, path: str, expected: str) -> None:
+    """A local pipeline directory of another family (``model.family=flux`` with an SD3 path) is a one-line
+    error here, not an AttributeError from deep inside transformers."""
+    import json
+    from pathlib import Path
+
+    index = Path(path) / "model_index.json"
+    if not index.is_file():
+        return  # a hub id, or a directory from_pretrained itself will reject with a clear message
+    try:
+        found = json.loads(index.read_text()).get("_class_name")
+    except (ValueError, OSError, AttributeError):
+        raise ValueError(f"model.path {path}: model_index.json is not a diffusers pipeline index") from None
+    if found and found != expected:
+        families = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}
+        hint = f"set model.family={families[found]}" if found in families else "point model.path at a matching one"
+        raise ValueError(f"model.path {path} holds a {found}, but model.family={family} needs a {expected}: {hint}")
 
 
 __all__ = ["FAMILIES", "Policy", "PolicyBase", "TextCond", "build_policy", "resolve_dtype"]

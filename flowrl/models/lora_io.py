@@ -237,6 +237,9 @@ def read_lora(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
         raise FileNotFoundError(f"LoRA file not found: {path}")
     if path.suffix != ".safetensors":
         raise ValueError(f"unsupported LoRA file {path}: use .safetensors")
+    from flowrl.safe_io import check_safetensors
+
+    check_safetensors(path, "LoRA file")
     with safe_open(str(path), framework="pt") as handle:
         header = handle.metadata() or {}
     raw = load_file(str(path))
@@ -275,7 +278,11 @@ def load_lora_into(policy, path: str | Path) -> None:
     if not policy.has_lora:
         policy.add_lora(rank=int(config["r"]), alpha=float(config["lora_alpha"]),
                         target_modules=list(config["target_modules"]))
-    result = set_peft_model_state_dict(policy.transformer, state)
+    try:
+        result = set_peft_model_state_dict(policy.transformer, state)
+    except RuntimeError as error:  # torch's "size mismatch for ...": a LoRA trained on another model
+        detail = next((line.strip() for line in str(error).splitlines() if "size mismatch" in line), str(error))
+        raise ValueError(f"LoRA {path} does not fit this model (trained on another one?): {detail}") from None
     unexpected = getattr(result, "unexpected_keys", None) or []
     if unexpected:
         raise ValueError(f"LoRA {path} does not fit this model: unexpected key {unexpected[0]!r}")
