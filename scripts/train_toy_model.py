@@ -208,7 +208,7 @@ def task_balanced_specs(items, n: int, rng: np.random.Generator) -> list[tuple[s
 def stage_data(work: Path, n_images: int, seed: int) -> dict:
     path = work / "data.pt"
     if path.exists():
-        return torch.load(path)
+        return torch.load(path, weights_only=True)
     t0 = time.time()
     rng = np.random.default_rng(seed)
     items = task_balanced_specs(toy_prompts.train_prompts(0, **toy_prompts.PRETRAIN_SPLIT), n_images, rng)
@@ -232,7 +232,7 @@ def stage_vae(work: Path, data: dict, channels: tuple[int, ...], steps: int, bat
     path = work / "vae.pt"
     vae = make_vae(channels)
     if path.exists():
-        vae.load_state_dict(torch.load(path))
+        vae.load_state_dict(torch.load(path, weights_only=True))
         return vae.eval().requires_grad_(False)
     torch.manual_seed(seed + 1)
     vae = make_vae(channels).train()
@@ -333,7 +333,7 @@ def stage_flow(work: Path, out: Path, data: dict, vae: AutoencoderKL, args) -> T
     start = 0
     ckpt_path = work / "ckpt.pt"
     if ckpt_path.exists():
-        ck = torch.load(ckpt_path)
+        ck = torch.load(ckpt_path, weights_only=True)
         model.load_state_dict(ck["model"])
         ema.load_state_dict(ck["ema"])
         opt.load_state_dict(ck["opt"])
@@ -508,7 +508,7 @@ def main() -> None:
     if args.stop_after_vae:
         return
     if args.export_only:
-        ck = torch.load(work / "ckpt.pt")
+        ck = torch.load(work / "ckpt.pt", weights_only=True)
         ema = Trainable(**ck.get("arch", arch_of(args)))
         ema.load_state_dict(ck["ema"])
         export(ema, vae, out)
