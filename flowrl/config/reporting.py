@@ -1,0 +1,141 @@
+"""What a run logs and measures: tracking and in-training evaluation (``log.*``), ``flowrl eval``
+(``eval.*``) and the diversity guard (``guard.*``).
+
+Part of the typed configuration in :mod:`flowrl.config.schema`, which re-exports every class here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from flowrl.config.loader import check
+
+
+@dataclass
+class LogConfig:
+    backend: Literal["none", "tensorboard", "wandb"] = "none"
+    """Tracker besides the always-written metrics.jsonl."""
+    project: str = "flowrl"
+    """Tracker project name."""
+    run_name: str | None = None
+    """The run's name in the tracker (wandb's run name; null: the run directory's name)."""
+    wandb_entity: str | None = None
+    """wandb team or user the run is logged under (null: wandb's default entity)."""
+    wandb_tags: list[str] = field(default_factory=list)
+    """wandb tags of the run."""
+    eval_every: int = 10
+    """Render the fixed eval prompts into an image grid every this many epochs (0: never)."""
+    eval_images_per_prompt: int = 4
+    """Images per eval prompt in each grid."""
+    eval_num_steps: int | None = None
+    """ODE steps of the in-training evaluation (eval grids, test_every, the end-of-run report; null:
+    sampling.num_steps). Flow-GRPO trains SD3.5 on 10-step rollouts and evaluates with 40 steps at CFG 4.5."""
+    eval_guidance_scale: float | None = None
+    """CFG scale (FLUX: guidance embedding) of the in-training evaluation (null: the training value)."""
+    progress: bool = True
+    """Show a progress bar with reward, loss and time per stage."""
+    test_every: int = 0
+    """Score the held-out prompts (ODE, fixed seeds, EMA weights) every this many epochs, and once
+    before training; logged as test/* with the cumulative perf/rollouts and perf/train_wall_s (0: never)."""
+    test_prompts: int = 32
+    """Held-out prompts scored by test_every (an equal share per metadata "task", as the report's)."""
+    report_prompts: int = 16
+    """Held-out prompts rendered before/after training for the end-of-run report (0: no report); taken
+    round-robin over metadata "task" values, scored per task and as the mean over tasks."""
+    report_diversity: Literal["none", "toy"] = "none"
+    """Add the toy world's ground-truth diversity (background, position, size) to the report."""
+
+    def validate(self):
+        check(self.eval_num_steps is None or self.eval_num_steps >= 1, "eval_num_steps", "must be >= 1 or null")
+        check(self.eval_guidance_scale is None or self.eval_guidance_scale >= 0, "eval_guidance_scale",
+              "must be >= 0 or null")
+        check(self.run_name is None or bool(self.run_name.strip()), "run_name", "must be a name or null")
+
+
+@dataclass
+class EvalConfig:
+    suite: str = "assets/benchmarks/divgen.jsonl"
+    """Prompt suite of `flowrl eval` (.txt or .jsonl; metadata "axes" names the free axes, "task" splits tables)."""
+    images_per_prompt: int = 8
+    """Images per prompt, one seed each; the same seeds for every checkpoint."""
+    num_steps: int | None = None
+    """ODE steps of the eval samples (null: sampling.num_steps)."""
+    guidance_scale: float | None = None
+    """CFG scale of the eval samples (null: sampling.guidance_scale)."""
+    seed: int = 4242
+    """Seed of the eval images' noise."""
+    batch_prompts: int = 4
+    """Prompts rendered per batch (lower it to save memory)."""
+    features: str = "clip"
+    """Feature network of in-group diversity and Vendi: toy, pixels, clip, dino, inception."""
+    feature_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Arguments of the feature network, e.g. {model: ViT-L-14, pretrained: /path/open_clip.bin}."""
+    reference: str | None = None
+    """Directory of reference images for FID/KID (null: no FID/KID)."""
+    fid_features: str | None = None
+    """Feature network of FID/KID (null: eval.features); inception needs torch-fidelity and weights_path."""
+    fid_feature_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Arguments of the FID/KID feature network."""
+    style_model: str | None = None
+    """open_clip model of the style axis, e.g. ViT-B-32 (null: style not measured)."""
+    style_pretrained: str | None = None
+    """Its weights: a local checkpoint path or an open_clip tag."""
+    identity_features: str | None = None
+    """Feature network of the identity axis, e.g. dino with identity_feature_kwargs.path (null: not measured)."""
+    identity_feature_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Arguments of the identity feature network."""
+    toy_diversity: bool = False
+    """Also measure the toy world's exact ground-truth diversity (background, position, size)."""
+    grid_prompts: int = 12
+    """Prompts shown as image grids in report.html (all are scored)."""
+
+    def validate(self):
+        check(self.images_per_prompt >= 2, "images_per_prompt", "diversity is measured within a prompt's images: "
+              "use at least 2")
+        check(self.num_steps is None or self.num_steps >= 1, "num_steps", "must be >= 1 or null")
+        check(self.batch_prompts >= 1, "batch_prompts", "must be >= 1")
+        check(self.grid_prompts >= 0, "grid_prompts", "must be >= 0")
+
+
+@dataclass
+class GuardConfig:
+    enabled: bool = False
+    """Watch the in-group diversity of each epoch's rollouts (no extra sampling) and act when it falls
+    (flowrl/training/guard.py); off: nothing is measured or logged."""
+    every: int = 1
+    """Measure every this many epochs (the first warmup epochs are always measured)."""
+    warmup: int = 2
+    """Measurements whose mean is the start value the drop is taken from (the run's first epochs)."""
+    max_drop: float = 0.3
+    """Fire when diversity falls more than this fraction below its start value."""
+    policy: Literal["warn", "raise_beta", "stop"] = "warn"
+    """warn: one line saying what to do; raise_beta: train.beta times beta_factor (the KL of either recipe);
+    stop: end the run and export and report the best reward-diversity weights seen (diversity/best_epoch)."""
+    features: str = "latent"
+    """Feature space of the diversity: latent, pixels, clip (needs feature_kwargs.model_id) or
+    'package.module:Class', as gardo.features (flowrl/algorithms/gardo.py)."""
+    feature_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the feature extractor's constructor (model_id, device, batch_size, ...)."""
+    beta_factor: float = 2.0
+    """raise_beta: the KL beta is multiplied by this each time the guard fires."""
+    beta_floor: float = 0.04
+    """raise_beta: the beta a run without KL (train.beta=0) gets when the guard fires (GRPO's units: Flow-GRPO's
+    0.04; recipe nft's beta weighs ||v - v_ref||^2 instead)."""
+    cooldown: int = 10
+    """Epochs after a firing before the guard may fire again (warn, raise_beta)."""
+    diversity_weight: float = 1.0
+    """stop: the best weights maximise the epoch's mean trained reward plus this times its diversity."""
+
+    def validate(self):
+        from flowrl.algorithms.gardo import FEATURES
+
+        check(self.every >= 1, "every", "must be >= 1 epoch")
+        check(self.warmup >= 1, "warmup", "must be >= 1 measurement")
+        check(0 < self.max_drop < 1, "max_drop", "must be a fraction in (0, 1)")
+        check(self.features in FEATURES or ":" in self.features, "features",
+              f"unknown feature space {self.features!r}; choose one of {sorted(FEATURES)} or 'package.module:Class'")
+        check(self.beta_factor > 1, "beta_factor", "must be > 1 (it raises the KL beta)")
+        check(self.beta_floor > 0, "beta_floor", "must be > 0")
+        check(self.cooldown >= 1, "cooldown", "must be >= 1 epoch")
+        check(self.diversity_weight >= 0, "diversity_weight", "must be >= 0")
