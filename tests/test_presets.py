@@ -270,17 +270,20 @@ def test_dpmpp_2m_rollout_keeps_exact_log_probs_and_restarts_after_the_window(sd
 # -- training ---------------------------------------------------------------------------------------------------
 
 def test_grpo_smoke_run_with_a_sliding_window_and_the_second_order_solver(tmp_path, monkeypatch):
-    import flowrl.recipes.common as common
+    import sys
+
     from flowrl.recipes.grpo import train
 
     solvers = []
-    real_rollout = common.rollout
+    # the recipe samples through chunked_rollout, which calls its own module's rollout
+    sampling = sys.modules["flowrl.sampling.rollout"]
+    real_rollout = sampling.rollout
 
     def recording_rollout(*args, **kwargs):
         solvers.append(kwargs.get("ode_solver", "euler"))
         return real_rollout(*args, **kwargs)
 
-    monkeypatch.setattr(common, "rollout", recording_rollout)
+    monkeypatch.setattr(sampling, "rollout", recording_rollout)
     # 6 steps, window of 2 starting at step 3 then 4: the ODE steps before it include second-order ones.
     cfg = load_config(Config, REPO / SMOKE, [
         f"run_dir={tmp_path}", "train.epochs=2", "log.progress=false", "log.eval_every=0", "log.report_prompts=0",

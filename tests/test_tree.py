@@ -216,17 +216,20 @@ def test_good_tree_settings_load():
 @pytest.mark.parametrize("extra", [[], ["train.loss=tmpo"]])
 def test_grpo_trains_on_a_random_tree_schedule(tmp_path, monkeypatch, extra):
     """Two epochs whose trees branch at different steps (seed 0 draws step 2, then step 0)."""
-    from flowrl.recipes import common
+    import sys
+
     from flowrl.recipes.grpo import train
 
     seen = []
-    real_rollout = common.rollout
+    # the recipe samples through chunked_rollout, which calls its own module's rollout
+    sampling = sys.modules["flowrl.sampling.rollout"]
+    real_rollout = sampling.rollout
 
     def recording_rollout(*args, plan=None, **kwargs):
         seen.append(plan.branch_steps)
         return real_rollout(*args, plan=plan, **kwargs)
 
-    monkeypatch.setattr(common, "rollout", recording_rollout)
+    monkeypatch.setattr(sampling, "rollout", recording_rollout)
     captured = capture_training_policy(monkeypatch)
     cfg = load_config(Config, SMOKE, [f"run_dir={tmp_path}", "train.epochs=2", "log.progress=false",
                                       "log.eval_every=0", "log.report_prompts=0", "train.export_lora=false",
