@@ -75,6 +75,9 @@ def evaluate_rows(images: torch.Tensor, prompts: PromptSet, images_per_prompt: i
     return out, scores
 
 
+GRID_IMAGES = 8  # images per grid row in report.html (all are scored)
+
+
 def moving_average(values: list[float], window: int) -> list[float]:
     """Trailing mean over the last ``window`` values (fewer at the start)."""
     out, total = [], 0.0
@@ -191,10 +194,12 @@ def html_report(run_dir: Path, results: dict, prompts: PromptSet, before: torch.
         sections.append(("Training curve", html.img(curve.read_bytes(), "reward curve")))
     tasks = [m.get("task") for m in prompts.metadata]
     shown = grid_order(tasks, grid_prompts)
-    grids = "".join(html.prompt_grid(prompts.prompts[i], [("base", before[i * n:(i + 1) * n]),
-                                                          ("trained", after[i * n:(i + 1) * n])],
+    k = min(n, GRID_IMAGES)  # a row of 24 images would shrink each to a few pixels
+    grids = "".join(html.prompt_grid(prompts.prompts[i], [("base", before[i * n:i * n + k]),
+                                                          ("trained", after[i * n:i * n + k])],
                                      note=str(tasks[i] or "")) for i in shown)
-    sections.append((f"Samples ({len(shown)} of {len(prompts)} held-out prompts, same seeds in both rows)",
+    sections.append((f"Samples ({len(shown)} of {len(prompts)} held-out prompts, {k} of {n} images each, same seeds "
+                     "in both rows)",
                      f"<div class='grids'>{grids}</div>"))
     sections.append(("All metrics", f"<details><summary>{len(keys)} metrics</summary>"
                                     f"{html.metric_table(columns, keys, base='base')}</details>"))
