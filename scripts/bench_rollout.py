@@ -1,6 +1,6 @@
 """Overhead of flowrl's written-out SDE rollout against the plain diffusers pipeline.
 
-Run (offline, both tiny families, defaults: 10 steps, 2 prompts x group 4 = 8 images, 5 repeats)::
+Run (offline, every tiny family, defaults: 10 steps, 2 prompts x group 4 = 8 images, 5 repeats)::
 
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench_rollout.py --threads 1
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench_rollout.py --family sd3 \\
@@ -15,10 +15,10 @@ What is measured, per family, on the same policy object (so both sides share the
 - flowrl: ``rollout(policy, prompts, group_size=G, num_steps=N, guidance_scale=w, noise_level=0.7, seeds=...)``,
   the full SDE rollout (every step stochastic, per-row noise generators, log-probs kept, latents stored),
   including its own prompt encoding and the VAE decode of the final latents.
-- diffusers: ``policy.pipeline(prompt=prompts, num_images_per_prompt=G, num_inference_steps=N,
-  guidance_scale=w, height, width, generator=<one per row, same seeds>, output_type="pt",
-  max_sequence_length=policy.max_sequence_length)``, i.e. its own prompt encoding, the ODE loop and the
-  VAE decode, progress bar off.
+- diffusers: ``policy.pipeline_images(...)``, the family's own pipeline ``__call__`` (for SD3:
+  ``pipeline(prompt=prompts, num_images_per_prompt=G, num_inference_steps=N, guidance_scale=w, height,
+  width, generator=<one per row, same seeds>, output_type="pt", max_sequence_length=...)``), i.e. its own
+  prompt encoding, the ODE loop and the VAE decode, progress bar off.
 
 Both sides encode the same P distinct prompts (with the empty negative prompt under SD3's CFG) and
 produce the same P*G images at the same resolution. After one warm-up call of each, the two are
@@ -43,9 +43,7 @@ import torch  # noqa: E402
 
 from flowrl.models import FAMILIES, build_policy  # noqa: E402
 from flowrl.sampling import rollout  # noqa: E402
-from flowrl.sampling.seeding import generators  # noqa: E402
 
-DEFAULT_GUIDANCE = {"sd3": 4.5, "flux": 3.5}
 PROMPTS = [
     "a red circle on a white table",
     "two blue squares in the sky",
@@ -60,12 +58,12 @@ PROMPTS = [
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--family", choices=FAMILIES, default=None, help="default: both (with --model tiny)")
+    parser.add_argument("--family", choices=FAMILIES, default=None, help="default: every family (with --model tiny)")
     parser.add_argument("--model", default="tiny", help='"tiny" (offline) or a hub id / local diffusers directory')
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=8, help="images per call = prompts x group size")
     parser.add_argument("--group-size", type=int, default=4, help="images per prompt (must divide --batch)")
-    parser.add_argument("--guidance", type=float, default=None, help="default: 4.5 for sd3, 3.5 for flux")
+    parser.add_argument("--guidance", type=float, default=None, help="default: the family's own (policy.default_guidance: 4.5 for sd3, 3.5 for flux, ...)")
     parser.add_argument("--noise-level", type=float, default=0.7)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
@@ -110,20 +108,18 @@ def bench_family(family: str, args: argparse.Namespace) -> dict:
     num_prompts = args.batch // group
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(num_prompts)]
     seeds = list(range(1000, 1000 + args.batch))  # one per row; the pipeline gets the same per-row generators
-    guidance = DEFAULT_GUIDANCE[family] if args.guidance is None else args.guidance
+    guidance = policy.default_guidance if args.guidance is None else args.guidance
+    metadata = policy.example_metadata(num_prompts)  # an editing family's source images; None for the others
 
     def flowrl_call():
         traj = rollout(policy, prompts, group_size=group, num_steps=args.steps, guidance_scale=guidance,
-                       noise_level=args.noise_level, seeds=seeds)
+                       noise_level=args.noise_level, seeds=seeds, metadata=metadata)
         assert traj.images.shape[0] == args.batch
         return traj
 
     def diffusers_call():
-        images = pipeline(
-            prompt=prompts, num_images_per_prompt=group, num_inference_steps=args.steps, guidance_scale=guidance,
-            height=policy.height, width=policy.width, generator=generators(seeds, device=device),
-            output_type="pt", max_sequence_length=policy.max_sequence_length,
-        ).images
+        images = policy.pipeline_images(prompts, group_size=group, num_steps=args.steps, guidance_scale=guidance,
+                                        seeds=seeds, metadata=metadata)
         assert images.shape[0] == args.batch
         return images
 

@@ -53,7 +53,7 @@ def main() -> None:
     policy = build_training_policy(cfg, torch.device(device))  # fresh LoRA: B = 0, the base model
     train_prompts, _ = load_prompt_splits(cfg)
     prompts = stratified_prefix(train_prompts, args.prompts)
-    guidance = cfg.sampling.guidance_scale if (cfg.train.cfg or policy.family == "flux") else 1.0
+    guidance = cfg.sampling.guidance_scale if (cfg.train.cfg or policy.guidance_in_model) else 1.0
     images = render(policy, prompts, images_per_prompt=args.images, num_steps=cfg.sampling.num_steps,
                     guidance=guidance, seed=cfg.seed + 7)  # [P * n, 3, H, W]
     rows = [i for i in range(len(prompts)) for _ in range(args.images)]

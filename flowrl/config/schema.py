@@ -20,8 +20,9 @@ from flowrl.config.sampling import PilotConfig, SamplingConfig, TreeConfig, Wind
 
 @dataclass
 class ModelConfig:
-    family: Literal["sd3", "flux"] = "sd3"
-    """Model family; picks the policy adapter (SD3/SD3.5 or FLUX.1)."""
+    family: Literal["sd3", "flux", "flux_kontext", "flux2_klein", "qwen_image", "z_image", "wan"] = "sd3"
+    """Model family; picks the policy adapter (SD3/SD3.5, FLUX.1, FLUX.1 Kontext, FLUX.2 [klein], Qwen-Image,
+    Z-Image or Wan2.1 video)."""
     path: str = "tiny"
     """Hub id or local pipeline directory; 'tiny' builds the offline tiny pipeline of the family."""
     revision: str | None = None

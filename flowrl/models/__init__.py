@@ -1,16 +1,37 @@
-"""Model families behind one Policy adapter: SD3/SD3.5 and FLUX.1 (plus offline tiny variants).
+"""Model families behind one Policy adapter (each with an offline tiny variant for tests and smoke runs).
 
 ``build_policy`` takes flat arguments; ``path="tiny"`` builds the offline tiny pipeline of the
-family (tests, smoke runs), anything else is a hub id or a local diffusers directory.
+family, anything else is a hub id or a local diffusers directory. A family is one entry of
+``FAMILY_CLASSES``: its config name -> the module and class of its adapter (imported on use, so a
+family's diffusers classes load only when it is picked).
 """
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 
 from flowrl.models.base import Policy, PolicyBase, TextCond, load_pipeline, resolve_dtype
 
-FAMILIES = ("sd3", "flux")
+FAMILY_CLASSES = {
+    "sd3": "flowrl.models.sd3:SD3Policy",  # SD3 / SD3.5
+    "flux": "flowrl.models.flux:FluxPolicy",  # FLUX.1 [dev] / [schnell]
+    "flux_kontext": "flowrl.models.flux_kontext:FluxKontextPolicy",  # FLUX.1 Kontext [dev] (editing)
+    "flux2_klein": "flowrl.models.flux2:Flux2KleinPolicy",  # FLUX.2 [klein]
+    "qwen_image": "flowrl.models.qwen_image:QwenImagePolicy",  # Qwen-Image
+    "z_image": "flowrl.models.z_image:ZImagePolicy",  # Z-Image (Turbo)
+    "wan": "flowrl.models.wan:WanPolicy",  # Wan2.1 text-to-video
+}
+FAMILIES = tuple(FAMILY_CLASSES)
+
+
+def policy_class(family: str) -> type[PolicyBase]:
+    """The adapter class of ``family`` (one-line error for an unknown name)."""
+    if family not in FAMILY_CLASSES:
+        raise ValueError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
+    module, name = FAMILY_CLASSES[family].split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def build_policy(family: str, path: str, *, dtype: str = "float32", device="cpu", height: int | None = None,
@@ -21,34 +42,34 @@ def build_policy(family: str, path: str, *, dtype: str = "float32", device="cpu"
     its policy adapter.
 
     ``text_encoder_device="cpu"`` keeps the text encoders on the CPU (they never reach ``device``)."""
-    from flowrl.models.flux import FluxPolicy
-    from flowrl.models.sd3 import SD3Policy
-
-    if family not in FAMILIES:
-        raise ValueError(f"unknown model family {family!r}; choose one of {FAMILIES}")
-    policy_class = SD3Policy if family == "sd3" else FluxPolicy
+    cls = policy_class(family)
     extra = {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
     if path == "tiny":
-        from flowrl.models import tiny
-
-        pipeline = tiny.tiny_sd3_pipeline(seed) if family == "sd3" else tiny.tiny_flux_pipeline(seed)
-        height, width = height or tiny.TINY_SD3_RESOLUTION, width or tiny.TINY_SD3_RESOLUTION
-        extra.setdefault("max_sequence_length", tiny.TINY_T5_MAX_LENGTH)
+        pipeline = cls.tiny_pipeline(seed)
+        height, width = height or cls.tiny_size[0], width or cls.tiny_size[1]
+        extra.setdefault("max_sequence_length", cls.tiny_max_sequence_length)
         if resolve_dtype(dtype) != torch.float32:
             pipeline = pipeline.to(dtype=resolve_dtype(dtype))
         pipeline.set_progress_bar_config(disable=True)
     else:
         import diffusers
 
-        pipeline_class = getattr(diffusers, policy_class.pipeline_class_name)
-        check_pipeline_family(family, path, policy_class.pipeline_class_name)
+        pipeline_class = getattr(diffusers, cls.pipeline_class_name)
+        check_pipeline_family(family, path, cls.pipeline_class_name)
         hub = {k: v for k, v in (("revision", revision), ("variant", variant)) if v is not None}  # from_pretrained's
         pipeline = load_pipeline(pipeline_class, path, torch_dtype=resolve_dtype(dtype), device="cpu", **hub)
-    policy = policy_class(pipeline, height=height, width=width, **extra)
+    policy = cls(pipeline, height=height, width=width, **extra)
     if text_encoder_device not in ("gpu", "cpu"):
         raise ValueError(f"text_encoder_device must be 'gpu' or 'cpu', got {text_encoder_device!r}")
     policy.text_encoders_on_cpu = text_encoder_device == "cpu"
     return policy.to(device)  # loaded on the CPU first: CPU text encoders never pass through the GPU
+
+
+PIPELINE_FAMILIES = {
+    "StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "FluxKontextPipeline": "flux_kontext",
+    "Flux2KleinPipeline": "flux2_klein", "QwenImagePipeline": "qwen_image", "ZImagePipeline": "z_image",
+    "WanPipeline": "wan",
+}
 
 
 def check_pipeline_family(family: str, path: str, expected: str) -> None:
@@ -65,9 +86,10 @@ def check_pipeline_family(family: str, path: str, expected: str) -> None:
     except (ValueError, OSError, AttributeError):
         raise ValueError(f"model.path {path}: model_index.json is not a diffusers pipeline index") from None
     if found and found != expected:
-        families = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}
-        hint = f"set model.family={families[found]}" if found in families else "point model.path at a matching one"
+        hint = (f"set model.family={PIPELINE_FAMILIES[found]}" if found in PIPELINE_FAMILIES
+                else "point model.path at a matching one")
         raise ValueError(f"model.path {path} holds a {found}, but model.family={family} needs a {expected}: {hint}")
 
 
-__all__ = ["FAMILIES", "Policy", "PolicyBase", "TextCond", "build_policy", "resolve_dtype"]
+__all__ = ["FAMILIES", "FAMILY_CLASSES", "Policy", "PolicyBase", "TextCond", "build_policy", "policy_class",
+           "resolve_dtype"]

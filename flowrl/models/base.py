@@ -4,9 +4,14 @@ A policy wraps the components of a diffusers pipeline (transformer, VAE, text en
 sigmas) and exposes exactly what flowrl's hand-written denoising loop needs. The loop itself lives
 in :mod:`flowrl.sampling`, never inside a pipeline ``__call__``.
 
-Latents are always handled in the VAE's 4-D layout ``[N, C, h, w]``; model-specific packing
-(FLUX's 2x2 patch sequence) happens inside :meth:`Policy.velocity`, so trajectories, losses and
-rewards never see it.
+Latents are always handled in the VAE's layout, ``[N, C, h, w]`` for images and ``[N, C, F, h, w]``
+for video (Wan); model-specific packing (FLUX's 2x2 patch sequence) happens inside
+:meth:`Policy.velocity`, so trajectories, losses and rewards never see it.
+
+Adding a family is one subclass of :class:`PolicyBase` (a module in ``flowrl.models``) and one line of
+``flowrl.models.FAMILY_CLASSES``: the class says how to encode text (``encode_batch``), which sigmas to
+use, how to run the transformer (``velocity``), how to build its tiny offline pipeline
+(``tiny_pipeline``) and how its diffusers pipeline is called for the same images (``pipeline_images``).
 """
 
 from __future__ import annotations
@@ -36,32 +41,40 @@ whatever batch it arrives in, and the cache bit-identical to the live encoders."
 
 @dataclass
 class TextCond:
-    """Text conditioning of a batch of prompts, computed once and indexed per trajectory row."""
+    """The conditioning of a batch of prompts, computed once and indexed per trajectory row.
+
+    Families without a pooled text vector (Qwen-Image, FLUX.2, Z-Image, Wan) store a zero-width
+    ``pooled_prompt_embeds`` ``[B, 0]``, so the text cache and row indexing stay one code path."""
 
     prompt_embeds: torch.Tensor  # [B, L, D]
-    pooled_prompt_embeds: torch.Tensor  # [B, P]
+    pooled_prompt_embeds: torch.Tensor  # [B, P] (P = 0 for families without a pooled vector)
     negative_prompt_embeds: torch.Tensor | None = None  # [B, L, D], for classifier-free guidance
     negative_pooled_prompt_embeds: torch.Tensor | None = None  # [B, P]
     text_ids: torch.Tensor | None = None  # [L, 3] FLUX text position ids (shared by the batch)
+    prompt_mask: torch.Tensor | None = None  # [B, L] bool, True on real tokens (families whose transformer masks)
+    negative_prompt_mask: torch.Tensor | None = None  # [B, L] bool
+    image_latents: torch.Tensor | None = None  # [B, ...] latents of a conditioning image (editing: Kontext)
+
+    SHARED = ("text_ids",)  # one value for the whole batch: neither indexed nor concatenated
 
     def select(self, index: torch.Tensor | Sequence[int]) -> "TextCond":
-        """Rows ``index`` of every batched field; ``text_ids`` is shared and kept as is."""
+        """Rows ``index`` of every batched field; the shared fields are kept as they are."""
         index = torch.as_tensor(index, dtype=torch.long, device=self.prompt_embeds.device)
         batched = {
-            f.name: getattr(self, f.name)[index]
+            f.name: getattr(self, f.name)[index.to(getattr(self, f.name).device)]
             for f in fields(self)
-            if f.name != "text_ids" and getattr(self, f.name) is not None
+            if f.name not in self.SHARED and getattr(self, f.name) is not None
         }
         return replace(self, **batched)
 
     @staticmethod
     def cat(conds: Sequence["TextCond"]) -> "TextCond":
-        """Concatenate the batches of several conditionings (``text_ids`` taken from the first)."""
+        """Concatenate the batches of several conditionings (shared fields taken from the first)."""
         first = conds[0]
         joined = {
             f.name: torch.cat([getattr(c, f.name) for c in conds])
             for f in fields(first)
-            if f.name != "text_ids" and getattr(first, f.name) is not None
+            if f.name not in first.SHARED and getattr(first, f.name) is not None
         }
         return replace(first, **joined)
 
@@ -78,7 +91,8 @@ class Policy(Protocol):
     height: int
     width: int
 
-    def encode(self, prompts: list[str], *, negative: bool = True) -> TextCond: ...
+    def encode(self, prompts: list[str], *, negative: bool = True, metadata: Sequence[dict] | None = None
+               ) -> TextCond: ...  # metadata: per prompt (an editing family reads its source image there)
 
     def init_noise(self, n: int, generator=None) -> torch.Tensor: ...  # [n, C, h, w]
 
@@ -86,7 +100,7 @@ class Policy(Protocol):
 
     def velocity(self, x: torch.Tensor, sigma, cond: TextCond, guidance_scale: float) -> torch.Tensor: ...
 
-    def decode(self, latents: torch.Tensor) -> torch.Tensor: ...  # [N, 3, H, W] in [0, 1]
+    def decode(self, latents: torch.Tensor) -> torch.Tensor: ...  # [N, 3, H, W] (video: [N, T, 3, H, W]) in [0, 1]
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]: ...
 
@@ -94,7 +108,19 @@ class Policy(Protocol):
 
 
 class PolicyBase:
-    """Behaviour shared by the SD3 and FLUX adapters: LoRA, reference switch, VAE decoding."""
+    """Behaviour shared by every family's adapter: LoRA, reference switch, text cache, VAE decoding.
+
+    Class attributes a family sets: ``family`` (its config name), ``pipeline_class_name`` (the diffusers
+    pipeline it wraps), ``default_guidance`` (the guidance its model card samples with), ``guidance_in_model``
+    (True where guidance is an input of one transformer pass, as FLUX.1-dev's embedding: it applies even
+    without ``train.cfg``), ``tiny_size`` (height, width of its tiny pipeline) and ``tiny_max_sequence_length``."""
+
+    family = ""
+    pipeline_class_name = ""
+    default_guidance = 1.0
+    guidance_in_model = False
+    tiny_size = (64, 64)
+    tiny_max_sequence_length = 32
 
     def __init__(self, pipeline, *, height: int, width: int):
         self.pipeline = pipeline
@@ -168,6 +194,30 @@ class PolicyBase:
     def encode_batch(self, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
         """One call of the family's text encoders on ``device`` -> (embeds ``[B, L, D]``, pooled ``[B, P]``)."""
         raise NotImplementedError
+
+    @classmethod
+    def tiny_pipeline(cls, seed: int = 0):
+        """The family's tiny random-weight diffusers pipeline (``model.path=tiny``), built offline."""
+        raise NotImplementedError
+
+    def pipeline_images(self, prompts: Sequence[str], *, group_size: int, num_steps: int, guidance_scale: float,
+                        seeds: Sequence[int], metadata: Sequence[dict] | None = None) -> torch.Tensor:
+        """The family's own diffusers pipeline, called for the images an ODE :func:`flowrl.sampling.rollout` of
+        the same seeds makes (``noise_level=0``): ``[N, 3, H, W]`` in [0, 1] (video ``[N, T, 3, H, W]``).
+        The reference of the parity tests and of ``scripts/bench_rollout.py``."""
+        from flowrl.sampling.seeding import generators
+
+        return self.pipeline(
+            prompt=list(prompts), num_images_per_prompt=group_size, num_inference_steps=num_steps,
+            guidance_scale=guidance_scale, height=self.height, width=self.width,
+            generator=generators(list(seeds), device=self.device), output_type="pt",
+            max_sequence_length=self.max_sequence_length,
+        ).images
+
+    def example_metadata(self, num_prompts: int) -> list[dict] | None:
+        """Per-prompt metadata a benchmark or smoke run of this family needs (an editing family's source
+        images); None where prompts alone suffice."""
+        return None
 
     def finish_cond(self, cond: TextCond) -> TextCond:
         """Family-specific fields derived from the embeddings (FLUX's text position ids)."""

@@ -27,6 +27,14 @@ def flux_mu(image_seq_len: int, config) -> float:
 class FluxPolicy(PolicyBase):
     family = "flux"
     pipeline_class_name = "FluxPipeline"
+    default_guidance = 3.5  # FLUX.1-dev's model card
+    guidance_in_model = True  # the distilled-guidance embedding: one pass, no CFG batch
+
+    @classmethod
+    def tiny_pipeline(cls, seed: int = 0):
+        from flowrl.models.tiny import tiny_flux_pipeline
+
+        return tiny_flux_pipeline(seed)
 
     def __init__(self, pipeline, *, height: int | None = None, width: int | None = None,
                  max_sequence_length: int = 512):
@@ -42,7 +50,7 @@ class FluxPolicy(PolicyBase):
         channels = self.transformer.config.in_channels // 4
         return (n, channels, 2 * (self.height // scale), 2 * (self.width // scale))
 
-    def encode(self, prompts: list[str], *, negative: bool = False) -> TextCond:
+    def encode(self, prompts: list[str], *, negative: bool = False, metadata=None) -> TextCond:
         """FLUX.1-dev needs no negative prompt; ``negative=True`` adds the empty one for true-CFG variants."""
         return self.encode_text(prompts, negative=negative)
 

@@ -33,7 +33,6 @@ from safetensors.torch import load_file, save_file
 DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 COMFYUI_WEIGHT_NAME = "pytorch_lora_weights_comfyui.safetensors"
 KOHYA_WEIGHT_NAME = "pytorch_lora_weights_kohya.safetensors"
-FAMILY_OF_PIPELINE = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}
 
 
 def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
@@ -107,7 +106,9 @@ def save_diffusers_lora(pipeline_class, out_dir: str | Path, state: dict[str, to
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if metadata is None:
-        family = FAMILY_OF_PIPELINE.get(getattr(pipeline_class, "__name__", ""), "unknown")
+        from flowrl.models import PIPELINE_FAMILIES
+
+        family = PIPELINE_FAMILIES.get(getattr(pipeline_class, "__name__", ""), "unknown")
         metadata = export_metadata(config, family=family, base_model=None, config_text=None)
     folded, stored = fold_scale(state, config)
     stored["base_model_name_or_path"] = metadata.get("base_model_name_or_path") or None
@@ -129,7 +130,7 @@ def save_kohya_lora(out_file: str | Path, state: dict[str, torch.Tensor], config
         tensors.update({f"{name}.lora_down.weight": down, f"{name}.lora_up.weight": up,
                         f"{name}.alpha": torch.tensor(float(down.shape[0]))})
     header = {**metadata, "ss_network_module": f"networks.lora_{family}", "ss_network_dim": str(config["r"]),
-              "ss_network_alpha": str(config["r"]), "ss_base_model_version": {"sd3": "sd3", "flux": "flux1"}[family]}
+              "ss_network_alpha": str(config["r"]), "ss_base_model_version": {"sd3": "sd3"}.get(family, "flux1")}
     save_file(tensors, str(out_file), metadata=header)
     return Path(out_file)
 
@@ -170,11 +171,15 @@ NATIVE_NAMES = {
         (r"^proj_out$", "final_layer.linear", None),
     ],
 }
+NATIVE_NAMES["flux_kontext"] = NATIVE_NAMES["flux"]  # the same FluxTransformer2DModel
 SLOTS = {"qkv": ("q", "k", "v"), "qkvm": ("q", "k", "v", "mlp")}
 
 
 def native_name(module: str, family: str) -> tuple[str, str | None, str | None]:
     """diffusers module -> (native module, slot layout, slot); ValueError for a module with no native LoRA name."""
+    if family not in NATIVE_NAMES:
+        raise ValueError(f"flowrl knows no native (kohya) module names for the {family} family; "
+                         "export it with --format diffusers")
     for pattern, native, layout in NATIVE_NAMES[family]:
         match = re.search(pattern, module)
         if match:

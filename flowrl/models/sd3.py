@@ -21,6 +21,13 @@ from flowrl.models.base import SD3_LORA_TARGETS, PolicyBase, TextCond
 class SD3Policy(PolicyBase):
     family = "sd3"
     pipeline_class_name = "StableDiffusion3Pipeline"
+    default_guidance = 4.5  # SD3.5-medium's model card
+
+    @classmethod
+    def tiny_pipeline(cls, seed: int = 0):
+        from flowrl.models.tiny import tiny_sd3_pipeline
+
+        return tiny_sd3_pipeline(seed)
 
     def __init__(self, pipeline, *, height: int | None = None, width: int | None = None,
                  max_sequence_length: int = 256):
@@ -35,7 +42,7 @@ class SD3Policy(PolicyBase):
         scale = self.pipeline.vae_scale_factor
         return (n, self.transformer.config.in_channels, self.height // scale, self.width // scale)
 
-    def encode(self, prompts: list[str], *, negative: bool = True) -> TextCond:
+    def encode(self, prompts: list[str], *, negative: bool = True, metadata=None) -> TextCond:
         """Conditioning of ``prompts`` with the empty prompt as the CFG negative (cached or live, same bits)."""
         return self.encode_text(prompts, negative=negative)
 

@@ -118,7 +118,7 @@ def export_final_lora(policy, ema, out_dir: Path, config_file: Path | None = Non
     Under FSDP2 every process must call this (the sharded adapter is gathered whole); only ``write`` ones write."""
     import yaml
 
-    from flowrl.models.lora_io import DIFFUSERS_WEIGHT_NAME, FAMILY_OF_PIPELINE, write_lora_files
+    from flowrl.models.lora_io import DIFFUSERS_WEIGHT_NAME, write_lora_files
 
     with ema_weights(ema):
         state = lora_state_dict(policy.transformer)
@@ -127,7 +127,7 @@ def export_final_lora(policy, ema, out_dir: Path, config_file: Path | None = Non
     config_file = Path(config_file) if config_file is not None else Path(out_dir).parent / "config.yaml"
     config_text = config_file.read_text() if config_file.is_file() else None
     model = (yaml.safe_load(config_text) or {}).get("model", {}) if config_text else {}
-    family = model.get("family") or FAMILY_OF_PIPELINE[policy.pipeline_class_name]
+    family = model.get("family") or policy.family
     base_model = model.get("path") or getattr(policy.pipeline, "name_or_path", None)
     return write_lora_files(out_dir, state, lora_config_dict(policy.transformer), family=family, base_model=base_model,
                             config_text=config_text, force=True)[0]
@@ -271,7 +271,7 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
         rewards=rewards, weights=weights, train_prompts=train_prompts, test_prompts=test_prompts,
         eval_prompts=eval_prompt_set(cfg, test_prompts),
         test_set=stratified_prefix(test_prompts, cfg.log.test_prompts), logger=logger,
-        guidance=cfg.sampling.guidance_scale if (t.cfg or policy.family == "flux") else 1.0, start_epoch=start_epoch,
+        guidance=cfg.sampling.guidance_scale if (t.cfg or policy.guidance_in_model) else 1.0, start_epoch=start_epoch,
         counters={"rollouts": resumed.get("rollouts", 0), "train_wall_s": resumed.get("train_wall_s", 0.0)},
         marble=marble, reference=reference, reference_resets=int(resumed.get("reference_resets", 0)), anchor=anchor,
         guard=guard, scheduler=scheduler,

@@ -75,7 +75,7 @@ def rollout(
 
     # 1. Text conditioning once per prompt; rows index into it.
     if cond is None:
-        cond = policy.encode(list(prompts))
+        cond = policy.encode(list(prompts), metadata=metadata)
     device = policy.device
     prompt_ids = torch.arange(num_prompts).repeat_interleave(roots_per_group)  # [R]
     row_seeds = torch.tensor([int(s) for s in seeds], dtype=torch.long)  # [R]
@@ -84,7 +84,7 @@ def rollout(
         init_seeds = row_seeds[::roots_per_group].repeat_interleave(roots_per_group)
 
     # 2. Initial noise, drawn per row like diffusers does with a list of generators.
-    x = policy.init_noise(len(row_seeds), generator=generators(init_seeds.tolist()))  # [R, C, h, w]
+    x = policy.init_noise(len(row_seeds), generator=generators(init_seeds.tolist()))  # [R, C, (F,) h, w]
     sigmas = policy.sigmas(num_steps)  # [num_steps + 1]
     # Everything that depends on the schedule alone is prepared once, on the latents' device: no per-step
     # host-to-device copy of a sigma (each one a blocking sync on a GPU) and no per-step coefficient math.
@@ -95,7 +95,7 @@ def rollout(
     lineage = torch.arange(len(row_seeds))  # [rows] id of the tree edge each row is on
     next_lineage = len(row_seeds)
     parent = torch.full((len(row_seeds),), -1, dtype=torch.long)
-    stored_latents: list[torch.Tensor] = []  # K+1 x [rows, C, h, w]
+    stored_latents: list[torch.Tensor] = []  # K+1 x [rows, C, (F,) h, w]; F: video frames
     stored_log_probs: list[torch.Tensor] = []  # K x [rows]
     stored_edges: list[torch.Tensor] = []  # K x [rows]
     stored_x0: list[torch.Tensor] = []  # K+1 x [rows, C, h, w] float32, with store_x0_preds
@@ -192,7 +192,7 @@ def chunked_rollout(policy: Policy, prompts: Sequence[str], *, group_size: int, 
                          f"and a multiple of the tree's {leaves} leaves per root")
     if kwargs.get("same_noise_in_group") and chunk < group_size:
         raise ValueError("same_noise_in_group needs whole groups per rollout chunk")
-    cond = policy.encode(list(prompts)) if cond is None else cond
+    cond = policy.encode(list(prompts), metadata=metadata) if cond is None else cond
     per_chunk, size = max(chunk // group_size, 1), min(chunk, group_size)  # prompts per chunk, rows per group part
     roots, group_roots = size // leaves, group_size // leaves
     parts, prompt_ids = [], []

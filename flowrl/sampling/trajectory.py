@@ -16,12 +16,12 @@ import torch
 
 @dataclass
 class Trajectory:
-    latents: torch.Tensor  # [N, K+1, C, H, W] states around the stored steps
+    latents: torch.Tensor  # [N, K+1, C, H, W] states around the stored steps (video: [N, K+1, C, F, H, W])
     log_probs: torch.Tensor  # [N, K] float32 log-density of each stored transition
     sigmas: torch.Tensor  # [K+1] float32 noise levels of the stored states
     timesteps: torch.Tensor  # [K] float32 model timesteps (sigma * 1000) of the stored steps
     step_indices: torch.Tensor  # [K] long, position of each stored step in the full schedule
-    final_latents: torch.Tensor  # [N, C, H, W] the clean latent x0 at the end of the rollout
+    final_latents: torch.Tensor  # [N, C, H, W] the clean latent x0 at the end of the rollout ([N, C, F, H, W])
     prompt_ids: torch.Tensor  # [N] long, index into ``prompts``
     group_ids: torch.Tensor  # [N] long, rows with equal id are compared against each other
     seeds: torch.Tensor  # [N] int64, per-row seed that determined its noise
@@ -29,7 +29,7 @@ class Trajectory:
     parent: torch.Tensor  # [N] long, row this row branched from at its last branch point, or -1
     prompts: list[str]  # [P] the distinct prompts of the batch
     metadata: list[dict] = field(default_factory=list)  # [P] per-prompt metadata
-    images: torch.Tensor | None = None  # [N, 3, H, W] in [0, 1], decoded final_latents
+    images: torch.Tensor | None = None  # [N, 3, H, W] in [0, 1], decoded final_latents (video: [N, T, 3, H, W])
     cond: Any = None  # text conditioning of ``prompts`` (policy-specific), reused by the loss
     rewards: dict[str, torch.Tensor] = field(default_factory=dict)  # {name: [N]}
     advantages: torch.Tensor | None = None  # [N, K]
