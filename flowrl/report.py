@@ -32,18 +32,30 @@ from flowrl.training.ema import ema_weights
 from flowrl.training.metrics import read_metrics
 
 
+def stills(images: torch.Tensor) -> torch.Tensor:
+    """Images ``[N, 3, H, W]`` as they are; videos ``[N, T, 3, H, W]`` as film strips ``[N, 3, H, T * W]`` (the
+    frames side by side), so that grids, reports and PNG files show every frame of a video."""
+    if images.ndim == 5:
+        n, t, c, h, w = images.shape
+        return images.permute(0, 2, 3, 1, 4).reshape(n, c, h, t * w)
+    return images
+
+
 def render(policy, prompts: PromptSet, *, images_per_prompt: int, num_steps: int, guidance: float, seed: int,
            batch_prompts: int = 8, first_prompt: int = 0, with_latents: bool = False):
-    """ODE samples ``[P * n, 3, H, W]`` of ``prompts``, in chunks of prompts; row-seeded, so reproducible.
+    """ODE samples ``[P * n, 3, H, W]`` (video ``[P * n, T, 3, H, W]``) of ``prompts``, in chunks of prompts;
+    row-seeded, so reproducible. Each prompt's metadata reaches the policy (an editing family's source image).
 
     Prompt ``i`` takes the seeds of global rows ``(first_prompt + i) * n ...``, so a subset of a suite
     renders the same images as the whole. ``with_latents`` also returns the clean latents ``[P * n, C, h, w]``."""
     images, latents = [], []
     for start in range(0, len(prompts), batch_prompts):
         chunk = prompts.prompts[start:start + batch_prompts]
+        metadata = prompts.metadata[start:start + batch_prompts]
         with policy.local_forward():
             traj = rollout(policy, chunk, group_size=images_per_prompt, num_steps=num_steps, guidance_scale=guidance,
                            noise_level=0.0, plan=StepPlan(num_steps, sde_start=num_steps - 1, sde_size=1),
+                           metadata=metadata,
                            seeds=root_seeds(seed, (first_prompt + start) * images_per_prompt,
                                             len(chunk) * images_per_prompt))
         images.append(traj.images)
@@ -238,8 +250,8 @@ def write_report(run_dir: str | Path, *, policy, ema, rewards, prompts: PromptSe
     results["summary"] = summary_line(results, trained, run_dir / "report.html")
     if save:
         grid_rows = min(len(prompts), 8) * images_per_prompt
-        save_image(before[:grid_rows], run_dir / "before.png", nrow=images_per_prompt, padding=2)
-        save_image(after[:grid_rows], run_dir / "after.png", nrow=images_per_prompt, padding=2)
+        save_image(stills(before[:grid_rows]), run_dir / "before.png", nrow=images_per_prompt, padding=2)
+        save_image(stills(after[:grid_rows]), run_dir / "after.png", nrow=images_per_prompt, padding=2)
         curve = plot_reward_curve(run_dir, trained)
         html_report(run_dir, results, prompts, before, after, images_per_prompt, curve)
         (run_dir / "report.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -83,3 +83,14 @@ def test_html_report_shows_labelled_grids_with_their_prompts(tmp_path):
     assert parsed.labels == ["base", "trained", "base", "trained"]
     assert len(parsed.images) == 1 + 4 and all(src.startswith("data:image/png;base64,") for src in parsed.images)
     assert "+0.1000" in page and "<script" not in page and 'src="http' not in page
+
+
+def test_videos_become_film_strips_of_their_frames_and_images_stay_as_they_are():
+    from flowrl.report import stills
+
+    video = torch.rand(2, 3, 3, 4, 5)  # [N, T, 3, H, W]
+    strips = stills(video)
+    assert strips.shape == (2, 3, 4, 15)
+    torch.testing.assert_close(strips[1], torch.cat([video[1, 0], video[1, 1], video[1, 2]], dim=-1), rtol=0, atol=0)
+    images = torch.rand(2, 3, 4, 5)
+    assert stills(images) is images

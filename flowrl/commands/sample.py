@@ -23,6 +23,7 @@ def run_sample(args) -> Path:
     from flowrl.data import load_prompts
     from flowrl.models import build_policy
     from flowrl.models.lora_io import load_lora_into
+    from flowrl.report import stills
     from flowrl.sampling import StepPlan, rollout, root_seeds
 
     cfg = load_config(Config, args.config, args.overrides)
@@ -34,9 +35,10 @@ def run_sample(args) -> Path:
         raise ValueError(f"--out {out} is a directory; give an image file, e.g. --out {out / 'samples.png'}")
     if out.suffix.lower() not in IMAGE_SUFFIXES:
         raise ValueError(f"--out {out}: use an image file name ending in {', '.join(IMAGE_SUFFIXES)}")
-    prompts = list(args.prompt)
+    prompts, metadata = list(args.prompt), [{} for _ in args.prompt]
     if args.prompts_file:
-        prompts += load_prompts(args.prompts_file).prompts
+        prompt_set = load_prompts(args.prompts_file)
+        prompts, metadata = prompts + prompt_set.prompts, metadata + prompt_set.metadata
     if not prompts:
         raise ValueError("no prompts: pass --prompt TEXT (repeatable) or --prompts-file FILE")
     device = resolve_device(cfg.device)
@@ -49,11 +51,11 @@ def run_sample(args) -> Path:
     plan = StepPlan(steps) if args.sde else StepPlan(steps, sde_start=steps - 1, sde_size=1)
     noise = cfg.sampling.noise_level if args.sde else 0.0
     traj = rollout(policy, prompts, group_size=n, num_steps=steps, guidance_scale=cfg.sampling.guidance_scale,
-                   noise_level=noise, kind=cfg.sampling.kind, plan=plan,
+                   noise_level=noise, kind=cfg.sampling.kind, plan=plan, metadata=metadata,
                    seeds=root_seeds(cfg.seed, 0, len(prompts) * n))
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        save_image(traj.images, out, nrow=n, padding=2)
+        save_image(stills(traj.images), out, nrow=n, padding=2)
     except OSError as error:
         raise ValueError(f"cannot write {out}: {error.strerror or error}; choose a writable --out") from None
     (out.with_suffix(".txt")).write_text("\n".join(prompts) + "\n", encoding="utf-8")

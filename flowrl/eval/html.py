@@ -43,10 +43,13 @@ def png_uri(data: bytes) -> str:
 
 
 def image_strip(images: torch.Tensor) -> bytes:
-    """One row of images ``[n, 3, H, W]`` in [0, 1] as PNG bytes."""
+    """One row of images ``[n, 3, H, W]`` (or videos ``[n, T, 3, H, W]``, as film strips) in [0, 1] as PNG bytes."""
     from torchvision.utils import make_grid
     from PIL import Image
 
+    from flowrl.report import stills
+
+    images = stills(images)
     grid = make_grid(images.detach().float().cpu().clamp(0, 1), nrow=len(images), padding=2, pad_value=1.0)
     array = (grid * 255 + 0.5).clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy()
     buffer = io.BytesIO()

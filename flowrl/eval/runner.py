@@ -166,7 +166,7 @@ def _render_missing(policy, suite, todo: list[int], folder: Path, cfg, *, base: 
     from safetensors.torch import save_file
     from torchvision.utils import save_image
 
-    from flowrl.report import render
+    from flowrl.report import render, stills
 
     e, n = cfg.eval, cfg.eval.images_per_prompt
     folder.mkdir(parents=True, exist_ok=True)
@@ -181,7 +181,7 @@ def _render_missing(policy, suite, todo: list[int], folder: Path, cfg, *, base: 
                                      with_latents=True)  # seeds depend on the suite index only
             for row, index in enumerate(chunk):
                 for k in range(n):
-                    save_image(images[row * n + k], folder / f"p{index:04d}_{k:02d}.png")
+                    save_image(stills(images[row * n + k][None])[0], folder / f"p{index:04d}_{k:02d}.png")
                 save_file({"latents": latents[row * n:(row + 1) * n].contiguous()},
                           str(folder / f"p{index:04d}.latents.safetensors"))
                 done[str(index)] = suite.prompts[index]

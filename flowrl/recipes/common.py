@@ -98,7 +98,7 @@ def eval_grid(policy, ema, prompts: PromptSet, cfg: Config, guidance: float, out
     Every process calls this (a sharded model needs all ranks for a forward); only ``save`` writes."""
     from torchvision.utils import save_image
 
-    from flowrl.report import render
+    from flowrl.report import render, stills
 
     n = cfg.log.eval_images_per_prompt
     with ema_weights(ema):
@@ -106,7 +106,7 @@ def eval_grid(policy, ema, prompts: PromptSet, cfg: Config, guidance: float, out
                         num_steps=cfg.log.eval_num_steps or cfg.sampling.num_steps)
     if save:
         out.parent.mkdir(parents=True, exist_ok=True)
-        save_image(images, out, nrow=n, padding=2)
+        save_image(stills(images), out, nrow=n, padding=2)
     return out
 
 
