@@ -36,6 +36,10 @@ class Reward(Protocol):
     ``reward(images [N,3,H,W] float in [0,1], prompts [N], metadata [N]) -> {key: Tensor[N]}``
     holding ``name`` (the main score) plus optional sub-scores ``"<name>/<sub>"``.
     NaN marks an image that could not be scored.
+
+    Video (a family like Wan yields ``[N,T,3,H,W]``): a reward whose class sets ``takes_video = True`` gets
+    the clips as they are; any other (an image reward) gets the first, middle and last frame of each clip as
+    images (:func:`frame_indices`) and ``score`` averages its outputs per clip.
     """
 
     name: str
@@ -62,6 +66,9 @@ REWARD_REGISTRY: dict[str, str] = {
     "toy_proxy": "rewards.toy_proxy:ToyProxy",
     "toy_clip": "rewards.toy_clip:ToyClip",
     "d2align": "rewards.directional:DirectionalCorrection",
+    "edit_preservation": "rewards.edit:EditPreservation",
+    "motion_direction": "rewards.video:MotionDirection",
+    "temporal_consistency": "rewards.video:TemporalConsistency",
 }
 """Short name -> dotted path. Strings only: nothing is imported until `build_reward`."""
 
@@ -160,13 +167,19 @@ def build_reward(name: str, /, **kwargs: Any) -> Reward:
 
 # ------------------------------------------------------------------------------------ scoring
 
-def check_batch(images: Any, prompts: Sequence[str], metadata: Sequence[Any]) -> int:
-    """The structural checks of a scoring batch (type, shape, lengths) -> N; no pass over pixels."""
+def check_batch(images: Any, prompts: Sequence[str], metadata: Sequence[Any], *, video: bool = False) -> int:
+    """The structural checks of a scoring batch (type, shape, lengths) -> N; no pass over pixels.
+
+    ``video=True`` also accepts clips ``[N,T,3,H,W]`` (``score``'s own check; an image reward keeps the default)."""
     if not isinstance(images, torch.Tensor) or not images.is_floating_point():
         kind = f"{images.dtype} tensor" if isinstance(images, torch.Tensor) else type(images).__name__
         raise ValueError(f"images must be a float tensor [N,3,H,W] in [0,1], got {kind}")
-    if images.ndim != 4 or images.shape[1] != 3:
-        raise ValueError(f"images must have shape [N,3,H,W], got {tuple(images.shape)}")
+    is_video = video and images.ndim == 5 and images.shape[1] > 0
+    if not is_video and (images.ndim != 4 or images.shape[1] != 3):
+        raise ValueError(f"images must have shape [N,3,H,W]{' or [N,T,3,H,W]' if video else ''}, "
+                         f"got {tuple(images.shape)}")
+    if is_video and images.shape[2] != 3:
+        raise ValueError(f"videos must have shape [N,T,3,H,W], got {tuple(images.shape)}")
     n = images.shape[0]
     if len(prompts) != n or len(metadata) != n:
         raise ValueError(f"got {n} images but {len(prompts)} prompts and {len(metadata)} metadata")
@@ -176,9 +189,9 @@ def check_batch(images: Any, prompts: Sequence[str], metadata: Sequence[Any]) ->
 def check_images(images: Any, prompts: Sequence[str], metadata: Sequence[Any]) -> int:
     """Validate a scoring batch and return N. One-line ValueError otherwise.
 
-    Non-finite pixels pass (a diverged sample): rewards score those images NaN.
+    Non-finite pixels pass (a diverged sample): rewards score those images NaN. Video ``[N,T,3,H,W]`` passes.
     """
-    n = check_batch(images, prompts, metadata)
+    n = check_batch(images, prompts, metadata, video=True)
     if images.numel():
         lo, hi = torch.where(torch.isfinite(images), images, 0.5).aminmax()  # ignore NaN/inf
         if lo.item() < -IMAGE_TOLERANCE or hi.item() > 1 + IMAGE_TOLERANCE:
@@ -205,6 +218,26 @@ def _check_output(name: str, out: Any, n: int) -> dict[str, torch.Tensor]:
     return {name: checked.pop(name), **checked}  # main key first
 
 
+def frame_indices(num_frames: int) -> list[int]:
+    """Frames an image reward scores of a ``num_frames`` clip: first, middle and last (fewer for a short clip).
+
+    Three frames see the start, the middle and the end of the motion at 3x an image's cost; their scores are
+    averaged per clip, so a still clip scores exactly what its frame scores as an image."""
+    return sorted({0, num_frames // 2, num_frames - 1})
+
+
+def _reward_input(reward: Reward, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Any]):
+    """What ``reward`` is called with -> (images, prompts, metadata, frames per item): the batch itself, or for
+    video and a reward without ``takes_video`` the sampled frames as ``[N*k,3,H,W]`` images, prompts and
+    metadata repeated per frame."""
+    if images.ndim == 4 or getattr(reward, "takes_video", False):
+        return images, list(prompts), list(metadata), 1
+    index = frame_indices(images.shape[1])
+    k = len(index)
+    frames = images[:, index].flatten(0, 1)  # [N*k, 3, H, W]
+    return frames, [p for p in prompts for _ in range(k)], [m for m in metadata for _ in range(k)], k
+
+
 def _failure(name: str, prompts: Sequence[str], err: BaseException) -> str:
     first = prompts[0] if prompts else ""
     first = first if len(first) <= 80 else first[:77] + "..."
@@ -212,14 +245,29 @@ def _failure(name: str, prompts: Sequence[str], err: BaseException) -> str:
     return _one_line(f"reward '{name}' failed on prompt {first!r}{more}: {type(err).__name__}: {err}", 800)
 
 
+def with_source_pixels(images: torch.Tensor, metadata: Sequence[Any]) -> list[Any]:
+    """Editing: each row whose metadata names a ``source_image`` gets a copy with ``source_pixels``, that source
+    as a float tensor [3, H, W] in [0, 1] at the images' size (for edit rewards). The caller's dicts are left as
+    they are, so nothing that writes metadata (reports, JSON) ever sees a tensor."""
+    if not any(isinstance(m, Mapping) and m.get("source_image") and "source_pixels" not in m for m in metadata):
+        return list(metadata)
+    from flowrl.edit_sources import source_pixels  # only editing runs pay for the import
+
+    height, width = images.shape[-2:]
+    return [{**m, "source_pixels": source_pixels(str(m["source_image"]), height, width)}
+            if isinstance(m, Mapping) and m.get("source_image") and "source_pixels" not in m else m for m in metadata]
+
+
 def _score_checked(rewards: Sequence[Reward], images: torch.Tensor, prompts: Sequence[str],
                    metadata: Sequence[Any], n: int, on_error: str) -> dict[str, torch.Tensor]:
     merged: dict[str, torch.Tensor] = {}
+    metadata = with_source_pixels(images, metadata)
     for reward in rewards:
         name = reward.name
+        inputs, frame_prompts, frame_metadata, k = _reward_input(reward, images, prompts, metadata)
         try:
             with torch.no_grad():
-                out = reward(images, list(prompts), list(metadata))
+                out = reward(inputs, frame_prompts, frame_metadata)
         except Exception as err:
             msg = _failure(name, prompts, err)
             if on_error == "raise":
@@ -227,7 +275,8 @@ def _score_checked(rewards: Sequence[Reward], images: torch.Tensor, prompts: Seq
             logger.warning("%s; scoring the batch NaN", msg)
             merged[name] = torch.full((n,), math.nan, dtype=torch.float32)
             continue
-        merged.update(_check_output(name, out, n))  # Protocol violations are bugs: always raise
+        checked = _check_output(name, out, n * k)  # Protocol violations are bugs: always raise
+        merged.update({key: value.view(n, k).mean(1) for key, value in checked.items()} if k > 1 else checked)
     return merged
 
 

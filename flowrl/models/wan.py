@@ -1,0 +1,154 @@
+"""Wan2.1 text-to-video policy adapter (``WanPipeline``: ``WanTransformer3DModel``, ``AutoencoderKLWan``, UMT5).
+
+What differs from the image families, all hidden here:
+
+- Latents are video, ``[N, C, F, h, w]`` in the Wan VAE's layout (F = (frames - 1) / 4 + 1 latent frames, the
+  causal VAE keeps the first frame on its own); the transformer patchifies them itself, so nothing is packed.
+  :meth:`decode` returns frames ``[N, T, 3, H, W]`` in [0, 1], the layout rewards receive.
+- The schedule is a static shift (Wan2.1 T2V: 3.0 at 480p, 5.0 at 720p). The released pipeline samples with
+  UniPC, a multistep solver; flowrl's loop is Euler, and GRPO's SDE step (its mean and its log-density) is
+  defined as a perturbation of the Euler step of the flow ODE, so :meth:`__init__` swaps a non-Euler scheduler
+  for ``FlowMatchEulerDiscreteScheduler`` with the scheduler's ``flow_shift``. The pipeline then samples the
+  same ODE as the rollout, which is what the parity test checks (the tiny pipeline is built with it).
+- Classifier-free guidance is two transformer passes, conditional then unconditional (the empty negative
+  prompt, WanPipeline's default), mixed ``v_u + w (v_c - v_u)``; no pooled text vector (``[B, 0]``).
+- Text: UMT5 hidden states trimmed to each prompt's length and zero-padded to ``max_sequence_length`` by the
+  pipeline's own ``encode_prompt``: a fixed length, and the transformer takes no mask.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Sequence
+
+import torch
+
+from flowrl.models.base import PolicyBase, TextCond
+from flowrl.models.sd3 import _quiet
+
+# Attention projections of both attention layers (attn1 self, attn2 cross) of every block. diffusers ships no
+# DreamBooth-LoRA script for Wan; this is Flow-Factory's default Wan target list (its Wan2.1 GRPO LoRA example,
+# examples/grpo/lora/wan21/t2v.yaml: ["to_k", "to_q", "to_v", "to_out.0"]), which WanLoraLoaderMixin loads.
+WAN_LORA_TARGETS: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+WAN_DEFAULT_SHIFT = 3.0  # Wan2.1 T2V 480p (the released UniPC config's flow_shift)
+
+
+def euler_scheduler_for(scheduler):
+    """``scheduler`` itself if it is already the flow-matching Euler one, else an Euler scheduler with its
+    static shift (``flow_shift`` of Wan's UniPC config) and training timesteps."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
+        return scheduler
+    config = scheduler.config
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=config.get("num_train_timesteps", 1000),
+                                           shift=float(config.get("flow_shift") or WAN_DEFAULT_SHIFT))
+
+
+class WanPolicy(PolicyBase):
+    family = "wan"
+    pipeline_class_name = "WanPipeline"
+    default_guidance = 5.0  # WanPipeline's default and the Wan2.1 model card's
+    tiny_size = (32, 32)
+    tiny_max_sequence_length = 16
+    default_num_frames = 5
+    """Frames per video when none is given: Flow-Factory's Wan2.1 GRPO recipe trains on 5-frame clips (2 latent
+    frames), and the tiny pipeline uses the same. flowrl's config has no frame field yet; pass ``num_frames`` to
+    the constructor for longer clips (WanPipeline's own default is 81)."""
+
+    @classmethod
+    def tiny_pipeline(cls, seed: int = 0):
+        from flowrl.models.tiny_wan import tiny_wan_pipeline
+
+        return tiny_wan_pipeline(seed)
+
+    def __init__(self, pipeline, *, height: int | None = None, width: int | None = None,
+                 max_sequence_length: int = 512, num_frames: int | None = None):
+        # WanPipeline's defaults: 480 x 832 (480p), 512 UMT5 tokens.
+        super().__init__(pipeline, height=height or 480, width=width or 832)
+        pipeline.scheduler = euler_scheduler_for(pipeline.scheduler)  # see the module docstring
+        self.max_sequence_length = max_sequence_length
+        self.num_frames = num_frames or self.default_num_frames
+        temporal = pipeline.vae_scale_factor_temporal
+        if (self.num_frames - 1) % temporal:
+            raise ValueError(f"Wan needs num_frames = {temporal} k + 1 (1, 5, 9, ... 81), got {self.num_frames}")
+        multiple = pipeline.vae_scale_factor_spatial * self.transformer.config.patch_size[1]
+        if self.height % multiple or self.width % multiple:
+            raise ValueError(f"Wan needs height and width divisible by {multiple}, got {self.height}x{self.width}")
+
+    def default_lora_targets(self) -> tuple[str, ...]:
+        return WAN_LORA_TARGETS
+
+    def latent_shape(self, n: int) -> tuple[int, int, int, int, int]:
+        """``(n, C, F, h, w)``: F = (num_frames - 1) / 4 + 1 latent frames, h, w = pixels / 8 (WanPipeline's)."""
+        spatial, temporal = self.pipeline.vae_scale_factor_spatial, self.pipeline.vae_scale_factor_temporal
+        frames = (self.num_frames - 1) // temporal + 1
+        return (n, self.transformer.config.in_channels, frames, self.height // spatial, self.width // spatial)
+
+    def init_noise(self, n: int, generator=None) -> torch.Tensor:
+        """``[n, C, F, h, w]`` drawn in float32 as ``WanPipeline.prepare_latents`` draws it, then in the policy's
+        dtype like every family's latents (identical bits in float32)."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        noise = randn_tensor(self.latent_shape(n), generator=generator, device=self.device, dtype=torch.float32)
+        return noise.to(self.dtype)
+
+    def encode(self, prompts: list[str], *, negative: bool = True, metadata=None) -> TextCond:
+        """Conditioning of ``prompts`` with the empty prompt as the CFG negative (cached or live, same bits)."""
+        return self.encode_text(prompts, negative=negative)
+
+    def encode_batch(self, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
+        """UMT5 states ``[B, L, D]`` (zero past each prompt's tokens, L = max_sequence_length), pooled ``[B, 0]``."""
+        with _quiet(type(self.pipeline).__module__):
+            embeds, _ = self.pipeline.encode_prompt(
+                prompt=prompts, do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length,
+                device=device,
+            )
+        return embeds, embeds.new_zeros(embeds.shape[0], 0)
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """The (Euler) scheduler's own shifted sigmas, ``[num_steps + 1]`` ending at 0."""
+        scheduler = copy.deepcopy(self.pipeline.scheduler)
+        scheduler.set_timesteps(num_steps, device="cpu")
+        return scheduler.sigmas.float()
+
+    def velocity(self, x: torch.Tensor, sigma, cond: TextCond, guidance_scale: float) -> torch.Tensor:
+        """v(x, sigma) ``[B, C, F, h, w]``; with ``guidance_scale > 1`` WanPipeline's two-pass CFG mix."""
+        batch = x.shape[0]
+        timestep = (torch.as_tensor(sigma, dtype=torch.float32, device=x.device) * 1000).expand(batch)
+        x = x.to(self.dtype)
+        text = self.run_transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=cond.prompt_embeds)
+        if guidance_scale <= 1:
+            return text
+        if not cond.has_negative:
+            raise ValueError("guidance_scale > 1 needs negative embeddings: encode(prompts, negative=True)")
+        uncond = self.run_transformer(hidden_states=x, timestep=timestep,
+                                      encoder_hidden_states=cond.negative_prompt_embeds)
+        return uncond + guidance_scale * (text - uncond)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Clean latents ``[N, C, F, h, w]`` -> frames ``[N, T, 3, H, W]`` in [0, 1] (float32).
+
+        Un-normalised with the VAE's per-channel ``latents_mean`` / ``latents_std`` in WanPipeline's exact
+        arithmetic; the VAE decodes ``[N, 3, T, H, W]``, permuted to frames-first."""
+        config = self.vae.config
+        latents = latents.to(self.vae.dtype)
+        shape = (1, config.z_dim, 1, 1, 1)
+        mean = torch.tensor(config.latents_mean).view(shape).to(latents.device, latents.dtype)
+        inv_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(latents.device, latents.dtype)
+        video = self.vae.decode(latents / inv_std + mean, return_dict=False)[0]  # [N, 3, T, H, W]
+        return (video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4).contiguous()
+
+    def pipeline_images(self, prompts: Sequence[str], *, group_size: int, num_steps: int, guidance_scale: float,
+                        seeds: Sequence[int], metadata: Sequence[dict] | None = None) -> torch.Tensor:
+        """WanPipeline's frames for the same seeds: ``output_type="pt"`` already gives ``[N, T, 3, H, W]`` in [0, 1]
+        (its video processor permutes each ``[3, T, H, W]`` video to frames-first)."""
+        from flowrl.sampling.seeding import generators
+
+        return self.pipeline(
+            prompt=list(prompts), num_videos_per_prompt=group_size, num_inference_steps=num_steps,
+            guidance_scale=guidance_scale, height=self.height, width=self.width, num_frames=self.num_frames,
+            generator=generators(list(seeds), device=self.device), output_type="pt",
+            max_sequence_length=self.max_sequence_length,
+        ).frames.float()
