@@ -1,14 +1,16 @@
 """Prompt sets: ``.txt`` (one prompt per line) or ``.jsonl`` (``{"prompt": ..., "metadata": {...}}``).
 
 Metadata travels with each prompt to the rewards (OCR target text, a checklist DAG, a toy-world
-scene spec). Train/test splits are deterministic under the seed, and each epoch's order is a pure
-function of (seed, epoch), sharded by process rank so every process sees a disjoint slice of the
-same global order — the result does not depend on the number of processes.
+scene spec, an editing prompt's ``source_image``: a relative path is made relative to the prompt file).
+Train/test splits are deterministic under the seed, and each epoch's order is a pure function of
+(seed, epoch), sharded by process rank so every process sees a disjoint slice of the same global
+order — the result does not depend on the number of processes.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Hashable, Sequence
@@ -60,8 +62,12 @@ def load_prompts(path: str | Path) -> PromptSet:
             if meta is not None and not isinstance(meta, dict):
                 raise ValueError(f"{path}:{number}: 'metadata' must be a JSON object {{...}}, got "
                                  f"{type(meta).__name__}")
+            meta = dict(meta or {})
+            source = meta.get("source_image")  # an editing prompt's source image: relative to this file
+            if isinstance(source, str) and source and not Path(source).is_absolute():
+                meta["source_image"] = os.path.normpath(path.parent / source)
             prompts.append(record["prompt"])
-            metadata.append(dict(meta or {}))
+            metadata.append(meta)
         result = PromptSet(prompts, metadata)
     elif path.suffix == ".txt":
         result = PromptSet([line.strip() for line in lines if line.strip()])
