@@ -121,3 +121,21 @@ def test_exported_lora_gives_the_same_images_in_plain_diffusers(family, tmp_path
     reloaded = build_policy(family, "tiny", seed=0)
     load_lora_into(reloaded, tmp_path / "pytorch_lora_weights.safetensors")
     torch.testing.assert_close(_ode_images(reloaded), ours, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["sd3", "qwen_image", "z_image", "wan"])
+def test_a_configured_negative_prompt_drives_cfg_as_in_the_family_pipeline(name):
+    """``model.negative_prompt`` replaces the empty negative in flowrl's CFG exactly as the pipeline's own
+    ``negative_prompt`` argument does in the pipeline's."""
+    policy = build_policy(name, "tiny", seed=0, negative_prompt="blurry dark photo")
+    empty = _ode_images(build_policy(name, "tiny", seed=0), guidance=4.0)
+    ours = _ode_images(policy, guidance=4.0)
+    torch.testing.assert_close(ours, _pipeline_images(policy, guidance=4.0), rtol=0, atol=1e-5)
+    assert (ours - empty).abs().max() > 1e-4  # the negative really changed
+
+
+def test_num_frames_sets_the_clip_length_of_a_video_family_and_is_refused_elsewhere():
+    policy = build_policy("wan", "tiny", seed=0, num_frames=9)
+    assert policy.latent_shape(2)[2] == 3  # (9 - 1) / 4 + 1 latent frames
+    with pytest.raises(ValueError, match="model.num_frames is for video families"):
+        build_policy("sd3", "tiny", seed=0, num_frames=9)

@@ -21,7 +21,7 @@ def run_sample(args) -> Path:
 
     from flowrl.config import Config, load_config
     from flowrl.data import load_prompts
-    from flowrl.models import build_policy
+    from flowrl.models import policy_from_config
     from flowrl.models.lora_io import load_lora_into
     from flowrl.report import stills
     from flowrl.sampling import StepPlan, rollout, root_seeds
@@ -43,8 +43,7 @@ def run_sample(args) -> Path:
         raise ValueError("no prompts: pass --prompt TEXT (repeatable) or --prompts-file FILE")
     device = resolve_device(cfg.device)
     model = cfg.model
-    policy = build_policy(model.family, model.path, dtype=model.dtype, device=device, height=model.height,
-                          width=model.width, max_sequence_length=model.max_sequence_length, seed=cfg.seed)
+    policy = policy_from_config(model, device=device, seed=cfg.seed)
     if args.lora:
         load_lora_into(policy, args.lora)
     steps = cfg.sampling.num_steps

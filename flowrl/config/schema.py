@@ -36,7 +36,11 @@ class ModelConfig:
     width: int | None = None
     """Image width in pixels (default: the model's native size)."""
     max_sequence_length: int | None = None
-    """T5 token budget (default: 256 for SD3, 512 for FLUX)."""
+    """Text token budget (default: the family's, e.g. 256 for SD3, 512 for FLUX)."""
+    num_frames: int | None = None
+    """Frames per clip, video families only (wan: 4k + 1, default 5; Wan2.1's own is 81)."""
+    negative_prompt: str = ""
+    """The negative prompt of classifier-free guidance, for every prompt (families that run CFG)."""
     gradient_checkpointing: bool = False
     """Recompute transformer activations in the backward pass to save memory."""
     text_encoder_device: Literal["gpu", "cpu"] = "gpu"

@@ -79,7 +79,7 @@ def generate_all(cfg, suite, specs: list[EvalCheckpoint], out_dir: Path, device)
     A label's folder keeps ``manifest.json`` (the render settings, a digest of the checkpoint's files and
     the prompt of each index): files rendered under other settings, another prompt or another version of
     the checkpoint (a run trained further) are rendered again instead of being reused."""
-    from flowrl.models import build_policy
+    from flowrl.models import policy_from_config
 
     m, e = cfg.model, cfg.eval
     plans = []
@@ -95,8 +95,7 @@ def generate_all(cfg, suite, specs: list[EvalCheckpoint], out_dir: Path, device)
         plans.append((checkpoint, folder, settings, todo))
     policy, attached = None, None
     if any(todo for *_, todo in plans):
-        policy = build_policy(m.family, m.path, dtype=m.dtype, device=device, height=m.height, width=m.width,
-                              max_sequence_length=m.max_sequence_length, seed=cfg.seed)
+        policy = policy_from_config(m, device=device, seed=cfg.seed)
         for checkpoint, *_, todo in plans:  # refuse a LoRA of another shape before rendering anything
             if todo and not checkpoint.is_base:
                 check_fits(policy.transformer, checkpoint, read_adapter(checkpoint)[0])
@@ -107,8 +106,7 @@ def generate_all(cfg, suite, specs: list[EvalCheckpoint], out_dir: Path, device)
             shape = None if adapter is None else (int(adapter["r"]), float(adapter["lora_alpha"]),
                                                   tuple(sorted(adapter["target_modules"])))
             if shape is not None and attached is not None and shape != attached:
-                policy = build_policy(m.family, m.path, dtype=m.dtype, device=device, height=m.height, width=m.width,
-                                      max_sequence_length=m.max_sequence_length, seed=cfg.seed)
+                policy = policy_from_config(m, device=device, seed=cfg.seed)
                 attached = None
             if not checkpoint.is_base:
                 load_adapter(policy, checkpoint)
@@ -135,7 +133,10 @@ def render_settings(cfg, checkpoint: EvalCheckpoint) -> dict:
                 for block in iter(lambda: handle.read(1 << 20), b""):
                     sha.update(block)
         digest = sha.hexdigest()
-    return {"model": [m.family, str(m.path), m.dtype, m.height, m.width, m.max_sequence_length],
+    model = [m.family, str(m.path), m.dtype, m.height, m.width, m.max_sequence_length]
+    if m.num_frames is not None or m.negative_prompt:  # only then: renders cached before these existed stay valid
+        model += [m.num_frames, m.negative_prompt]
+    return {"model": model,
             "seed": e.seed, "images_per_prompt": e.images_per_prompt, "num_steps": e.num_steps or cfg.sampling.num_steps,
             "guidance_scale": cfg.sampling.guidance_scale if e.guidance_scale is None else e.guidance_scale,
             "checkpoint": None if checkpoint.is_base else [str(checkpoint.path), checkpoint.ema, digest]}

@@ -37,13 +37,20 @@ def policy_class(family: str) -> type[PolicyBase]:
 def build_policy(family: str, path: str, *, dtype: str = "float32", device="cpu", height: int | None = None,
                  width: int | None = None, max_sequence_length: int | None = None, seed: int = 0,
                  text_encoder_device: str = "gpu", revision: str | None = None,
-                 variant: str | None = None) -> PolicyBase:
+                 variant: str | None = None, num_frames: int | None = None, negative_prompt: str = "") -> PolicyBase:
     """Load the pipeline of ``family`` from ``path`` (at ``revision``, with ``variant`` weight files) and wrap it in
     its policy adapter.
 
-    ``text_encoder_device="cpu"`` keeps the text encoders on the CPU (they never reach ``device``)."""
+    ``text_encoder_device="cpu"`` keeps the text encoders on the CPU (they never reach ``device``).
+    ``num_frames`` (video families) is the clip length; ``negative_prompt`` the CFG negative of every prompt."""
     cls = policy_class(family)
     extra = {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
+    if num_frames is not None:
+        if not cls.video:
+            video = [name for name in FAMILIES if policy_class(name).video]
+            raise ValueError(f"model.num_frames is for video families ({', '.join(video)}); {family} makes "
+                             "images: remove it")
+        extra["num_frames"] = num_frames
     if path == "tiny":
         pipeline = cls.tiny_pipeline(seed)
         height, width = height or cls.tiny_size[0], width or cls.tiny_size[1]
@@ -62,7 +69,17 @@ def build_policy(family: str, path: str, *, dtype: str = "float32", device="cpu"
     if text_encoder_device not in ("gpu", "cpu"):
         raise ValueError(f"text_encoder_device must be 'gpu' or 'cpu', got {text_encoder_device!r}")
     policy.text_encoders_on_cpu = text_encoder_device == "cpu"
+    policy.negative_prompt = negative_prompt
     return policy.to(device)  # loaded on the CPU first: CPU text encoders never pass through the GPU
+
+
+def policy_from_config(model, *, device="cpu", seed: int = 0) -> PolicyBase:
+    """:func:`build_policy` with every field of a ``ModelConfig`` (``cfg.model``): the one way train, eval and
+    sample load a model, so that all of them honour the same settings."""
+    return build_policy(model.family, model.path, dtype=model.dtype, device=device, height=model.height,
+                        width=model.width, max_sequence_length=model.max_sequence_length, seed=seed,
+                        text_encoder_device=model.text_encoder_device, revision=model.revision, variant=model.variant,
+                        num_frames=model.num_frames, negative_prompt=model.negative_prompt)
 
 
 PIPELINE_FAMILIES = {
@@ -92,4 +109,4 @@ def check_pipeline_family(family: str, path: str, expected: str) -> None:
 
 
 __all__ = ["FAMILIES", "FAMILY_CLASSES", "Policy", "PolicyBase", "TextCond", "build_policy", "policy_class",
-           "resolve_dtype"]
+           "policy_from_config", "resolve_dtype"]

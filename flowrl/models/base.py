@@ -119,6 +119,7 @@ class PolicyBase:
     pipeline_class_name = ""
     default_guidance = 1.0
     guidance_in_model = False
+    video = False  # True: latents [N, C, F, h, w], decode gives frames [N, T, 3, H, W], takes num_frames
     tiny_size = (64, 64)
     tiny_max_sequence_length = 32
 
@@ -131,6 +132,7 @@ class PolicyBase:
         self.forward_module = None  # e.g. the DDP-wrapped transformer; None calls the transformer itself
         self.text_cache = None  # a flowrl.models.text_cache.TextCache: prompts looked up before encoding
         self.text_encoders_on_cpu = False  # model.text_encoder_device=cpu: encode there, move the rows over
+        self.negative_prompt = ""  # model.negative_prompt: the CFG negative of every prompt (families with CFG)
 
     def run_transformer(self, **kwargs):
         """One transformer forward through the (possibly distributed) wrapper; returns the sample."""
@@ -159,9 +161,10 @@ class PolicyBase:
     # --- text conditioning -----------------------------------------------------------------
     @torch.no_grad()
     def encode_text(self, prompts: Sequence[str], *, negative: bool) -> TextCond:
-        """Conditioning of ``prompts`` (the empty prompt as the negative): each distinct prompt is looked up in
-        the text cache, else encoded in chunks of ``TEXT_CHUNK`` (:meth:`encode_chunks`); rows index into it."""
-        unique = list(dict.fromkeys(list(prompts) + ([""] if negative else [])))
+        """Conditioning of ``prompts`` (``negative_prompt``, by default the empty one, as the negative): each
+        distinct prompt is looked up in the text cache, else encoded in chunks of ``TEXT_CHUNK``
+        (:meth:`encode_chunks`); rows index into it."""
+        unique = list(dict.fromkeys(list(prompts) + ([self.negative_prompt] if negative else [])))
         if self.text_cache is not None:
             encode = self.encode_chunks if self.text_encoders() else None
             embeds, pooled = self.text_cache.lookup(unique, encode=encode, device=self.device)
@@ -171,8 +174,8 @@ class PolicyBase:
         rows = torch.tensor([position[p] for p in prompts], dtype=torch.long, device=embeds.device)
         cond = TextCond(embeds[rows], pooled[rows])
         if negative:
-            empty = torch.full_like(rows, position[""])
-            cond.negative_prompt_embeds, cond.negative_pooled_prompt_embeds = embeds[empty], pooled[empty]
+            negatives = torch.full_like(rows, position[self.negative_prompt])
+            cond.negative_prompt_embeds, cond.negative_pooled_prompt_embeds = embeds[negatives], pooled[negatives]
         return self.finish_cond(cond)
 
     @torch.no_grad()
@@ -208,11 +211,16 @@ class PolicyBase:
         from flowrl.sampling.seeding import generators
 
         return self.pipeline(
-            prompt=list(prompts), num_images_per_prompt=group_size, num_inference_steps=num_steps,
+            prompt=list(prompts), negative_prompt=self.negative_prompts(len(prompts)),
+            num_images_per_prompt=group_size, num_inference_steps=num_steps,
             guidance_scale=guidance_scale, height=self.height, width=self.width,
             generator=generators(list(seeds), device=self.device), output_type="pt",
             max_sequence_length=self.max_sequence_length,
         ).images
+
+    def negative_prompts(self, num_prompts: int) -> list[str]:
+        """``negative_prompt`` once per prompt, as a pipeline's ``negative_prompt`` argument takes it."""
+        return [self.negative_prompt] * num_prompts
 
     def example_metadata(self, num_prompts: int) -> list[dict] | None:
         """Per-prompt metadata a benchmark or smoke run of this family needs (an editing family's source

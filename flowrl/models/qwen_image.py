@@ -168,12 +168,12 @@ class QwenImagePolicy(PolicyBase):
     def pipeline_images(self, prompts, *, group_size: int, num_steps: int, guidance_scale: float, seeds,
                         metadata=None) -> torch.Tensor:
         """``QwenImagePipeline`` for the same seeds: ``guidance_scale`` is its ``true_cfg_scale``, and the negative
-        is the empty prompt, one per prompt (any non-None negative enables its CFG; flowrl's is "")."""
+        is ``negative_prompt``, one per prompt (any non-None negative enables its CFG; flowrl's default is "")."""
         from flowrl.sampling.seeding import generators
 
         cfg = guidance_scale > 1
         return self.pipeline(
-            prompt=list(prompts), negative_prompt=[""] * len(prompts) if cfg else None, true_cfg_scale=guidance_scale,
+            prompt=list(prompts), negative_prompt=self.negative_prompts(len(prompts)) if cfg else None, true_cfg_scale=guidance_scale,
             num_images_per_prompt=group_size, num_inference_steps=num_steps, height=self.height, width=self.width,
             generator=generators(list(seeds), device=self.device), output_type="pt",
             max_sequence_length=self.max_sequence_length,

@@ -185,14 +185,14 @@ class TextCache:
 
 def attach_text_cache(policy, path: str | Path, prompts: Sequence[str], *, write: bool = True,
                       free: bool = False) -> TextCache:
-    """Cache ``prompts`` and the empty negative prompt for ``policy`` (encoding only those not on disk yet,
+    """Cache ``prompts`` and the negative prompt (``policy.negative_prompt``) for ``policy`` (encoding only those not on disk yet,
     ``TEXT_CHUNK`` per call), make ``policy.encode`` look them up, and with ``free`` delete its text encoders."""
     from flowrl.models.base import TEXT_CHUNK
 
     key = text_encoder_hash(policy.pipeline, family=policy.family, max_sequence_length=policy.max_sequence_length,
                             chunk=TEXT_CHUNK)
     cache = TextCache(path, key, write=write)
-    cache.fill([*prompts, ""], policy.encode_chunks)
+    cache.fill([*prompts, policy.negative_prompt], policy.encode_chunks)
     policy.text_cache = cache
     if free:
         policy.free_text_encoders()

@@ -49,12 +49,12 @@ class WanPolicy(PolicyBase):
     family = "wan"
     pipeline_class_name = "WanPipeline"
     default_guidance = 5.0  # WanPipeline's default and the Wan2.1 model card's
+    video = True
     tiny_size = (32, 32)
     tiny_max_sequence_length = 16
     default_num_frames = 5
     """Frames per video when none is given: Flow-Factory's Wan2.1 GRPO recipe trains on 5-frame clips (2 latent
-    frames), and the tiny pipeline uses the same. flowrl's config has no frame field yet; pass ``num_frames`` to
-    the constructor for longer clips (WanPipeline's own default is 81)."""
+    frames), and the tiny pipeline uses the same. ``model.num_frames`` sets it (WanPipeline's own default is 81)."""
 
     @classmethod
     def tiny_pipeline(cls, seed: int = 0):
@@ -94,7 +94,7 @@ class WanPolicy(PolicyBase):
         return noise.to(self.dtype)
 
     def encode(self, prompts: list[str], *, negative: bool = True, metadata=None) -> TextCond:
-        """Conditioning of ``prompts`` with the empty prompt as the CFG negative (cached or live, same bits)."""
+        """Conditioning of ``prompts`` with ``negative_prompt`` as the CFG negative (cached or live, same bits)."""
         return self.encode_text(prompts, negative=negative)
 
     def encode_batch(self, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,7 +147,7 @@ class WanPolicy(PolicyBase):
         from flowrl.sampling.seeding import generators
 
         return self.pipeline(
-            prompt=list(prompts), num_videos_per_prompt=group_size, num_inference_steps=num_steps,
+            prompt=list(prompts), negative_prompt=self.negative_prompts(len(prompts)), num_videos_per_prompt=group_size, num_inference_steps=num_steps,
             guidance_scale=guidance_scale, height=self.height, width=self.width, num_frames=self.num_frames,
             generator=generators(list(seeds), device=self.device), output_type="pt",
             max_sequence_length=self.max_sequence_length,

@@ -162,11 +162,12 @@ class ZImagePolicy(PolicyBase):
     def pipeline_images(self, prompts: Sequence[str], *, group_size: int, num_steps: int, guidance_scale: float,
                         seeds: Sequence[int], metadata: Sequence[dict] | None = None) -> torch.Tensor:
         """ZImagePipeline for the same images, flowrl's guidance converted to the pipeline's (:meth:`pipeline_guidance`)
-        and the same CFG options; its negative prompt is the empty one, as ours."""
+        and the same CFG options and negative prompt."""
         from flowrl.sampling.seeding import generators
 
         return self.pipeline(
-            prompt=list(prompts), num_images_per_prompt=group_size, num_inference_steps=num_steps,
+            prompt=list(prompts), negative_prompt=self.negative_prompts(len(prompts)),
+            num_images_per_prompt=group_size, num_inference_steps=num_steps,
             guidance_scale=self.pipeline_guidance(guidance_scale), cfg_normalization=self.cfg_normalization,
             cfg_truncation=self.cfg_truncation, height=self.height, width=self.width,
             generator=generators(list(seeds), device=self.device), output_type="pt",

@@ -15,7 +15,7 @@ from accelerate import Accelerator
 from flowrl.config import Config, ConfigError, to_dict
 from flowrl.config.schema import RewardSpec
 from flowrl.data import PromptSet, load_prompts, train_test_split
-from flowrl.models import build_policy
+from flowrl.models import policy_from_config
 from flowrl.models.lora_io import load_lora_into
 from flowrl.rewards_api import accepts_keyword, build_reward
 
@@ -23,9 +23,7 @@ from flowrl.rewards_api import accepts_keyword, build_reward
 def build_training_policy(cfg: Config, device):
     """The configured model with a fresh (seeded) or loaded LoRA; base weights frozen."""
     m = cfg.model
-    policy = build_policy(m.family, m.path, dtype=m.dtype, device=device, height=m.height, width=m.width,
-                          max_sequence_length=m.max_sequence_length, seed=cfg.seed,
-                          text_encoder_device=m.text_encoder_device, revision=m.revision, variant=m.variant)
+    policy = policy_from_config(m, device=device, seed=cfg.seed)
     if cfg.lora.init_from:
         load_lora_into(policy, cfg.lora.init_from)
     else:
