@@ -313,6 +313,15 @@ class PolicyBase:
     def latent_shape(self, n: int) -> tuple[int, int, int, int]:
         raise NotImplementedError
 
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """The scheduler's own shifted sigmas, ``[num_steps + 1]`` ending at 0: a static shift (SD3, Wan) lives in
+        the scheduler config. Families with a dynamic shift override this."""
+        import copy
+
+        scheduler = copy.deepcopy(self.pipeline.scheduler)
+        scheduler.set_timesteps(num_steps, device="cpu")
+        return scheduler.sigmas.float()
+
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Clean latents ``[N, C, h, w]`` -> images ``[N, 3, H, W]`` in [0, 1] (float32)."""

@@ -16,12 +16,27 @@ import torch
 from flowrl.models.base import FLUX_LORA_TARGETS, PolicyBase, TextCond
 
 
-def flux_mu(image_seq_len: int, config) -> float:
-    """Dynamic shift: linear in the packed sequence length between the scheduler's two anchors."""
-    base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
-    base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
-    slope = (max_shift - base_shift) / (max_len - base_len)
-    return image_seq_len * slope + base_shift - slope * base_len
+def dynamic_mu(image_seq_len: int, config) -> float:
+    """Dynamic shift: linear in the packed sequence length between the scheduler config's two anchors (diffusers'
+    own ``calculate_shift``, which FLUX.1, Kontext and Qwen-Image pipelines call)."""
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    return calculate_shift(image_seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                           config.get("base_shift", 0.5), config.get("max_shift", 1.15))
+
+
+def pack_patches(x: torch.Tensor) -> torch.Tensor:
+    """[B, C, h, w] -> [B, (h/2)(w/2), 4C] sequence of 2x2 patches (FLUX.1's and Qwen-Image's ``_pack_latents``)."""
+    b, c, h, w = x.shape
+    x = x.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_patches(x: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """Inverse of :func:`pack_patches`: [B, (h/2)(w/2), 4C] -> [B, C, h, w]."""
+    b, _, packed_channels = x.shape
+    x = x.reshape(b, h // 2, w // 2, packed_channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, packed_channels // 4, h, w)
 
 
 class FluxPolicy(PolicyBase):
@@ -73,21 +88,12 @@ class FluxPolicy(PolicyBase):
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """Linear sigmas 1 -> 1/n, shifted by the resolution-dependent ``mu``; ``[n + 1]`` ending at 0."""
         scheduler = copy.deepcopy(self.pipeline.scheduler)
-        mu = flux_mu(self.image_seq_len(), scheduler.config)
+        mu = dynamic_mu(self.image_seq_len(), scheduler.config)
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu, device="cpu")
         return scheduler.sigmas.float()
 
-    def pack(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, C, h, w] -> [B, (h/2)(w/2), 4C] patch sequence."""
-        b, c, h, w = x.shape
-        x = x.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-        return x.reshape(b, (h // 2) * (w // 2), c * 4)
-
-    def unpack(self, x: torch.Tensor, h: int, w: int) -> torch.Tensor:
-        """Inverse of :meth:`pack`: [B, (h/2)(w/2), 4C] -> [B, C, h, w]."""
-        b, _, packed_channels = x.shape
-        x = x.reshape(b, h // 2, w // 2, packed_channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-        return x.reshape(b, packed_channels // 4, h, w)
+    pack = staticmethod(pack_patches)
+    unpack = staticmethod(unpack_patches)
 
     def image_ids(self, h: int, w: int) -> torch.Tensor:
         """[(h/2)(w/2), 3] position ids of the packed patches (row, column in channels 1, 2).

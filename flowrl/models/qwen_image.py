@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from flowrl.models.base import PolicyBase, TextCond
+from flowrl.models.flux import dynamic_mu, pack_patches, unpack_patches
 
 # diffusers examples/dreambooth/train_dreambooth_lora_qwen_image.py (its default without --lora_layers):
 # the image-stream attention projections of every block.
@@ -99,27 +100,13 @@ class QwenImagePolicy(PolicyBase):
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """The pipeline's sigmas: linspace(1, 1/n, n), shifted by ``mu`` of the packed sequence length (exponential
         shift, stretched to the terminal sigma, as the scheduler config says); ``[n + 1]`` ending at 0."""
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
-
         scheduler = copy.deepcopy(self.pipeline.scheduler)
-        config = scheduler.config
-        mu = calculate_shift(self.image_seq_len(), config.get("base_image_seq_len", 256),
-                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
-                             config.get("max_shift", 1.15))
+        mu = dynamic_mu(self.image_seq_len(), scheduler.config)
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu, device="cpu")
         return scheduler.sigmas.float()
 
-    def pack(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, C, h, w] -> [B, (h/2)(w/2), 4C] patch sequence (``QwenImagePipeline._pack_latents``)."""
-        b, c, h, w = x.shape
-        x = x.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-        return x.reshape(b, (h // 2) * (w // 2), c * 4)
-
-    def unpack(self, x: torch.Tensor, h: int, w: int) -> torch.Tensor:
-        """Inverse of :meth:`pack`: [B, (h/2)(w/2), 4C] -> [B, C, h, w]."""
-        b, _, packed_channels = x.shape
-        x = x.reshape(b, h // 2, w // 2, packed_channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-        return x.reshape(b, packed_channels // 4, h, w)
+    pack = staticmethod(pack_patches)  # [B, C, h, w] -> [B, (h/2)(w/2), 4C], QwenImagePipeline._pack_latents
+    unpack = staticmethod(unpack_patches)
 
     @staticmethod
     def trim_text(embeds: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:

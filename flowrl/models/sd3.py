@@ -9,7 +9,6 @@ negative is the empty prompt's embedding, encoded like any other prompt.
 
 from __future__ import annotations
 
-import copy
 import logging
 from contextlib import contextmanager
 
@@ -53,12 +52,6 @@ class SD3Policy(PolicyBase):
                 max_sequence_length=self.max_sequence_length,
             )
         return embeds, pooled
-
-    def sigmas(self, num_steps: int) -> torch.Tensor:
-        """The scheduler's own shifted sigmas, ``[num_steps + 1]`` ending at 0."""
-        scheduler = copy.deepcopy(self.pipeline.scheduler)
-        scheduler.set_timesteps(num_steps, device="cpu")
-        return scheduler.sigmas.float()
 
     def velocity(self, x: torch.Tensor, sigma, cond: TextCond, guidance_scale: float) -> torch.Tensor:
         """v(x, sigma) ``[B, C, h, w]``; with ``guidance_scale > 1`` the CFG mix v_u + w (v_c - v_u)."""

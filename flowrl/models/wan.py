@@ -18,7 +18,6 @@ What differs from the image families, all hidden here:
 
 from __future__ import annotations
 
-import copy
 from typing import Sequence
 
 import torch
@@ -105,12 +104,6 @@ class WanPolicy(PolicyBase):
                 device=device,
             )
         return embeds, embeds.new_zeros(embeds.shape[0], 0)
-
-    def sigmas(self, num_steps: int) -> torch.Tensor:
-        """The (Euler) scheduler's own shifted sigmas, ``[num_steps + 1]`` ending at 0."""
-        scheduler = copy.deepcopy(self.pipeline.scheduler)
-        scheduler.set_timesteps(num_steps, device="cpu")
-        return scheduler.sigmas.float()
 
     def velocity(self, x: torch.Tensor, sigma, cond: TextCond, guidance_scale: float) -> torch.Tensor:
         """v(x, sigma) ``[B, C, F, h, w]``; with ``guidance_scale > 1`` WanPipeline's two-pass CFG mix."""

@@ -73,20 +73,19 @@ class ZImagePolicy(PolicyBase):
         """The pipeline's schedule, ``[num_steps + 1]`` ending at 0: ``linspace(1, 1/n, n)`` through the scheduler's
         shift, with the ``mu`` the pipeline computes from the image sequence length (used only by a scheduler
         with ``use_dynamic_shifting``; the released ones shift statically by 3.0)."""
-        from diffusers.pipelines.z_image.pipeline_z_image import calculate_shift, get_default_z_image_sigmas
+        from diffusers.pipelines.z_image.pipeline_z_image import get_default_z_image_sigmas
+
+        from flowrl.models.flux import dynamic_mu
 
         scheduler = copy.deepcopy(self.pipeline.scheduler)
-        config = scheduler.config
         _, _, h, w = self.latent_shape(1)
-        mu = calculate_shift((h // 2) * (w // 2), config.get("base_image_seq_len", 256),
-                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
-                             config.get("max_shift", 1.15))
+        mu = dynamic_mu((h // 2) * (w // 2), scheduler.config)
         scheduler.set_timesteps(sigmas=get_default_z_image_sigmas(num_steps), mu=mu, device="cpu")
         return scheduler.sigmas.float()
 
     # --- text ------------------------------------------------------------------------------
     def encode(self, prompts: list[str], *, negative: bool = True, metadata=None) -> TextCond:
-        """Conditioning of ``prompts``, with the empty prompt (the pipeline's default negative) for CFG."""
+        """Conditioning of ``prompts``, with ``negative_prompt`` (default the empty one, as the pipeline's) for CFG."""
         return self.encode_text(prompts, negative=negative)
 
     def encode_batch(self, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
