@@ -22,7 +22,7 @@ from flowrl.data import load_prompts
 REPO = Path(__file__).resolve().parents[1]
 ACCELERATE = sorted((REPO / "configs" / "accelerate").glob("*.yaml"))
 FLOWRL_CONFIGS = sorted(p for p in (REPO / "configs").rglob("*.yaml") if "accelerate" not in p.parts)
-GPU_CONFIGS = [p for p in FLOWRL_CONFIGS if p.parent.name in ("sd35_medium", "flux1_dev")]
+GPU_CONFIGS = [p for p in FLOWRL_CONFIGS if p.parent.name not in ("smoke", "toy")]
 LAUNCH_SCRIPT = REPO / "scripts" / "launch_multinode.sh"
 
 # file -> (distributed_type, num_processes, mixed_precision) it is documented to give
@@ -31,6 +31,10 @@ EXPECTED = {
     "ddp_1gpu.yaml": ("NO", 1, "bf16"),
     "fsdp2_sd3.yaml": ("FSDP", 8, "bf16"),
     "fsdp2_flux.yaml": ("FSDP", 8, "bf16"),
+    "fsdp2_qwen_image.yaml": ("FSDP", 8, "bf16"),
+    "fsdp2_wan.yaml": ("FSDP", 8, "bf16"),
+    "fsdp2_z_image.yaml": ("FSDP", 8, "bf16"),
+    "fsdp2_flux2.yaml": ("FSDP", 8, "bf16"),
     "deepspeed_zero2.yaml": ("DEEPSPEED", 8, "bf16"),
     "multi_cpu_2proc.yaml": ("MULTI_GPU", 2, "no"),  # torchrun launcher on CPU: see configs/accelerate/README.md
     "fsdp2_cpu_2proc.yaml": ("FSDP", 2, "no"),  # flowrl moves the gloo group onto accelerate's FSDP2 path
@@ -41,6 +45,13 @@ FSDP_BLOCKS = {
     "fsdp2_cpu_2proc.yaml": ("sd3", {"JointTransformerBlock": "diffusers.models.attention"}),
     "fsdp2_flux.yaml": ("flux", {"FluxTransformerBlock": "diffusers.models.transformers.transformer_flux",
                                  "FluxSingleTransformerBlock": "diffusers.models.transformers.transformer_flux"}),
+    "fsdp2_qwen_image.yaml": ("qwen_image", {
+        "QwenImageTransformerBlock": "diffusers.models.transformers.transformer_qwenimage"}),
+    "fsdp2_wan.yaml": ("wan", {"WanTransformerBlock": "diffusers.models.transformers.transformer_wan"}),
+    "fsdp2_z_image.yaml": ("z_image", {"ZImageTransformerBlock": "diffusers.models.transformers.transformer_z_image"}),
+    "fsdp2_flux2.yaml": ("flux2_klein", {
+        "Flux2TransformerBlock": "diffusers.models.transformers.transformer_flux2",
+        "Flux2SingleTransformerBlock": "diffusers.models.transformers.transformer_flux2"}),
 }
 ids = lambda p: str(p.relative_to(REPO))  # noqa: E731
 
@@ -109,14 +120,11 @@ def test_fsdp_files_wrap_the_right_blocks(name):
     for cls_name, module in blocks.items():
         assert isinstance(getattr(importlib.import_module(module), cls_name), type)
 
-    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+    from flowrl.models import policy_class
 
-    from flowrl.models.tiny import tiny_flux_pipeline, tiny_sd3_pipeline
-
-    model_cls, build = {"sd3": (SD3Transformer2DModel, tiny_sd3_pipeline),
-                        "flux": (FluxTransformer2DModel, tiny_flux_pipeline)}[family]
-    assert sorted(model_cls._no_split_modules) == sorted(wrapped)  # diffusers' own unit of sharding
-    present = {type(m).__name__ for m in build().transformer.modules()}
+    transformer = policy_class(family).tiny_pipeline(0).transformer
+    assert sorted(type(transformer)._no_split_modules) == sorted(wrapped)  # diffusers' own unit of sharding
+    present = {type(m).__name__ for m in transformer.modules()}
     assert set(wrapped) <= present, f"{name}: {set(wrapped) - present} not in the {family} transformer"
 
 
