@@ -111,18 +111,26 @@ class FluxPolicy(PolicyBase):
     def velocity(self, x: torch.Tensor, sigma, cond: TextCond, guidance_scale: float,
                  true_cfg_scale: float = 1.0) -> torch.Tensor:
         """v(x, sigma) ``[B, C, h, w]``; ``guidance_scale`` drives the distilled-guidance embedding."""
-        batch, _, h, w = x.shape
-        timestep = (torch.as_tensor(sigma, dtype=torch.float32, device=x.device) * 1000).expand(batch)
+        _, _, h, w = x.shape
+        out = self.token_velocity(self.pack(x.to(self.dtype)), self.image_ids(h, w), sigma, cond, guidance_scale,
+                                  true_cfg_scale)
+        return self.unpack(out, h, w)
+
+    def token_velocity(self, tokens: torch.Tensor, ids: torch.Tensor, sigma, cond: TextCond, guidance_scale: float,
+                       true_cfg_scale: float = 1.0) -> torch.Tensor:
+        """The transformer's output ``[B, S, 4C]`` for image tokens ``[B, S, 4C]`` with position ids ``[S, 3]``:
+        the timestep, the guidance embedding and (``true_cfg_scale > 1``) the true-CFG mix with the negative."""
+        batch = tokens.shape[0]
+        timestep = (torch.as_tensor(sigma, dtype=torch.float32, device=tokens.device) * 1000).expand(batch)
         timestep = timestep.to(self.dtype) / 1000
         guidance = None
         if self.transformer.config.guidance_embeds:
-            guidance = torch.full((batch,), float(guidance_scale), device=x.device, dtype=torch.float32)
-        common = dict(hidden_states=self.pack(x.to(self.dtype)), timestep=timestep, guidance=guidance,
-                      img_ids=self.image_ids(h, w), txt_ids=cond.text_ids)
+            guidance = torch.full((batch,), float(guidance_scale), device=tokens.device, dtype=torch.float32)
+        common = dict(hidden_states=tokens, timestep=timestep, guidance=guidance, img_ids=ids, txt_ids=cond.text_ids)
         out = self.run_transformer(encoder_hidden_states=cond.prompt_embeds,
                                    pooled_projections=cond.pooled_prompt_embeds, **common)
         if true_cfg_scale > 1:
             negative = self.run_transformer(encoder_hidden_states=cond.negative_prompt_embeds,
                                             pooled_projections=cond.negative_pooled_prompt_embeds, **common)
             out = negative + true_cfg_scale * (out - negative)
-        return self.unpack(out, h, w)
+        return out

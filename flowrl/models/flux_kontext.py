@@ -96,25 +96,13 @@ class FluxKontextPolicy(FluxPolicy):
         the output of the noisy part only (FluxKontextPipeline's loop). Without a source: FLUX.1's."""
         if cond.image_latents is None:
             return super().velocity(x, sigma, cond, guidance_scale, true_cfg_scale)
-        batch, _, h, w = x.shape
+        _, _, h, w = x.shape
         source = cond.image_latents.to(device=x.device, dtype=self.dtype)  # [B, C, hs, ws]
-        noisy = self.pack(x.to(self.dtype))  # [B, (h/2)(w/2), 4C]
+        noisy = self.pack(x.to(self.dtype))  # [B, S, 4C], S = (h/2)(w/2)
         tokens = torch.cat([noisy, self.pack(source)], dim=1)  # [B, S + Ss, 4C]
         ids = torch.cat([self.image_ids(h, w), self.source_image_ids(*source.shape[2:])])  # [S + Ss, 3]
-        timestep = (torch.as_tensor(sigma, dtype=torch.float32, device=x.device) * 1000).expand(batch)
-        timestep = timestep.to(self.dtype) / 1000
-        guidance = None
-        if self.transformer.config.guidance_embeds:
-            guidance = torch.full((batch,), float(guidance_scale), device=x.device, dtype=torch.float32)
-        common = dict(hidden_states=tokens, timestep=timestep, guidance=guidance, img_ids=ids, txt_ids=cond.text_ids)
-        out = self.run_transformer(encoder_hidden_states=cond.prompt_embeds,
-                                   pooled_projections=cond.pooled_prompt_embeds, **common)[:, :noisy.shape[1]]
-        if true_cfg_scale > 1:
-            negative = self.run_transformer(encoder_hidden_states=cond.negative_prompt_embeds,
-                                            pooled_projections=cond.negative_pooled_prompt_embeds,
-                                            **common)[:, :noisy.shape[1]]
-            out = negative + true_cfg_scale * (out - negative)
-        return self.unpack(out, h, w)
+        out = self.token_velocity(tokens, ids, sigma, cond, guidance_scale, true_cfg_scale)  # [B, S + Ss, 4C]
+        return self.unpack(out[:, :noisy.shape[1]], h, w)
 
     # --- the reference pipeline ---------------------------------------------------------------
     def example_metadata(self, num_prompts: int) -> list[dict]:
