@@ -137,7 +137,7 @@ class GaussianFlow:
         self.std = torch.linspace(0.8, 1.2, 8, dtype=torch.float64).reshape(2, 2, 2)  # [C, h, w]
         self.shift = shift
 
-    def encode(self, prompts):
+    def encode(self, prompts, metadata=None):
         n = len(prompts)
         return TextCond(prompt_embeds=torch.zeros(n, 1, 1), pooled_prompt_embeds=torch.zeros(n, 1))
 
