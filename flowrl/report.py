@@ -41,6 +41,12 @@ def stills(images: torch.Tensor) -> torch.Tensor:
     return images
 
 
+def clips(strips: torch.Tensor, frames: int) -> torch.Tensor:
+    """Inverse of :func:`stills` for videos: film strips ``[N, 3, H, T * W]`` -> clips ``[N, T, 3, H, W]``."""
+    n, c, h, width = strips.shape
+    return strips.reshape(n, c, h, frames, width // frames).permute(0, 3, 1, 2, 4)
+
+
 def render(policy, prompts: PromptSet, *, images_per_prompt: int, num_steps: int, guidance: float, seed: int,
            batch_prompts: int = 8, first_prompt: int = 0, with_latents: bool = False):
     """ODE samples ``[P * n, 3, H, W]`` (video ``[P * n, T, 3, H, W]``) of ``prompts``, in chunks of prompts;

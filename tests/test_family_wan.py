@@ -112,3 +112,21 @@ def test_videorlvr_preset_puts_the_sde_window_on_the_first_steps():
     window = cfg.sampling.window
     assert (window.size, window.mode, window.start_range) == (4, "fixed", [0, 0])
     assert cfg.model.family == "wan" and {r.name for r in cfg.rewards} == {"motion_direction", "temporal_consistency"}
+
+
+def test_eval_writes_clips_as_film_strips_and_reads_them_back_as_clips(tmp_path):
+    """``flowrl eval`` renders to PNG files and scores what it reads back: a video must come back as a clip
+    ``[T, 3, H, W]`` (so video rewards still see motion), equal to the render up to PNG rounding."""
+    from flowrl.data import PromptSet
+    from flowrl.eval.runner import _render_missing, read_images
+    from flowrl.report import render
+
+    cfg = load_config(Config, "configs/smoke/wan_tiny.yaml", ["eval.images_per_prompt=2", "eval.num_steps=2"])
+    policy = build_policy("wan", "tiny", seed=0)
+    suite = PromptSet(["a red square moving right"])
+    _render_missing(policy, suite, [0], tmp_path, cfg, base=True, label="base", settings={})
+    images, latents = read_images(tmp_path, 1, 2)
+    assert images.shape == (2, 5, 3, policy.height, policy.width) and latents.shape[:3] == (2, 16, 2)
+    expected = render(policy, suite, images_per_prompt=2, num_steps=2, guidance=cfg.sampling.guidance_scale,
+                      seed=cfg.eval.seed)
+    assert (images - expected).abs().max() <= 0.5 / 255 + 1e-6

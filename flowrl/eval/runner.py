@@ -183,8 +183,9 @@ def _render_missing(policy, suite, todo: list[int], folder: Path, cfg, *, base: 
             for row, index in enumerate(chunk):
                 for k in range(n):
                     save_image(stills(images[row * n + k][None])[0], folder / f"p{index:04d}_{k:02d}.png")
+                frames = {"frames": str(images.shape[1])} if images.ndim == 5 else None  # a video's film strips
                 save_file({"latents": latents[row * n:(row + 1) * n].contiguous()},
-                          str(folder / f"p{index:04d}.latents.safetensors"))
+                          str(folder / f"p{index:04d}.latents.safetensors"), metadata=frames)
                 done[str(index)] = suite.prompts[index]
             (folder / "manifest.json").write_text(json.dumps({"settings": settings, "prompts": done}, indent=1))
             bar.update(len(chunk))
@@ -202,12 +203,22 @@ def _batches(indices: list[int], size: int) -> list[list[int]]:
 
 
 def read_images(folder: Path, num_prompts: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A checkpoint's written images ``[P*n, 3, H, W]`` and clean latents ``[P*n, C, h, w]``."""
+    """A checkpoint's written images ``[P*n, 3, H, W]`` (videos, written as film strips, back as clips
+    ``[P*n, T, 3, H, W]``) and clean latents ``[P*n, C, (F,) h, w]``."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
-    images = [read_rgb(folder / f"p{i:04d}_{k:02d}.png") for i in range(num_prompts) for k in range(n)]
-    latents = [load_file(str(folder / f"p{i:04d}.latents.safetensors"))["latents"] for i in range(num_prompts)]
-    return torch.stack(images), torch.cat(latents)
+    from flowrl.report import clips
+
+    images = torch.stack([read_rgb(folder / f"p{i:04d}_{k:02d}.png") for i in range(num_prompts) for k in range(n)])
+    files = [str(folder / f"p{i:04d}.latents.safetensors") for i in range(num_prompts)]
+    latents = torch.cat([load_file(file)["latents"] for file in files])
+    if files:
+        with safe_open(files[0], framework="pt") as handle:
+            frames = int((handle.metadata() or {}).get("frames", 0))
+        if frames:
+            images = clips(images, frames)
+    return images, latents
 
 
 def read_rgb(path: Path) -> torch.Tensor:
@@ -263,8 +274,9 @@ def score_all(cfg, suite, specs: list[EvalCheckpoint], images: dict[str, tuple],
     group_axes = {i: prompt_axes(m) for i, m in enumerate(suite.metadata)}
     metrics, not_measured, unreliable = {}, set(), set()
     for checkpoint in tqdm(specs, desc="scoring", unit="checkpoint"):
-        pictures, latents = images[checkpoint.label]
-        values = reward_metrics(rewards, trained, pictures, suite, n, group_ids)
+        rendered, latents = images[checkpoint.label]
+        values = reward_metrics(rewards, trained, rendered, suite, n, group_ids)  # rewards see whole clips
+        pictures = rendered[:, rendered.shape[1] // 2] if rendered.ndim == 5 else rendered  # a clip's middle frame
         values.update(diversity_metrics(features, pictures, latents, group_ids))
         axes, missing = axis_scores(pictures, group_ids, group_axes, style_probe=style_probe, identity_network=identity)
         values.update(axes)
