@@ -10,7 +10,7 @@ scale into lora_B** (``B' = B * alpha / r``) and stores ``lora_alpha = r``: each
 - ``pytorch_lora_weights.safetensors``: peft keys ``transformer.<diffusers module>.lora_A/lora_B.weight``, no
   ``.alpha`` tensors. diffusers ``load_lora_weights``, ComfyUI (its ``transformer.`` key map for SD3 and Flux) and
   flowrl (``lora.init_from``, ``sample --lora``, eval) load it.
-- ``pytorch_lora_weights_kohya.safetensors``: ``lora_unet_<native module>`` keys (MMDiT / BFL Flux names), with
+- ``pytorch_lora_weights_kohya.safetensors``: ``lora_unet_<native module>`` keys (MMDiT / BFL Flux / Wan names), with
   ``lora_down``/``lora_up``/``alpha`` (= rank: scale 1). The native model fuses q/k/v (and FLUX's single-block
   MLP input) into one linear; their LoRAs are fused exactly into one of rank ``sum r``: ``down = [Aq; Ak; Av]``,
   ``up = block-diag(Bq, Bk, Bv)`` placed at each piece's rows. For kohya sd-scripts-style loaders.
@@ -130,7 +130,7 @@ def save_kohya_lora(out_file: str | Path, state: dict[str, torch.Tensor], config
         tensors.update({f"{name}.lora_down.weight": down, f"{name}.lora_up.weight": up,
                         f"{name}.alpha": torch.tensor(float(down.shape[0]))})
     header = {**metadata, "ss_network_module": f"networks.lora_{family}", "ss_network_dim": str(config["r"]),
-              "ss_network_alpha": str(config["r"]), "ss_base_model_version": {"sd3": "sd3"}.get(family, "flux1")}
+              "ss_network_alpha": str(config["r"]), "ss_base_model_version": {"sd3": "sd3", "wan": "wan2.1"}.get(family, "flux1")}
     save_file(tensors, str(out_file), metadata=header)
     return Path(out_file)
 
@@ -172,6 +172,17 @@ NATIVE_NAMES = {
     ],
 }
 NATIVE_NAMES["flux_kontext"] = NATIVE_NAMES["flux"]  # the same FluxTransformer2DModel
+# Wan2.1's original module names (the ones ComfyUI's native Wan model keeps): separate q/k/v/o linears, so no slots.
+_WAN_BLOCK = r"^blocks\.(\d+)\."
+NATIVE_NAMES["wan"] = [
+    (_WAN_BLOCK + r"attn1\.to_([qkv])$", r"blocks.\1.self_attn.\2", None),
+    (_WAN_BLOCK + r"attn1\.to_out\.0$", r"blocks.\1.self_attn.o", None),
+    (_WAN_BLOCK + r"attn2\.to_([qkv])$", r"blocks.\1.cross_attn.\2", None),
+    (_WAN_BLOCK + r"attn2\.to_out\.0$", r"blocks.\1.cross_attn.o", None),
+    (_WAN_BLOCK + r"ffn\.net\.0\.proj$", r"blocks.\1.ffn.0", None),
+    (_WAN_BLOCK + r"ffn\.net\.2$", r"blocks.\1.ffn.2", None),
+    (r"^proj_out$", "head.head", None),
+]
 SLOTS = {"qkv": ("q", "k", "v"), "qkvm": ("q", "k", "v", "mlp")}
 
 
