@@ -1,6 +1,6 @@
-"""scripts/bench/gpu_full_size.py without a GPU: the quick CPU run prints every row of its table, the published
-transformer configs it builds have the published parameter counts (counted on the meta device), and the full
-mode on a machine without CUDA is one line."""
+"""scripts/bench/gpu_full_size.py without a GPU: the quick CPU run of every family prints every row of its table,
+the published transformer configs it builds have the published parameter counts (counted on the meta device),
+and the full mode on a machine without CUDA is one line."""
 
 from __future__ import annotations
 
@@ -17,7 +17,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts/bench/gpu_full_size.py"
 CONFIGS = {"sd3": ROOT / "configs/models/sd35_medium_transformer.json",
-           "flux": ROOT / "configs/models/flux1_dev_transformer.json"}
+           "flux": ROOT / "configs/models/flux1_dev_transformer.json",
+           "qwen_image": ROOT / "configs/models/qwen_image_transformer.json",
+           "wan": ROOT / "configs/models/wan21_t2v_1_3b_transformer.json",
+           "z_image": ROOT / "configs/models/z_image_turbo_transformer.json",
+           "flux2_klein": ROOT / "configs/models/flux2_klein_4b_transformer.json"}
+LABELS = {"sd3": "SD3.5-Medium", "flux": "FLUX.1-dev", "flux_kontext": "FLUX.1-Kontext-dev",
+          "flux2_klein": "FLUX.2-klein-4B", "qwen_image": "Qwen-Image", "z_image": "Z-Image-Turbo",
+          "wan": "Wan2.1-T2V-1.3B"}
 NO_GPU = "needs an NVIDIA GPU (found none); run with --quick --device cpu for a smoke test"
 STAGES = ("model load", "rollout", "train step (checkpointing off)", "train step (checkpointing on)",
           "train step + KL reference", "attention sdpa", "attention xformers")
@@ -31,19 +38,24 @@ def run_script(*args: str, cuda_visible: str | None = None, timeout: float = 120
                           timeout=timeout, cwd=ROOT)
 
 
-def test_quick_cpu_run_prints_every_row(tmp_path):
+def test_quick_cpu_run_prints_every_row_of_every_family(tmp_path):
+    from flowrl.models import FAMILIES
+
+    assert set(FAMILIES) == set(LABELS)
     out = tmp_path / "bench.json"
-    proc = run_script("--quick", "--device", "cpu", "--out", str(out), timeout=240)  # ~10 s alone; a busy 2-core box
+    proc = run_script("--quick", "--device", "cpu", "--family", "all", "--out", str(out),
+                      timeout=300)  # ~15 s alone; a busy 2-core box
     assert proc.returncode == 0, proc.stderr[-2000:]
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
     assert table[0].startswith("| family | stage | flowrl | baseline | ratio |")
-    for label in ("SD3.5-Medium", "FLUX.1-dev"):
+    for label in LABELS.values():
         for stage in STAGES:
             assert any(line.startswith(f"| {label} | {stage} |") for line in table), (label, stage, proc.stdout)
     data = json.loads(out.read_text())
-    assert data["meta"]["quick"] is True and len(data["rows"]) == 2 * len(STAGES)
+    assert data["meta"]["quick"] is True and len(data["rows"]) == len(FAMILIES) * len(STAGES)
+    assert data["meta"]["families"] == list(FAMILIES)
     rows = {(r["family"], r["stage"]): r for r in data["rows"]}
-    for family in ("sd3", "flux"):
+    for family in FAMILIES:
         rollout = rows[family, "rollout"]
         assert rollout["flowrl_s"] > 0 and rollout["baseline_s"] > 0 and rollout["ratio"] > 0
         assert "log-probs finite: True" in rollout["note"]
@@ -81,12 +93,19 @@ def _meta_model(family: str):
 @pytest.mark.parametrize("family, low, high, exact", [
     ("sd3", 2.24e9, 2.5e9, 2_243_171_520),   # SD3.5-Medium: "2.5B" with its 226M-value position table
     ("flux", 11.85e9, 11.95e9, 11_901_408_320),  # FLUX.1-dev: "12B"
+    ("qwen_image", 20.0e9, 20.6e9, 20_430_401_088),  # Qwen-Image: "20B"
+    ("wan", 1.3e9, 1.45e9, 1_418_996_800),  # Wan2.1-T2V-1.3B: "1.3B"
+    ("z_image", 6.0e9, 6.3e9, 6_154_908_736),  # Z-Image-Turbo: "6B"
+    ("flux2_klein", 3.8e9, 4.1e9, 3_875_544_576),  # FLUX.2 [klein] 4B: "4B"
 ])
 def test_published_configs_have_published_sizes(family, low, high, exact):
     spec, model = _meta_model(family)
     params = sum(p.numel() for p in model.parameters())
     assert low <= params <= high and params == exact
     config = model.config
+    if family not in ("sd3", "flux"):
+        assert spec["text"]["tokens"] == 512  # every new family pads (or trims from) 512 text tokens
+        return
     if family == "sd3":
         assert (config.num_layers, config.num_attention_heads, config.attention_head_dim) == (24, 24, 64)
         assert list(config.dual_attention_layers) == list(range(13)) and config.qk_norm == "rms_norm"

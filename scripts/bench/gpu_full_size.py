@@ -1,407 +1,229 @@
-"""Full-size SD3.5-Medium and FLUX.1-dev on one NVIDIA GPU: flowrl's rollout and train step against the bare
+"""Full-size flowrl model families on one NVIDIA GPU: flowrl's rollout and train step against the bare
 transformer, peak memory per stage, SDPA against xformers. Random weights, no downloads, no internet.
 
-    python scripts/bench/gpu_full_size.py --out bench_gpu.json          # both families, ~4-6 min on an H100/H200
-    python scripts/bench/gpu_full_size.py --family flux --micro-batch 4
-    python scripts/bench/gpu_full_size.py --quick --device cpu          # tiny configs, a smoke test in seconds
+    python scripts/bench/gpu_full_size.py --family all --out bench_gpu.json   # all 7, ~4-6 min on an H200
+    python scripts/bench/gpu_full_size.py --out bench_gpu.json                # both = sd3 + flux, as before
+    python scripts/bench/gpu_full_size.py --family qwen_image --micro-batch 2
+    python scripts/bench/gpu_full_size.py --quick --device cpu --family all   # tiny configs, ~15 s on a CPU
+    python scripts/bench/gpu_full_size.py --count-flops --family all          # FLOPs per row on meta, CPU
 
-What is built. The transformers come from the published architecture configs in
-``configs/models/sd35_medium_transformer.json`` and ``configs/models/flux1_dev_transformer.json`` (2.243B and
-11.901B parameters), constructed directly on the GPU in bf16 (default dtype bf16 under ``torch.device``: no fp32
-copy, no meta-device buffers left uninitialised) with torch's default random init. Each is put into a real
-diffusers pipeline object (``StableDiffusion3Pipeline`` / ``FluxPipeline``) with the published scheduler, a
-~40k-parameter VAE (it only sets ``vae_scale_factor`` = 8; nothing is decoded) and no text encoders, and that
-pipeline into flowrl's own ``SD3Policy`` / ``FluxPolicy``, which adds the LoRA (``PolicyBase.add_lora``: r = 32,
-alpha 64, the family's default targets, fp32 adapter weights). So every flowrl number below runs flowrl's code:
-``flowrl.sampling.rollout`` (per-row generators, SDE steps, log-probs, stored latents) and
-``flowrl.recipes.grpo.transition_loss`` (velocity with CFG / FLUX packing and guidance embedding, exact SDE
-log-prob of the stored next state, clipped GRPO loss, statistics) under accelerate's bf16 autocast. Text
-conditioning is random embeddings of the real shapes (SD3: 77 CLIP + 256 T5 tokens of width 4096, pooled 2048;
-FLUX: 512 T5 tokens, pooled 768), passed to the rollout as a ``TextCond``; latents are 512 px (64x64x16;
-FLUX packs them into 1024 tokens of 64).
+What is built. Every family's transformer comes from its architecture config in ``configs/models/*.json`` (each
+file's ``_comment`` names its source; parameters counted on the meta device: SD3.5-M 2.243B, FLUX.1-dev and
+Kontext-dev 11.901B, FLUX.2-klein-4B 3.876B, Qwen-Image 20.430B, Z-Image-Turbo 6.155B, Wan2.1-T2V-1.3B 1.419B),
+created on the GPU in bf16 with torch's default random init. It goes into the family's own diffusers pipeline
+class with the published scheduler and the components of the family's tiny pipeline (``policy_class(f).
+tiny_pipeline(0)``: its VAE has the real scale factors and latent channels; nothing is decoded; text encoders
+removed), and that into flowrl's adapter (``policy_class(f)``), which adds the LoRA (r = 32, alpha 64, the
+family's default targets, fp32). Text conditioning is a random ``TextCond`` of the family's real shapes
+(``text`` in the JSON: tokens x width, pooled width, the real-token count of families that mask or trim their
+padding, the empty negative) through the adapter's own ``finish_cond``; Kontext adds a source latent of the
+output size. Sampling settings (guidance, noise level, px) are each family's shipped ``configs/<family>/``
+recipe (``SAMPLING``); Wan renders 5-frame clips. So every flowrl number runs flowrl's code:
+``flowrl.sampling.rollout`` and ``flowrl.recipes.grpo.transition_loss`` under accelerate's bf16 autocast.
 
-What is measured (CUDA events around each call, ``torch.cuda.synchronize`` after; one warm-up of each
-function first, then the repeats interleaved, medians reported):
+The baseline. ``capture_calls`` records the keyword arguments of every transformer call the adapter's
+``velocity`` makes (packing, ids, CFG batched or as two passes, text trimmed, Z-Image's lists) without running
+the model; the bare loop replays exactly those calls on the transformer, ``steps`` times. So the ratio is what
+flowrl adds around the same model calls (adapter packing and CFG mix, SDE step, log-probs, storage, per-row
+generators), for any family, without hand-built inputs. For SD3 and FLUX the calls are the ones the old
+hand-built baseline made (the FLOP count per row is unchanged: 2.443 and 21.50 TFLOP); the bare loop no longer
+does the CFG mix and Euler update (elementwise, well under 1 ms per step at 512 px), and replays fixed inputs
+rather than feeding its output back (same kernels, same shapes).
 
-- ``model load``: building the transformer + LoRA (random init, not a checkpoint read) and the memory it holds.
-- ``rollout``: one group of ``--group`` (24) trajectories, ``--steps`` (10) SDE steps with log-probs, no decode:
-  CFG 4.5 for SD3 (48 transformer rows per step), the guidance embedding 3.5 for FLUX (24 rows). Baseline: a bare
-  loop of the same transformer calls on pre-built inputs (CFG mix and an Euler update, FLUX in packed space), the
-  lower bound of any sampler; the ratio is flowrl's sampling overhead. (The warm-up runs 2 steps.)
-- ``train step``: GRPO ``transition_loss(...).backward()`` on ``--micro-batch`` (8) stored transitions of that
-  rollout, beta = 0, against the bare transformer forward + backward of the same rows (``out.square().mean()``,
-  CFG-doubled for SD3), with gradient checkpointing off and on; then the same step with the KL reference pass
-  (beta = 0.04, checkpointing on), an algorithmic cost, against the same bare step. Out-of-memory is a row.
-- peak memory: ``torch.cuda.max_memory_allocated``, reset before the first timed call of each function.
-- ``attention``: one no-grad forward of the rollout batch with the default attention (SDPA) and, where ``xformers``
-  imports, with ``enable_xformers_memory_efficient_attention()`` (SD3: diffusers' xformers joint processor; FLUX:
-  the ``xformers`` backend of diffusers' attention dispatcher).
+What is measured (CUDA events, ``torch.cuda.synchronize`` after; a warm-up of each function, then the repeats
+interleaved, medians): ``model load`` (build + LoRA, memory held); ``rollout`` (one group of ``--group``
+trajectories, ``--steps`` SDE steps with log-probs, no decode; warm-up 2 steps); ``train step``: GRPO
+``transition_loss(...).backward()`` on ``--micro-batch`` stored transitions (beta 0) against the bare forward +
+backward of the same recorded calls (``out.square().mean()``), checkpointing off and on, then with the KL
+reference (beta 0.04) against the bare step with checkpointing on; out-of-memory is a row; peak memory
+``max_memory_allocated``, reset before each function's first timed call; ``attention``: one no-grad forward of
+the rollout calls with SDPA and, where ``xformers`` imports, after ``enable_xformers_memory_efficient_attention()``
+(a family whose processors refuse it gets a "failed" row). FLOPs per row (``torch.utils.flop_counter``) give the
+bare baselines' TFLOP/s (H200 dense bf16 peak ~990).
 
-The FLOPs of one transformer row are counted with ``torch.utils.flop_counter`` on a 1-row call, so the notes
-give the bare baselines' achieved TFLOP/s (compare with the GPU's dense bf16 peak: ~990 for H100/H200 SXM).
-
-Budget (FLOP count of the published configs at 512 px: SD3.5-M 2.44 TFLOP per row forward, FLUX.1-dev 21.5;
-assumed 300 TFLOP/s achieved, i.e. ~30% of an H100's dense bf16 peak; backward ~2x forward):
-- SD3.5-M: rollouts 2 x (2 + 2 x 10 steps) x 48 rows x 2.44 = 5.2 PFLOP; train steps (2 settings x 2 sides x 4
-  calls + 4 KL calls) x 16 rows x 3 x 2.44 = 2.6 PFLOP; attention 8 x 48 x 2.44 = 0.9 PFLOP: ~9 PFLOP, 30 s.
-- FLUX.1-dev: rollouts 2 x 22 steps x 24 rows x 21.5 = 22.7 PFLOP; train steps 20 calls x 8 rows x 3 x 21.5 =
-  10.3 PFLOP; attention 8 x 24 x 21.5 = 4.1 PFLOP: ~37 PFLOP, ~125 s, plus ~20 s to build 12B random weights.
-So about 3 minutes of compute, under 8 minutes even at half that rate; ``--family`` halves it.
+Budget (``--count-flops``; forward TFLOP per transformer row, rows per trajectory-step): SD3.5-M 512 px 2.443 x 2
+(CFG batched), FLUX.1-dev 512 px 21.50 x 1, Kontext 384 px 23.44 x 1 (576 noisy + 576 source tokens), klein-4B
+384 px 7.06 x 1 (distilled, unguided), Qwen-Image 512 px 15.23 x 2 (true CFG, two passes; 64 / 6 real text
+tokens assumed), Z-Image-Turbo 512 px 12.90 x 1 (unguided), Wan 256 px x 5 frames 1.53 x 2 (two passes).
+``--family all`` defaults to G = 8, 4 steps, micro-batch 4, 2 repeats; then per family (backward = 2x forward,
+recompute +1): rollouts 2 x (2 + 2 x 4) x 8 = 160, train 228, attention 48 row-forwards x rows x F: SD3 2.1,
+FLUX 9.4, Kontext 10.2, klein 3.1, Qwen 13.3, Z-Image 5.6, Wan 1.3 PFLOP = 45 PFLOP, 150 s at an assumed 300
+TFLOP/s achieved, plus building 58B random parameters and Python overhead: ~4-6 min, under 8. ``--family both``
+keeps the old defaults (G = 24, 10 steps, micro-batch 8, 3 repeats: SD3 ~9, FLUX ~40 PFLOP, ~3 min). Qwen-Image
+without checkpointing at micro-batch 4 may not fit 139 GiB (two passes of 4 x 1088 tokens, 60 blocks, 41 GiB of
+weights): that row then says out of memory.
 
 Output: one markdown table (family, stage, flowrl, baseline, ratio, peak GiB, notes); ``--out FILE`` also writes
 it as JSON with the raw seconds and bytes. Without a CUDA device the full mode prints one line and exits 1.
-``--quick`` uses tiny configs of the same classes (dual attention and qk-norm included for SD3) so the whole
-logic runs in seconds on a CPU (``--device cpu``; memory is then the process's RSS high-water mark).
+``--quick`` uses each family's tiny-pipeline transformer (SD3 with a dual-attention block and qk-norm) and its
+text length, so the whole logic runs in seconds on a CPU (memory is then the process's RSS high-water mark).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import copy
-import gc
-import importlib.util
 import json
 import os
 import platform
-import resource
-import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from gpu_timing import (Bare, Clock, Memory, attempt, call_rows, capture_calls, count_flops,  # noqa: E402
+                        count_text, created_in, flops_text, free_memory, gib, markdown, timed, write_json,
+                        xformers_forward)
+
+from flowrl.models import FAMILIES, policy_class  # noqa: E402
 
 NO_GPU = "needs an NVIDIA GPU (found none); run with --quick --device cpu for a smoke test"
-FAMILIES = ("sd3", "flux")
-LABELS = {"sd3": "SD3.5-Medium", "flux": "FLUX.1-dev"}
-SPECS = {"sd3": ROOT / "configs/models/sd35_medium_transformer.json",
-         "flux": ROOT / "configs/models/flux1_dev_transformer.json"}
-GUIDANCE = {"sd3": 4.5, "flux": 3.5}  # the shipped configs' sampling.guidance_scale
-NOISE_LEVEL = {"sd3": 0.7, "flux": 0.9}  # ... and sampling.noise_level
+LABELS = {"sd3": "SD3.5-Medium", "flux": "FLUX.1-dev", "flux_kontext": "FLUX.1-Kontext-dev",
+          "flux2_klein": "FLUX.2-klein-4B", "qwen_image": "Qwen-Image", "z_image": "Z-Image-Turbo",
+          "wan": "Wan2.1-T2V-1.3B"}
+MODELS = ROOT / "configs/models"
+SPECS = {"sd3": MODELS / "sd35_medium_transformer.json", "flux": MODELS / "flux1_dev_transformer.json",
+         "flux_kontext": MODELS / "flux1_dev_transformer.json",  # Kontext [dev] is FLUX.1 [dev]'s architecture
+         "flux2_klein": MODELS / "flux2_klein_4b_transformer.json",
+         "qwen_image": MODELS / "qwen_image_transformer.json", "z_image": MODELS / "z_image_turbo_transformer.json",
+         "wan": MODELS / "wan21_t2v_1_3b_transformer.json"}
+# (guidance_scale, noise_level, resolution) of the shipped configs/<family>/ recipes (sampling.*, model.height).
+SAMPLING = {"sd3": (4.5, 0.7, 512), "flux": (3.5, 0.9, 512), "flux_kontext": (2.5, 0.9, 384),
+            "flux2_klein": (1.0, 0.5, 384), "qwen_image": (4.0, 1.2, 512), "z_image": (1.0, 0.7, 512),
+            "wan": (5.0, 0.9, 256)}
+QUICK_OVERRIDES = {"sd3": {"dual_attention_layers": [0], "qk_norm": "rms_norm"}}  # MMDiT-X and qk-norm, shrunk
 KL_BETA = 0.04
 STAGES = ("model load", "rollout", "train step (checkpointing off)", "train step (checkpointing on)",
           "train step + KL reference", "attention sdpa", "attention xformers")
-
-# --quick: the same classes shrunk (as flowrl.models.tiny), SD3 with an MMDiT-X dual-attention block and qk-norm.
-QUICK_TRANSFORMERS = {
-    "sd3": {"sample_size": 8, "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 2,
-            "attention_head_dim": 16, "num_attention_heads": 2, "joint_attention_dim": 64,
-            "caption_projection_dim": 32, "pooled_projection_dim": 48, "pos_embed_max_size": 32,
-            "dual_attention_layers": [0], "qk_norm": "rms_norm"},
-    "flux": {"patch_size": 1, "in_channels": 64, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
-             "num_attention_heads": 2, "joint_attention_dim": 64, "pooled_projection_dim": 32,
-             "guidance_embeds": True, "axes_dims_rope": [4, 6, 6]},
-}
-QUICK_TEXT = {"sd3": {"clip_tokens": 0, "t5_tokens": 16, "pooled_dim": 48},
-              "flux": {"clip_tokens": 0, "t5_tokens": 16, "pooled_dim": 32}}
+ALL_DEFAULTS = dict(group=8, steps=4, micro_batch=4, repeats=2)  # --family all: the budget in the docstring
 
 
 # ----------------------------------------------------------------------------------------- options
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--family", choices=(*FAMILIES, "both"), default="both")
-    p.add_argument("--steps", type=int, default=None, help="denoising steps per rollout (default 10; quick 3)")
-    p.add_argument("--group", type=int, default=None, help="trajectories per rollout group (default 24; quick 4)")
-    p.add_argument("--resolution", type=int, default=None, help="image side in px (default 512; quick 64)")
-    p.add_argument("--micro-batch", type=int, default=None, help="transitions per train step (default 8; quick 2)")
-    p.add_argument("--repeats", type=int, default=None, help="timed calls per function (default: rollouts 2, "
-                                                             "train steps and forwards 3; quick 2)")
+    p.add_argument("--family", choices=(*FAMILIES, "both", "all"), default="both", help="both = sd3 + flux")
+    p.add_argument("--steps", type=int, help="SDE steps per rollout (default 10; all 4; quick 3)")
+    p.add_argument("--group", type=int, help="trajectories per group (default 24; all 8; quick 4)")
+    p.add_argument("--resolution", type=int, help="px (default: each family's recipe; quick: its tiny size)")
+    p.add_argument("--micro-batch", type=int, help="transitions per train step (default 8; all 4; quick 2)")
+    p.add_argument("--repeats", type=int, help="timed calls (default: rollouts 2, others 3; all and quick 2)")
     p.add_argument("--quick", action="store_true", help="tiny configs of the same classes: seconds, logic only")
+    p.add_argument("--count-flops", action="store_true", help="FLOPs per row of the full models on meta, CPU")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (only with --quick)")
     p.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--out", type=Path, default=None, help="also write the table and raw figures as JSON here")
     args = p.parse_args(argv)
-    q = args.quick
-    args.steps = args.steps or (3 if q else 10)
-    args.group = args.group or (4 if q else 24)
-    args.resolution = args.resolution or (64 if q else 512)
-    args.micro_batch = min(args.micro_batch or (2 if q else 8), args.group)
+    q, light = args.quick, args.family == "all" and not args.quick
+    args.steps = args.steps or (3 if q else ALL_DEFAULTS["steps"] if light else 10)
+    args.group = args.group or (4 if q else ALL_DEFAULTS["group"] if light else 24)
+    args.micro_batch = min(args.micro_batch or (2 if q else ALL_DEFAULTS["micro_batch"] if light else 8), args.group)
     args.rollout_repeats = args.repeats or 2
-    args.repeats = args.repeats or (2 if q else 3)
+    args.repeats = args.repeats or (2 if q or light else 3)
     if args.steps < 2:
         p.error("--steps must be >= 2 (the train step uses a middle stored transition)")
-    if args.resolution % 16:
+    if args.resolution is not None and args.resolution % 16:
         p.error("--resolution must be a multiple of 16 (VAE factor 8, then 2x2 patches)")
+    args.families = {"both": ("sd3", "flux"), "all": FAMILIES}.get(args.family, (args.family,))
     return args
 
 
-def load_spec(family: str, quick: bool) -> dict:
-    """The family's transformer/scheduler/text shapes from configs/models (the transformer shrunk with --quick)."""
+def load_spec(family: str, quick: bool, tiny) -> dict:
+    """The family's transformer/scheduler/text shapes from configs/models; with --quick the transformer is the
+    tiny pipeline's (plus ``QUICK_OVERRIDES``) and the text as long as the tiny pipeline's."""
     spec = json.loads(SPECS[family].read_text())
+    text = spec["text"]
+    text.setdefault("tokens", text.get("clip_tokens", 0) + text.get("t5_tokens", 0))
     if quick:
-        spec["transformer"]["config"] = copy.deepcopy(QUICK_TRANSFORMERS[family])
-        spec["text"].update(QUICK_TEXT[family])
+        config = {k: v for k, v in dict(tiny.transformer.config).items() if not k.startswith("_")}
+        spec["transformer"] = {"class": type(tiny.transformer).__name__,
+                               "config": {**config, **QUICK_OVERRIDES.get(family, {})}}
+        spec["scheduler"] = dict(config=dict(tiny.scheduler.config))
+        short = policy_class(family).tiny_max_sequence_length
+        text["tokens"] = min(text["tokens"], short)
+        for key in ("real_tokens", "negative_real_tokens"):
+            if key in text:
+                text[key] = min(text[key], short // 2)
+    config = spec["transformer"]["config"]
+    text["width"] = config.get("joint_attention_dim") or config.get("text_dim") or config.get("cap_feat_dim")
+    text["pooled_dim"] = config.get("pooled_projection_dim") or 0
     return spec
-
-
-# ------------------------------------------------------------------------------------ measurement
-
-class Clock:
-    """Seconds of one call: CUDA events on a GPU (synchronised after), perf_counter on a CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def __call__(self, fn: Callable[[], object]) -> float:
-        if not self.cuda:
-            start = time.perf_counter()
-            fn()
-            return time.perf_counter() - start
-        torch.cuda.synchronize()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        return begin.elapsed_time(end) / 1000
-
-
-class Memory:
-    """Peak memory of a stage: CUDA's max_memory_allocated (reset per stage), else the RSS high-water mark."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.kind = "max_memory_allocated" if self.cuda else "process RSS high-water mark (not resettable)"
-
-    def reset(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-
-    def peak(self) -> int:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated()
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-
-    def allocated(self) -> int | None:
-        return torch.cuda.memory_allocated() if self.cuda else None
-
-
-def timed(functions: dict[str, Callable[[], object]], repeats: int, clock: Clock, memory: Memory,
-          warmups: dict[str, Callable[[], object]] | None = None) -> dict[str, tuple[float, int, list[float]]]:
-    """{name: (median seconds, peak bytes of its first timed call, all seconds)}: one warm-up call of each
-    (``warmups[name]`` if given, else the function itself), then ``repeats`` rounds interleaved."""
-    for name, fn in functions.items():
-        (warmups or {}).get(name, fn)()
-    seconds: dict[str, list[float]] = {name: [] for name in functions}
-    peaks: dict[str, int] = {}
-    for round_ in range(repeats):
-        for name, fn in functions.items():
-            if round_ == 0:
-                memory.reset()
-            seconds[name].append(clock(fn))
-            if round_ == 0:
-                peaks[name] = memory.peak()
-    return {name: (statistics.median(s), peaks[name], s) for name, s in seconds.items()}
-
-
-def count_flops(fn: Callable[[], object]) -> int | None:
-    """FLOPs of one call (matmuls and attention, forward and backward) by torch's flop counter; None if it fails."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    try:
-        with FlopCounterMode(display=False) as counter:
-            fn()
-        return int(counter.get_total_flops())
-    except Exception:  # noqa: BLE001  (a counter gap must not stop the benchmark)
-        return None
-
-
-def is_oom(error: BaseException) -> bool:
-    return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower()
-
-
-def free_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 # --------------------------------------------------------------------------------------- building
 
-@contextlib.contextmanager
-def created_in(device: torch.device, dtype: torch.dtype):
-    """Modules built inside are born on ``device`` in ``dtype``: no fp32 copy of 12B weights, no cast after."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            yield
-    finally:
-        torch.set_default_dtype(previous)
+def build_transformer(spec: dict, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The transformer of ``spec`` with torch's default random init, created on ``device`` in ``dtype``; floating
+    buffers (SD3's fp32 sin-cos table) cast to ``dtype`` as ``from_pretrained(torch_dtype=...)`` loads them, and
+    any buffer computed on the CPU whatever the default device (that table again) moved to ``device``."""
+    import diffusers
 
-
-def cast_buffers(module: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Floating buffers (SD3's sin-cos position table is computed in fp32) to ``dtype``, as
-    ``from_pretrained(torch_dtype=...)`` loads them."""
-    for sub in module.modules():
+    with created_in(device, dtype):
+        model = getattr(diffusers, spec["transformer"]["class"]).from_config(spec["transformer"]["config"])
+    for sub in model.modules():
         for name, buffer in sub._buffers.items():
             if buffer is not None and buffer.is_floating_point():
                 sub._buffers[name] = buffer.to(dtype)
+    return model.to(device).eval()
 
 
-def build_transformer(spec: dict, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """The transformer of ``spec`` with torch's default random init, created on ``device`` in ``dtype``."""
-    import diffusers
+def build_bench_policy(family: str, spec: dict, tiny, *, device: torch.device, dtype: torch.dtype,
+                       resolution: int, lora: bool = True):
+    """flowrl's policy adapter around the family's own pipeline class: the tiny pipeline's components (its VAE has
+    the real scale factors and latent channels; nothing is decoded), the text encoders removed, the random
+    full-size (or --quick tiny) transformer and the published scheduler in; LoRA r = 32 added by the policy."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
 
-    model_class = getattr(diffusers, spec["transformer"]["class"])
-    with created_in(device, dtype):
-        model = model_class.from_config(spec["transformer"]["config"])
-    cast_buffers(model, dtype)
-    return model.eval()
-
-
-def small_vae(device: torch.device, dtype: torch.dtype):
-    """A 4-level AutoencoderKL (so vae_scale_factor = 8, 16 latent channels) of ~40k parameters: the pipeline
-    and PolicyBase.add_lora expect a VAE; the benchmark never decodes."""
-    from diffusers import AutoencoderKL
-
-    with created_in(device, dtype):
-        return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-                             up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 16, 16, 16),
-                             layers_per_block=1, norm_num_groups=4, latent_channels=16, use_quant_conv=False,
-                             use_post_quant_conv=False).eval()
-
-
-def build_bench_policy(family: str, spec: dict, *, device: torch.device, dtype: torch.dtype, resolution: int):
-    """flowrl's policy adapter around a pipeline of the random transformer, the published scheduler and no text
-    encoders; LoRA r = 32 added by the policy itself."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, StableDiffusion3Pipeline
-
-    from flowrl.models.flux import FluxPolicy
-    from flowrl.models.sd3 import SD3Policy
-
-    transformer = build_transformer(spec, device, dtype)
-    scheduler = FlowMatchEulerDiscreteScheduler.from_config(spec["scheduler"]["config"])
-    vae = small_vae(device, dtype)
-    if family == "sd3":
-        pipeline = StableDiffusion3Pipeline(transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=None,
-                                            tokenizer=None, text_encoder_2=None, tokenizer_2=None,
-                                            text_encoder_3=None, tokenizer_3=None)
-        policy = SD3Policy(pipeline, height=resolution, width=resolution,
-                           max_sequence_length=spec["text"]["t5_tokens"])
-    else:
-        pipeline = FluxPipeline(transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=None,
-                                tokenizer=None, text_encoder_2=None, tokenizer_2=None)
-        policy = FluxPolicy(pipeline, height=resolution, width=resolution,
-                            max_sequence_length=spec["text"]["t5_tokens"])
-    policy.add_lora(rank=32, alpha=64.0, init_seed=0)
+    cls = policy_class(family)
+    components = dict(tiny.components)
+    for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+        if name in components:
+            components[name] = None
+    components["transformer"] = build_transformer(spec, device, dtype)
+    components["scheduler"] = FlowMatchEulerDiscreteScheduler.from_config(spec["scheduler"]["config"])
+    components["vae"] = components["vae"].to(device=device, dtype=dtype)
+    pipeline = type(tiny)(**components, **spec.get("pipeline", {}))
+    text = spec["text"]
+    scale = getattr(pipeline, "vae_scale_factor", None) or pipeline.vae_scale_factor_spatial  # Wan: spatial
+    assert scale == text["vae_scale_factor"], (family, scale, text)  # the tiny VAE has the real factors
+    extra = {"num_frames": text["num_frames"]} if cls.video else {}
+    policy = cls(pipeline, height=resolution, width=resolution, max_sequence_length=text["tokens"], **extra)
+    if lora:
+        policy.add_lora(rank=32, alpha=64.0, init_seed=0)
     return policy
 
 
-def random_cond(policy, family: str, spec: dict):
-    """A one-prompt TextCond of the real shapes (SD3: CLIP + T5 tokens and the CFG negative; FLUX: T5 + ids)."""
+def random_cond(policy, spec: dict, device):
+    """A one-prompt TextCond of the family's real shapes: ``tokens`` x ``width`` embeddings (rows past
+    ``real_tokens`` zero: the padding the adapter masks or trims), pooled ``[1, pooled_dim]`` (0 where none),
+    the negative likewise, the adapter's own ``finish_cond`` (FLUX ids, masks); Kontext adds a source of the
+    output's size."""
     from flowrl.models.base import TextCond
 
-    text, width = spec["text"], spec["transformer"]["config"]["joint_attention_dim"]
-    tokens = text["clip_tokens"] + text["t5_tokens"]
-    g = torch.Generator(device=policy.device).manual_seed(0)
-    draw = lambda *shape: torch.randn(*shape, generator=g, device=policy.device).to(policy.dtype)  # noqa: E731
-    if family == "sd3":
-        return TextCond(draw(1, tokens, width), draw(1, text["pooled_dim"]),
-                        negative_prompt_embeds=draw(1, tokens, width),
-                        negative_pooled_prompt_embeds=draw(1, text["pooled_dim"]))
-    return policy.finish_cond(TextCond(draw(1, tokens, width), draw(1, text["pooled_dim"])))
+    text = spec["text"]
+    g = torch.Generator().manual_seed(0)
+    draw = lambda *shape: torch.randn(*shape, generator=g).to(device=device, dtype=policy.dtype)  # noqa: E731
 
+    def embeds(real: int | None) -> torch.Tensor:
+        e = draw(1, text["tokens"], text["width"])
+        if real is not None:
+            e[:, real:] = 0
+        return e
 
-class BareTransformer:
-    """The transformer called directly on pre-built inputs: the baselines flowrl is compared with."""
-
-    def __init__(self, policy, family: str, cond, guidance: float):
-        self.policy, self.family, self.guidance = policy, family, guidance
-        self.transformer = policy.transformer
-        self.cond = cond
-        _, _, self.h, self.w = policy.latent_shape(1)
-
-    def inputs(self, rows: int, sigma: torch.Tensor) -> dict:
-        """Keyword arguments of one transformer call on ``rows`` trajectories at ``sigma`` (a 0-d device tensor);
-        SD3 doubles the rows for CFG (negative first, as flowrl and diffusers do)."""
-        c, dev = self.cond, self.policy.device
-        if self.family == "sd3":
-            embeds = torch.cat([c.negative_prompt_embeds.expand(rows, -1, -1), c.prompt_embeds.expand(rows, -1, -1)])
-            pooled = torch.cat([c.negative_pooled_prompt_embeds.expand(rows, -1),
-                                c.pooled_prompt_embeds.expand(rows, -1)])
-            return dict(timestep=self.timestep(rows, sigma), encoder_hidden_states=embeds, pooled_projections=pooled)
-        return dict(timestep=self.timestep(rows, sigma), encoder_hidden_states=c.prompt_embeds.expand(rows, -1, -1),
-                    pooled_projections=c.pooled_prompt_embeds.expand(rows, -1), txt_ids=c.text_ids,
-                    img_ids=self.policy.image_ids(self.h, self.w),
-                    guidance=torch.full((rows,), self.guidance, device=dev, dtype=torch.float32))
-
-    def timestep(self, rows: int, sigma: torch.Tensor) -> torch.Tensor:
-        """The transformer's timestep input: SD3 sigma * 1000 for each CFG row, FLUX sigma in the model dtype."""
-        if self.family == "sd3":
-            return (sigma * 1000).expand(2 * rows)
-        return sigma.to(self.policy.dtype).expand(rows)
-
-    def latents(self, rows: int) -> torch.Tensor:
-        """Random latents in the transformer's own layout (FLUX: already packed)."""
-        x = torch.randn(self.policy.latent_shape(rows), device=self.policy.device, dtype=self.policy.dtype)
-        return self.policy.pack(x) if self.family == "flux" else x
-
-    def forward(self, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        hidden = torch.cat([x, x]) if self.family == "sd3" else x
-        return self.transformer(hidden_states=hidden, return_dict=False, **kwargs)[0]
-
-    @torch.no_grad()
-    def loop(self, rows: int, sigmas: torch.Tensor) -> torch.Tensor:
-        """The bare sampler: transformer calls, CFG mix (SD3), Euler update; conditioning built once."""
-        x, sigmas = self.latents(rows), sigmas.to(self.policy.device)
-        kwargs = self.inputs(rows, sigmas[0])
-        for i in range(len(sigmas) - 1):
-            kwargs["timestep"] = self.timestep(rows, sigmas[i])
-            out = self.forward(x, kwargs)
-            if self.family == "sd3":
-                uncond, text = out.chunk(2)
-                out = uncond + self.guidance * (text - uncond)
-            x = x + (sigmas[i + 1] - sigmas[i]) * out
-        return x
-
-
-def attempt(fn: Callable[[], object]) -> tuple[object, bool]:
-    """(fn(), False), or (None, True) when the device ran out of memory; then the failed call's tensors are
-    released (outside the ``except`` block, whose traceback would keep them alive)."""
-    try:
-        return fn(), False
-    except RuntimeError as error:
-        if not is_oom(error):
-            raise
-    free_memory()
-    return None, True
+    cond = TextCond(embeds(text.get("real_tokens")), draw(1, text["pooled_dim"]),
+                    negative_prompt_embeds=embeds(text.get("negative_real_tokens", text.get("real_tokens"))),
+                    negative_pooled_prompt_embeds=draw(1, text["pooled_dim"]))
+    cond = policy.finish_cond(cond)
+    if policy.family == "flux_kontext":
+        cond.image_latents = draw(*policy.latent_shape(1))
+    return cond
 
 
 # -------------------------------------------------------------------------------------- the stages
-
-def seconds_text(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.2f} s" if value >= 1 else f"{value * 1e3:.1f} ms"
-
-
-def count_text(n: float) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= size:
-            return f"{n / size:.3f}{unit}" if unit == "B" else f"{n / size:.1f}{unit}"
-    return f"{n:.0f}"
-
-
-def flops_text(flops: float) -> str:
-    for unit, size in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
-        if flops >= size:
-            return f"{flops / size:.3g} {unit}"
-    return f"{flops:.3g} FLOP"
-
-
-def gib(value: int | None) -> float | None:
-    return None if value is None else value / 2**30
-
 
 def bench_family(family: str, args, accelerator, clock: Clock, memory: Memory) -> list[dict]:
     from flowrl.algorithms.losses import POLICY_LOSSES
@@ -410,7 +232,10 @@ def bench_family(family: str, args, accelerator, clock: Clock, memory: Memory) -
     from flowrl.training.stats import StatsAccumulator
 
     device, dtype = accelerator.device, args.torch_dtype
-    spec = load_spec(family, args.quick)
+    tiny = policy_class(family).tiny_pipeline(0)
+    spec = load_spec(family, args.quick, tiny)
+    guidance, noise_level, resolution = SAMPLING[family]
+    resolution = args.resolution or (policy_class(family).tiny_size[0] if args.quick else resolution)
     rows: list[dict] = []
 
     def row(stage: str, flowrl=None, baseline=None, peak=None, baseline_peak=None, note: str = "") -> None:
@@ -422,7 +247,8 @@ def bench_family(family: str, args, accelerator, clock: Clock, memory: Memory) -
     free_memory()
     memory.reset()
     start = time.perf_counter()
-    policy = build_bench_policy(family, spec, device=device, dtype=dtype, resolution=args.resolution)
+    policy = build_bench_policy(family, spec, tiny, device=device, dtype=dtype, resolution=resolution)
+    del tiny
     if clock.cuda:
         torch.cuda.synchronize()
     load_s = time.perf_counter() - start
@@ -433,39 +259,42 @@ def bench_family(family: str, args, accelerator, clock: Clock, memory: Memory) -
         f"{count_text(params)} params incl. LoRA {count_text(lora)} (r=32, fp32); random init, not a checkpoint read"
         + ("" if resident is None else f"; {gib(resident):.2f} GiB resident"))
 
-    guidance, noise_level = GUIDANCE[family], NOISE_LEVEL[family]
-    cond = random_cond(policy, family, spec)
-    bare = BareTransformer(policy, family, cond, guidance)
+    cond = random_cond(policy, spec, device)
+    bare = Bare(policy)
     group, steps = args.group, args.steps
     seeds = root_seeds(0, 0, group)
-    transformer_rows = group * (2 if family == "sd3" else 1)
+    sigmas = policy.sigmas(steps).to(device)
+    rollout_calls = capture_calls(policy, policy.init_noise(group), sigmas[0], cond.select([0] * group), guidance)
+    transformer_rows = call_rows(rollout_calls)
+    passes = len(rollout_calls)
+    mode = ("guidance embedding " if policy.guidance_in_model else "CFG " if guidance > 1 else "unguided, ") + \
+        f"{guidance}" + (f", {passes} passes" if passes > 1 else "")
 
     # FLOPs of one transformer row (forward), for achieved TFLOP/s of the baselines.
-    one_sigma = policy.sigmas(steps)[1].to(device)
-    one_x = bare.latents(1)
-    with torch.no_grad():
-        row_flops = count_flops(lambda: bare.forward(one_x, bare.inputs(1, one_sigma)))
-    if row_flops is not None and family == "sd3":
-        row_flops //= 2  # the 1-trajectory call ran 2 CFG rows
+    one_calls = capture_calls(policy, policy.init_noise(1), sigmas[1], cond, guidance)
+    flops = count_flops(lambda: bare.loop(one_calls, 1))
+    row_flops = None if flops is None else flops // call_rows(one_calls)
     flops_note = "" if row_flops is None else f"{flops_text(row_flops)} per transformer row forward"
 
-    def tflops(flops: float | None, seconds: float | None) -> str:
+    def tflops(flops, seconds) -> str:
         return "" if flops is None or not seconds else f"; bare {flops_text(flops / seconds)}/s"
 
-    # 2. Rollout: flowrl's SDE rollout with log-probs against the bare loop.
-    def flowrl_rollout(n: int = steps):
-        return rollout(policy, ["benchmark prompt"], group_size=group, num_steps=n, guidance_scale=guidance,
-                       noise_level=noise_level, seeds=seeds, kind="sde", cond=cond, decode=False)
+    # 2. Rollout: flowrl's SDE rollout with log-probs against the bare loop of the same transformer calls.
+    last = {}
 
-    sigmas, warm_sigmas = policy.sigmas(steps), policy.sigmas(2)
-    result = timed({"flowrl": flowrl_rollout, "bare": lambda: bare.loop(group, sigmas)}, args.rollout_repeats,
-                   clock, memory, warmups={"flowrl": lambda: flowrl_rollout(2), "bare": lambda: bare.loop(group, warm_sigmas)})
+    def flowrl_rollout(n: int = steps):
+        last["traj"] = rollout(policy, ["benchmark prompt"], group_size=group, num_steps=n, guidance_scale=guidance,
+                               noise_level=noise_level, seeds=seeds, kind="sde", cond=cond, decode=False)
+
+    result = timed({"flowrl": flowrl_rollout, "bare": lambda: bare.loop(rollout_calls, steps)},
+                   args.rollout_repeats, clock, memory,
+                   warmups={"flowrl": lambda: flowrl_rollout(2), "bare": lambda: bare.loop(rollout_calls, 2)})
     (flowrl_s, flowrl_peak, _), (bare_s, bare_peak, _) = result["flowrl"], result["bare"]
-    traj = flowrl_rollout()
+    traj = last.pop("traj")  # the last timed rollout's trajectory
     finite = bool(torch.isfinite(traj.log_probs).all() and torch.isfinite(traj.final_latents).all())
+    shape = "x".join(str(s) for s in policy.latent_shape(1)[1:])
     row("rollout", flowrl_s, bare_s, flowrl_peak, bare_peak,
-        f"G={group}, {steps} SDE steps, {args.resolution} px, {transformer_rows} rows/step "
-        f"({'CFG ' + str(guidance) if family == 'sd3' else 'guidance embedding ' + str(guidance)}); "
+        f"G={group}, {steps} SDE steps, {resolution} px (latents {shape}), {transformer_rows} rows/step ({mode}); "
         f"extra {1e3 * (flowrl_s - bare_s) / steps:+.1f} ms/step; log-probs finite: {finite}"
         + tflops(None if row_flops is None else row_flops * transformer_rows * steps, bare_s))
 
@@ -475,8 +304,14 @@ def bench_family(family: str, args, accelerator, clock: Clock, memory: Memory) -
     mask = torch.ones(traj.num_rows, traj.num_stored_steps, dtype=torch.bool)
     train_rows, k = torch.arange(micro), traj.num_stored_steps // 2
     params_list = policy.trainable_parameters()
-    x_bare, sigma_k = bare.latents(micro), traj.sigmas[k].to(device)
-    bare_kwargs = bare.inputs(micro, sigma_k)
+    sigma_k = traj.sigmas[k].item()
+
+    def calls_for(index: torch.Tensor) -> list[dict]:  # what transition_loss's velocity call hands the model
+        return capture_calls(policy, traj.latents[index, k].to(device), sigma_k,
+                             traj.cond.select(traj.prompt_ids[index]), guidance)
+
+    step_calls = calls_for(train_rows)
+    step_rows = call_rows(step_calls)
 
     def zero_grad() -> None:
         for p in params_list:
@@ -489,14 +324,14 @@ def bench_family(family: str, args, accelerator, clock: Clock, memory: Memory) -
                                clip_low=1e-4, clip_high=1e-4, stats=StatsAccumulator(), on_policy=False)
         loss.backward()
 
-    def bare_step(x=x_bare, kwargs=bare_kwargs) -> None:
+    def bare_step(calls=step_calls) -> None:
         zero_grad()
         with accelerator.autocast():
-            out = bare.forward(x, kwargs)
-        out.float().square().mean().backward()
+            loss = bare.loss(calls)
+        loss.backward()
 
-    step_rows = micro * (2 if family == "sd3" else 1)
-    step_flops = count_flops(lambda: bare_step(bare.latents(1), bare.inputs(1, sigma_k)))
+    one_step = calls_for(train_rows[:1])
+    step_flops = count_flops(lambda: bare_step(one_step))
     bare_on = None
     for checkpointing in (False, True):
         stage = f"train step (checkpointing {'on' if checkpointing else 'off'})"
@@ -513,7 +348,7 @@ def bench_family(family: str, args, accelerator, clock: Clock, memory: Memory) -
             continue
         (flowrl_s, flowrl_peak, _), (bare_s, bare_peak, _) = result["flowrl"], result["bare"]
         bare_on = bare_s if checkpointing else bare_on
-        flops = None if step_flops is None else step_flops * micro  # 1 trajectory (SD3: its 2 CFG rows) x micro
+        flops = None if step_flops is None else step_flops * micro  # 1 trajectory (CFG: its 2 rows) x micro
         row(stage, flowrl_s, bare_s, flowrl_peak, bare_peak,
             f"micro-batch {micro} ({step_rows} rows), beta=0" + ("" if checkpointing else tflops(flops, bare_s)))
     result, oom = attempt(lambda: timed({"flowrl": lambda: flowrl_step(KL_BETA)}, args.repeats, clock, memory))
@@ -528,54 +363,53 @@ def bench_family(family: str, args, accelerator, clock: Clock, memory: Memory) -
             "with checkpointing on")
     policy.transformer.disable_gradient_checkpointing()
     zero_grad()
-    del traj
+    del traj, step_calls, one_step
     free_memory()
 
     # 4. Attention: one no-grad forward of the rollout batch, SDPA and xformers.
-    x_attn, attn_kwargs = bare.latents(group), bare.inputs(group, sigmas[1].to(device))
-    forward = torch.no_grad()(lambda: bare.forward(x_attn, attn_kwargs))
+    forward = torch.no_grad()(lambda: bare.forward(rollout_calls))
     sdpa_s, sdpa_peak, _ = timed({"sdpa": forward}, args.repeats, clock, memory)["sdpa"]
     row("attention sdpa", sdpa_s, sdpa_s, sdpa_peak, None,
         f"one forward of {transformer_rows} rows, torch scaled_dot_product_attention (diffusers' default)"
         + tflops(None if row_flops is None else row_flops * transformer_rows, sdpa_s))
-    if importlib.util.find_spec("xformers") is None:
-        row("attention xformers", note="not installed (pip install xformers matching the torch build)")
-    elif not clock.cuda:
-        row("attention xformers", note="installed, but xformers' attention needs a CUDA device")
-    else:
-        try:
-            policy.transformer.enable_xformers_memory_efficient_attention()
-            xf_s, xf_peak, _ = timed({"xformers": forward}, args.repeats, clock, memory)["xformers"]
-            row("attention xformers", xf_s, sdpa_s, xf_peak, sdpa_peak,
-                f"enable_xformers_memory_efficient_attention(); baseline = SDPA forward")
-        except Exception as error:  # noqa: BLE001  (an xformers/torch mismatch is a row, not a crash)
-            row("attention xformers", note=f"failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
-    for r in rows:
-        if flops_note and r["stage"] == "model load":
-            r["note"] += f"; {flops_note}"
-    del policy, bare
+    row("attention xformers", *xformers_forward(policy.transformer, forward, sdpa_s, sdpa_peak, args.repeats, clock,
+                                                memory))
+    if flops_note:
+        rows[0]["note"] += f"; {flops_note}"
+    del policy, bare, rollout_calls
     free_memory()
     return rows
 
 
-# ------------------------------------------------------------------------------------------ output
-
-def markdown(rows: list[dict], memory_kind: str) -> str:
-    lines = ["| family | stage | flowrl | baseline | ratio | peak GiB (flowrl / baseline) | notes |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        peak = "-" if r["peak_bytes"] is None else f"{gib(r['peak_bytes']):.2f}"
-        if r["baseline_peak_bytes"] is not None:
-            peak += f" / {gib(r['baseline_peak_bytes']):.2f}"
-        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
-        lines.append(f"| {LABELS[r['family']]} | {r['stage']} | {seconds_text(r['flowrl_s'])} | "
-                     f"{seconds_text(r['baseline_s'])} | {ratio} | {peak} | {r['note']} |")
-    lines.append(f"(memory: {memory_kind})")
-    return "\n".join(lines)
+def meta_flops(families, resolution: int | None) -> list[str]:
+    """Forward FLOPs per transformer row of the full-size models at each family's bench size, counted by
+    torch's flop counter on the meta device (no weights, no compute): the numbers of the docstring's budget."""
+    lines = []
+    meta = torch.device("meta")
+    for family in families:
+        tiny = policy_class(family).tiny_pipeline(0)
+        spec = load_spec(family, False, tiny)
+        size = resolution or SAMPLING[family][2]
+        policy = build_bench_policy(family, spec, tiny, device=meta, dtype=torch.bfloat16, resolution=size, lora=False)
+        cond = random_cond(policy, spec, "cpu")
+        x = torch.randn(policy.latent_shape(1)).to(torch.bfloat16)
+        calls = capture_calls(policy, x, policy.sigmas(10)[1], cond, SAMPLING[family][0])
+        with torch.device(meta):  # tensors a forward makes without a device (RoPE tables) on meta too
+            flops = count_flops(lambda: Bare(policy).loop(calls, 1))
+        per_row = None if flops is None else flops / call_rows(calls)
+        params = sum(p.numel() for p in policy.transformer.parameters())
+        lines.append(f"{LABELS[family]}: {params:,} params; {size} px; {call_rows(calls)} rows/trajectory/step; "
+                     + ("flop count failed" if per_row is None else f"{per_row / 1e12:.3f} TFLOP per row forward"))
+        print(lines[-1], flush=True)
+        del policy, tiny
+    return lines
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.count_flops:
+        meta_flops(args.families, args.resolution)
+        return 0
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available() or device.type == "cpu" and not args.quick:
         print(NO_GPU)
@@ -588,23 +422,24 @@ def main(argv=None) -> int:
     precision = "bf16" if args.torch_dtype == torch.bfloat16 and device.type == "cuda" else "no"
     accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision=precision)
     clock, memory = Clock(device), Memory(device)
-    families = FAMILIES if args.family == "both" else (args.family,)
     start = time.perf_counter()
     rows = []
-    for family in families:
+    for family in args.families:
+        family_start = time.perf_counter()
         rows += bench_family(family, args, accelerator, clock, memory)
+        print(f"{LABELS[family]}: {time.perf_counter() - family_start:.0f} s", file=sys.stderr, flush=True)
     wall = time.perf_counter() - start
-    table = markdown(rows, memory.kind)
+    table = markdown(rows, memory.kind, LABELS)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     print(f"gpu_full_size: {'quick (tiny configs)' if args.quick else 'full size'} on {name}, "
           f"{args.torch_dtype}, torch {torch.__version__}; {wall:.0f} s")
     print(table)
     if args.out is not None:
         meta = dict(device=name, quick=args.quick, dtype=str(args.torch_dtype), torch=torch.__version__,
-                    steps=args.steps, group=args.group, resolution=args.resolution, micro_batch=args.micro_batch,
-                    repeats=args.repeats, rollout_repeats=args.rollout_repeats, wall_s=wall, memory=memory.kind)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(dict(meta=meta, rows=rows, table=table), indent=1))
+                    families=list(args.families), steps=args.steps, group=args.group, resolution=args.resolution,
+                    micro_batch=args.micro_batch, repeats=args.repeats, rollout_repeats=args.rollout_repeats,
+                    wall_s=wall, memory=memory.kind)
+        write_json(args.out, meta, rows, table)
     return 0
 
 

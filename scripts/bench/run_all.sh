@@ -9,7 +9,8 @@
 #                                 (configs/smoke/sd3_tiny.yaml and flux_tiny.yaml)
 #   3. scripts/bench_rewards.py   reward throughput, one batched call vs one call per image (tiny CLIP-family
 #                                 models of the real architectures, and OCR)
-#   4. scripts/bench/gpu_full_size.py   full-size SD3.5-M and FLUX.1-dev when `nvidia-smi` sees a GPU; otherwise
+#   4. scripts/bench/gpu_full_size.py   full-size SD3.5-M and FLUX.1-dev (--family all: every family) when
+#                                 `nvidia-smi` sees a GPU; otherwise
 #                                 its --quick --device cpu smoke run (tiny configs: checks the logic only)
 # Each benchmark's output goes to OUT_DIR/<name>.log, its wall time and peak RSS (the benchmark process, from
 # getrusage) to OUT_DIR/<name>.usage; the summary table is printed and written to OUT_DIR/summary.md.
