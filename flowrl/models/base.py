@@ -159,6 +159,12 @@ class PolicyBase:
         return self
 
     # --- text conditioning -----------------------------------------------------------------
+    def encode(self, prompts: list[str], *, negative: bool = True, metadata: Sequence[dict] | None = None
+               ) -> TextCond:
+        """Conditioning of ``prompts`` with ``negative_prompt`` as the CFG negative (cached or live, same bits).
+        Families without CFG (FLUX's guidance embedding) or with a conditioning image override it."""
+        return self.encode_text(prompts, negative=negative)
+
     @torch.no_grad()
     def encode_text(self, prompts: Sequence[str], *, negative: bool) -> TextCond:
         """Conditioning of ``prompts`` (``negative_prompt``, by default the empty one, as the negative): each
@@ -329,6 +335,34 @@ class PolicyBase:
         scaled = latents.to(self.vae.dtype) / config.scaling_factor + (config.shift_factor or 0.0)
         images = self.vae.decode(scaled, return_dict=False)[0]
         return (images.float() / 2 + 0.5).clamp(0, 1)
+
+
+def real_token_mask(embeds: torch.Tensor) -> torch.Tensor:
+    """``[B, L, D]`` -> ``[B, L]`` bool, True on the rows that are not all zeros.
+
+    Families whose transformer masks text padding (Qwen-Image, Z-Image) pad with rows of exact zeros, while a
+    real token's embedding (an LLM's hidden state) is never all-zero: the mask is rebuilt from the embeddings
+    alone, so the text cache stores nothing else."""
+    return embeds.ne(0).any(dim=-1)
+
+
+def with_padding_masks(cond: TextCond) -> TextCond:
+    """``cond`` with ``prompt_mask`` (and ``negative_prompt_mask``) rebuilt from the zero padding."""
+    cond.prompt_mask = real_token_mask(cond.prompt_embeds)
+    if cond.has_negative:
+        cond.negative_prompt_mask = real_token_mask(cond.negative_prompt_embeds)
+    return cond
+
+
+def unnormalise_latents(latents: torch.Tensor, vae) -> torch.Tensor:
+    """``[N, C, F, h, w]`` latents in the VAE's dtype, its per-channel ``latents_mean`` / ``latents_std`` undone in
+    the Wan-family pipelines' own arithmetic (``x / (1 / std) + mean``: Wan and Qwen-Image share the VAE)."""
+    config = vae.config
+    latents = latents.to(vae.dtype)
+    shape = (1, config.z_dim, 1, 1, 1)
+    mean = torch.tensor(config.latents_mean).view(shape).to(latents.device, latents.dtype)
+    inv_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(latents.device, latents.dtype)
+    return latents / inv_std + mean
 
 
 def load_pipeline(pipeline_class, model: str, *, torch_dtype: torch.dtype, device="cpu", **kwargs):

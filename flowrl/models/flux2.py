@@ -97,14 +97,11 @@ class Flux2KleinPolicy(PolicyBase):
         from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
 
         scheduler = copy.deepcopy(self.pipeline.scheduler)
-        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-        if scheduler.config.get("use_flow_sigmas", False):  # as the pipeline: the scheduler's own sigmas
-            sigmas = None
         mu = compute_empirical_mu(image_seq_len=self.image_seq_len(), num_steps=num_steps)
-        if sigmas is None:
+        if scheduler.config.get("use_flow_sigmas", False):  # as the pipeline: the scheduler's own sigmas
             scheduler.set_timesteps(num_steps, device="cpu", mu=mu)
         else:
-            scheduler.set_timesteps(sigmas=sigmas, device="cpu", mu=mu)
+            scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), device="cpu", mu=mu)
         return scheduler.sigmas.float()
 
     # --- transformer -------------------------------------------------------------------------

@@ -24,21 +24,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from flowrl.models.base import PolicyBase, TextCond
+from flowrl.models.base import PolicyBase, TextCond, real_token_mask, unnormalise_latents, with_padding_masks
 from flowrl.models.flux import dynamic_mu, pack_patches, unpack_patches
 
 # diffusers examples/dreambooth/train_dreambooth_lora_qwen_image.py (its default without --lora_layers):
 # the image-stream attention projections of every block.
 QWEN_IMAGE_LORA_TARGETS: tuple[str, ...] = ("to_k", "to_q", "to_v", "to_out.0")
-
-
-def text_mask(embeds: torch.Tensor) -> torch.Tensor:
-    """``[B, L, D]`` -> ``[B, L]`` bool, True on real tokens.
-
-    :meth:`QwenImagePolicy.encode_batch` pads with rows of exact zeros, as ``encode_prompt`` itself does, while
-    a real token's embedding is the Qwen2.5-VL final RMSNorm output, never all-zero; so the mask can be
-    rebuilt from the embeddings alone and the text cache needs to store nothing else."""
-    return (embeds != 0).any(dim=-1)
 
 
 class QwenImagePolicy(PolicyBase):
@@ -73,10 +64,6 @@ class QwenImagePolicy(PolicyBase):
         return (n, channels, 2 * (self.height // scale), 2 * (self.width // scale))
 
     # --- text ------------------------------------------------------------------------------
-    def encode(self, prompts: list[str], *, negative: bool = True, metadata=None) -> TextCond:
-        """Conditioning of ``prompts`` with the empty prompt as the true-CFG negative (cached or live, same bits)."""
-        return self.encode_text(prompts, negative=negative)
-
     def encode_batch(self, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
         """The pipeline's own ``encode_prompt``, zero-padded from the batch's longest prompt to a fixed
         ``max_sequence_length`` (the text cache concatenates chunks); pooled is zero-width ``[B, 0]``."""
@@ -85,12 +72,7 @@ class QwenImagePolicy(PolicyBase):
         embeds = F.pad(embeds, (0, 0, 0, self.max_sequence_length - embeds.shape[1]))  # [B, max_len, D]
         return embeds, embeds.new_zeros(embeds.shape[0], 0)
 
-    def finish_cond(self, cond: TextCond) -> TextCond:
-        """The text masks ``[B, L]``, rebuilt from the zero padding (:func:`text_mask`)."""
-        cond.prompt_mask = text_mask(cond.prompt_embeds)
-        if cond.has_negative:
-            cond.negative_prompt_mask = text_mask(cond.negative_prompt_embeds)
-        return cond
+    finish_cond = staticmethod(with_padding_masks)  # the text masks [B, L], from encode_batch's zero padding
 
     # --- sampling --------------------------------------------------------------------------
     def image_seq_len(self) -> int:
@@ -115,7 +97,7 @@ class QwenImagePolicy(PolicyBase):
         This hands the transformer what ``encode_prompt`` hands it for the same rows (real tokens come first,
         RoPE positions depend only on the index, padding is masked out of attention), and skips the attention
         work on up to ``max_sequence_length`` padding tokens."""
-        mask = text_mask(embeds) if mask is None else mask  # [B, L]
+        mask = real_token_mask(embeds) if mask is None else mask  # [B, L]
         length = max(int(mask.sum(dim=1).max()), 1)
         embeds, mask = embeds[:, :length], mask[:, :length]
         return embeds, (None if bool(mask.all()) else mask)
@@ -144,12 +126,8 @@ class QwenImagePolicy(PolicyBase):
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Clean latents ``[N, C, h, w]`` -> images ``[N, 3, H, W]`` in [0, 1]: the frame axis restored and the
         per-channel normalisation undone exactly as ``QwenImagePipeline`` does (x / (1 / std) + mean)."""
-        config = self.vae.config
-        latents = latents.unsqueeze(2).to(self.vae.dtype)  # [N, C, 1, h, w]
-        shape = (1, config.z_dim, 1, 1, 1)
-        mean = torch.tensor(config.latents_mean).view(shape).to(latents.device, latents.dtype)
-        inv_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(latents.device, latents.dtype)
-        images = self.vae.decode(latents / inv_std + mean, return_dict=False)[0][:, :, 0]  # [N, 3, H, W]
+        latents = unnormalise_latents(latents.unsqueeze(2), self.vae)  # [N, C, 1, h, w]
+        images = self.vae.decode(latents, return_dict=False)[0][:, :, 0]  # [N, 3, H, W]
         return (images.float() / 2 + 0.5).clamp(0, 1)
 
     def pipeline_images(self, prompts, *, group_size: int, num_steps: int, guidance_scale: float, seeds,

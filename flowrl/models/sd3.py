@@ -41,10 +41,6 @@ class SD3Policy(PolicyBase):
         scale = self.pipeline.vae_scale_factor
         return (n, self.transformer.config.in_channels, self.height // scale, self.width // scale)
 
-    def encode(self, prompts: list[str], *, negative: bool = True, metadata=None) -> TextCond:
-        """Conditioning of ``prompts`` with the empty prompt as the CFG negative (cached or live, same bits)."""
-        return self.encode_text(prompts, negative=negative)
-
     def encode_batch(self, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
         with _quiet(type(self.pipeline).__module__):
             embeds, _, pooled, _ = self.pipeline.encode_prompt(

@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from flowrl.models.base import PolicyBase, TextCond
+from flowrl.models.base import PolicyBase, TextCond, unnormalise_latents
 from flowrl.models.sd3 import _quiet
 
 # Attention projections of both attention layers (attn1 self, attn2 cross) of every block. diffusers ships no
@@ -92,10 +92,6 @@ class WanPolicy(PolicyBase):
         noise = randn_tensor(self.latent_shape(n), generator=generator, device=self.device, dtype=torch.float32)
         return noise.to(self.dtype)
 
-    def encode(self, prompts: list[str], *, negative: bool = True, metadata=None) -> TextCond:
-        """Conditioning of ``prompts`` with ``negative_prompt`` as the CFG negative (cached or live, same bits)."""
-        return self.encode_text(prompts, negative=negative)
-
     def encode_batch(self, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
         """UMT5 states ``[B, L, D]`` (zero past each prompt's tokens, L = max_sequence_length), pooled ``[B, 0]``."""
         with _quiet(type(self.pipeline).__module__):
@@ -125,12 +121,7 @@ class WanPolicy(PolicyBase):
 
         Un-normalised with the VAE's per-channel ``latents_mean`` / ``latents_std`` in WanPipeline's exact
         arithmetic; the VAE decodes ``[N, 3, T, H, W]``, permuted to frames-first."""
-        config = self.vae.config
-        latents = latents.to(self.vae.dtype)
-        shape = (1, config.z_dim, 1, 1, 1)
-        mean = torch.tensor(config.latents_mean).view(shape).to(latents.device, latents.dtype)
-        inv_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(latents.device, latents.dtype)
-        video = self.vae.decode(latents / inv_std + mean, return_dict=False)[0]  # [N, 3, T, H, W]
+        video = self.vae.decode(unnormalise_latents(latents, self.vae), return_dict=False)[0]  # [N, 3, T, H, W]
         return (video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4).contiguous()
 
     def pipeline_images(self, prompts: Sequence[str], *, group_size: int, num_steps: int, guidance_scale: float,

@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from flowrl.models.base import PolicyBase, TextCond
+from flowrl.models.base import PolicyBase, TextCond, real_token_mask, with_padding_masks
 
 # The diffusers DreamBooth-LoRA script for Z-Image (examples/dreambooth/train_dreambooth_lora_z_image.py)
 # adapts the attention projections of every block (noise refiner, context refiner, joint layers).
@@ -84,10 +84,6 @@ class ZImagePolicy(PolicyBase):
         return scheduler.sigmas.float()
 
     # --- text ------------------------------------------------------------------------------
-    def encode(self, prompts: list[str], *, negative: bool = True, metadata=None) -> TextCond:
-        """Conditioning of ``prompts``, with ``negative_prompt`` (default the empty one, as the pipeline's) for CFG."""
-        return self.encode_text(prompts, negative=negative)
-
     def encode_batch(self, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
         """The pipeline's own encoding (chat template, Qwen3 ``hidden_states[-2]``, real tokens only), stacked
         front-aligned and zero-padded to ``max_sequence_length``: (embeds ``[B, L, D]``, pooled ``[B, 0]``)."""
@@ -101,16 +97,7 @@ class ZImagePolicy(PolicyBase):
             embeds[i, :len(row)] = row
         return embeds, embeds.new_zeros(len(rows), 0)
 
-    def finish_cond(self, cond: TextCond) -> TextCond:
-        """Masks ``[B, L]`` of the real tokens, True on the non-zero rows of the embeddings.
-
-        The padding :meth:`encode_batch` adds is exact zeros, while a real token's hidden state (a residual
-        stream of the Qwen3 encoder) is never all-zero, so the mask recovers each prompt's length exactly, on
-        live and cached embeddings alike."""
-        cond.prompt_mask = _real_tokens(cond.prompt_embeds)
-        if cond.has_negative:
-            cond.negative_prompt_mask = _real_tokens(cond.negative_prompt_embeds)
-        return cond
+    finish_cond = staticmethod(with_padding_masks)  # masks [B, L] of each prompt's real tokens (zero padding)
 
     # --- the model ---------------------------------------------------------------------------
     @staticmethod
@@ -174,12 +161,7 @@ class ZImagePolicy(PolicyBase):
         ).images
 
 
-def _real_tokens(embeds: torch.Tensor) -> torch.Tensor:
-    """[B, L, D] -> [B, L] bool, True where a row is not all zeros."""
-    return embeds.ne(0).any(dim=-1)
-
-
 def _caption_rows(embeds: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
     """[B, L, D] zero-padded embeddings -> the transformer's ``cap_feats``: B tensors ``[L_i, D]``, real tokens."""
-    mask = _real_tokens(embeds) if mask is None else mask
+    mask = real_token_mask(embeds) if mask is None else mask
     return [row[keep] for row, keep in zip(embeds, mask)]
