@@ -180,9 +180,10 @@ def _render_missing(policy, suite, todo: list[int], folder: Path, cfg, *, base: 
             images, latents = render(policy, suite.subset(chunk), images_per_prompt=n, num_steps=steps,
                                      guidance=guidance, seed=e.seed, first_prompt=chunk[0], batch_prompts=len(chunk),
                                      with_latents=True)  # seeds depend on the suite index only
+            strips = stills(images)  # [P*n, 3, H, W]; a video's frames side by side
             for row, index in enumerate(chunk):
                 for k in range(n):
-                    save_image(stills(images[row * n + k][None])[0], folder / f"p{index:04d}_{k:02d}.png")
+                    save_image(strips[row * n + k], folder / f"p{index:04d}_{k:02d}.png")
                 frames = {"frames": str(images.shape[1])} if images.ndim == 5 else None  # a video's film strips
                 save_file({"latents": latents[row * n:(row + 1) * n].contiguous()},
                           str(folder / f"p{index:04d}.latents.safetensors"), metadata=frames)
