@@ -139,3 +139,13 @@ def test_num_frames_sets_the_clip_length_of_a_video_family_and_is_refused_elsewh
     assert policy.latent_shape(2)[2] == 3  # (9 - 1) / 4 + 1 latent frames
     with pytest.raises(ValueError, match="model.num_frames is for video families"):
         build_policy("sd3", "tiny", seed=0, num_frames=9)
+
+
+def test_family_parity_script_prints_the_readme_figure():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "scripts/family_parity.py", "--family", "flux_kontext"], check=True,
+                         capture_output=True, text=True).stdout
+    line = out.strip()
+    assert line.startswith("flux_kontext") and float(line.rsplit("=", 1)[1]) < 1e-5
