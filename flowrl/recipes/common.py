@@ -161,6 +161,7 @@ class Run:
     guard: DiversityGuard | None = None  # guard.enabled: the diversity guard (flowrl/training/guard.py)
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None  # train.lr_scheduler, one step per optimizer step
     faults: FaultCounter | None = None  # skipped non-finite steps and unscorable epochs (flowrl/training/faults.py)
+    adapters: dict[str, LoraEMA] = field(default_factory=dict)  # copies a recipe names (nft: its old adapter)
 
     @property
     def fault_counter(self) -> FaultCounter:
@@ -173,8 +174,8 @@ class Run:
     def snapshots(self) -> dict[str, LoraEMA]:
         """The adapter copies that checkpoints save and resume restores."""
         best = self.guard.best if self.guard is not None and self.guard.best.tensors else None
-        return {name: s for name, s in (("reference", self.reference), ("anchor", self.anchor), ("guard_best", best))
-                if s is not None}
+        return {name: s for name, s in (("reference", self.reference), ("anchor", self.anchor), ("guard_best", best),
+                                        *self.adapters.items()) if s is not None}
 
     @property
     def eval_guidance(self) -> float:
@@ -193,9 +194,12 @@ class Run:
         return self.guard is not None and self.guard.stopped
 
 
-def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
+def start_run(cfg: Config, accelerator: Accelerator | None = None, *, adapters: tuple[str, ...] = ()) -> Run:
     """Set up a run: processes, run directory and saved config, model + LoRA, optimizer, EMA, rewards,
-    prompt splits, metrics logger and trackers, and the state of ``train.resume``."""
+    prompt splits, metrics logger and trackers, and the state of ``train.resume``.
+
+    ``adapters``: names of adapter copies the recipe keeps (``run.adapters``), each starting as the initial
+    weights, saved by checkpoints as ``<name>.safetensors`` and restored on resume."""
     accelerator = accelerator or make_accelerator(cfg)
     run_dir = Path(cfg.run_dir)
     sampling = cfg.sampling
@@ -248,8 +252,9 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
                            beta_factor=gd.beta_factor, beta_floor=gd.beta_floor, cooldown=gd.cooldown,
                            diversity_weight=gd.diversity_weight,
                            write=tqdm.write if accelerator.is_main_process else None) if gd.enabled else None
+    copies = {name: snapshot() for name in adapters}
     snapshots = {name: s for name, s in (("reference", reference), ("anchor", anchor),
-                                         ("guard_best", guard.best if guard else None)) if s is not None}
+                                         ("guard_best", guard.best if guard else None), *copies.items()) if s is not None}
     resumed = restore_checkpoint(cfg, policy, optimizer, ema, rank=accelerator.process_index,
                                  snapshots=snapshots) if t.resume else {"epoch": -1}
     if "lr_scheduler" in resumed:
@@ -274,7 +279,7 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
         guidance=cfg.sampling.guidance_scale if (t.cfg or policy.guidance_in_model) else 1.0, start_epoch=start_epoch,
         counters={"rollouts": resumed.get("rollouts", 0), "train_wall_s": resumed.get("train_wall_s", 0.0)},
         marble=marble, reference=reference, reference_resets=int(resumed.get("reference_resets", 0)), anchor=anchor,
-        guard=guard, scheduler=scheduler,
+        guard=guard, scheduler=scheduler, adapters=copies,
     )
 
 
