@@ -254,7 +254,8 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, adapters: 
                            write=tqdm.write if accelerator.is_main_process else None) if gd.enabled else None
     copies = {name: snapshot() for name in adapters}
     snapshots = {name: s for name, s in (("reference", reference), ("anchor", anchor),
-                                         ("guard_best", guard.best if guard else None), *copies.items()) if s is not None}
+                                         ("guard_best", guard.best if guard else None), *copies.items())
+                 if s is not None}
     resumed = restore_checkpoint(cfg, policy, optimizer, ema, rank=accelerator.process_index,
                                  snapshots=snapshots) if t.resume else {"epoch": -1}
     if "lr_scheduler" in resumed:

@@ -322,7 +322,8 @@ def forward_process_loss(policy, old, x0, cond, advantage, weights, *, guidance:
     kl = torch.zeros_like(value)
     if beta > 0:
         with torch.no_grad(), policy.reference():
-            ref_velocity = policy.velocity(noised, sigma, cond, guidance if kl_guidance is None else kl_guidance).float()
+            anchor_guidance = guidance if kl_guidance is None else kl_guidance
+            ref_velocity = policy.velocity(noised, sigma, cond, anchor_guidance).float()
         kl = ((velocity - ref_velocity) ** 2).mean(dim=tuple(range(1, velocity.ndim)))
     kl_factor = 1.0 if kl_weights is None else kl_weights.to(device)
     total = scale * value + beta * kl_factor * kl

@@ -63,8 +63,9 @@ class LoraEMA:
     def step(self, decay: float | None = None) -> None:
         """Fold the current weights into the average (after ``optimizer.step()``).
 
-        ``decay`` pins this step's decay (a schedule the caller computes, e.g. DiffusionNFT's ramp for
-        its old policy); None uses the decay the EMA was built with."""
+        ``decay`` pins this step's decay from the second call on (a schedule the caller computes; the
+        first call copies, diffusers' rule; :meth:`blend` applies it on every call); None uses the decay
+        the EMA was built with."""
         if decay is not None:
             self.model.decay = self.model.min_decay = float(decay)
         self.model.step(self.parameters)
