@@ -28,10 +28,10 @@ def policy():
     return build_policy("sd3", "tiny", seed=0)
 
 
-def two_trees(policy, split_noise_scale=1.0):
+def two_trees(policy, split_noise_scale=1.0, kind="sde", noise_level=0.7):
     """Two prompts, one root each, split x2 before steps 1 and 2: 2 trees of 4 leaves, 4 stored steps."""
     return rollout(policy, ["a red circle", "two blue squares"], group_size=4, num_steps=4, guidance_scale=4.5,
-                   noise_level=0.7, seeds=[11, 12],
+                   noise_level=noise_level, kind=kind, seeds=[11, 12],
                    plan=StepPlan(4, branch_steps=(1, 2), branch_factor=2, split_noise_scale=split_noise_scale))
 
 
@@ -150,8 +150,9 @@ def test_sde_step_scales_the_noise_but_not_the_log_prob():
     assert torch.equal(fast.prev_sample, split.prev_sample) and torch.equal(fast.log_prob, split.log_prob)
 
 
-def test_split_steps_draw_four_times_the_noise_and_record_the_unscaled_log_prob(policy):
-    plain, split = two_trees(policy, 1.0), two_trees(policy, 4.0)
+@pytest.mark.parametrize("kind, noise_level", [("sde", 0.7), ("dance", 0.3)])
+def test_split_steps_draw_four_times_the_noise_and_record_the_unscaled_log_prob(policy, kind, noise_level):
+    plain, split = two_trees(policy, 1.0, kind, noise_level), two_trees(policy, 4.0, kind, noise_level)
     sigmas = split.sigmas
     for k in range(4):  # stored column k is schedule step k; steps 1 and 2 are the split steps
         eps = {}
@@ -160,11 +161,12 @@ def test_split_steps_draw_four_times_the_noise_and_record_the_unscaled_log_prob(
             cond = traj.cond.select(traj.prompt_ids)
             with torch.no_grad():
                 velocity = policy.velocity(x, float(sigmas[k]), cond, 4.5)
-            mean, std = transition(velocity, x, float(sigmas[k]), float(sigmas[k + 1]), noise_level=0.7, kind="sde")
+            mean, std = transition(velocity, x, float(sigmas[k]), float(sigmas[k + 1]), noise_level=noise_level,
+                                   kind=kind)
             eps[name] = (x_next - mean) / std
             # Recomputed as the loss does (prev_sample given): equal to the recorded log-prob, the unscaled std's.
-            again = sde_step(velocity, x, float(sigmas[k]), float(sigmas[k + 1]), noise_level=0.7,
-                             prev_sample=x_next).log_prob
+            again = sde_step(velocity, x, float(sigmas[k]), float(sigmas[k + 1]), noise_level=noise_level,
+                             kind=kind, prev_sample=x_next).log_prob
             torch.testing.assert_close(again, traj.log_probs[:, k], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(gaussian_log_prob(x_next, mean, std), traj.log_probs[:, k], rtol=1e-5, atol=1e-5)
         # Each row's noise comes from its seed, the same in both runs: 4x on the split steps, 1x elsewhere.
