@@ -52,8 +52,8 @@ def test_depth_standardised_advantages_on_two_depth_two_trees_by_hand(policy):
     r = 1 / math.sqrt(2)
     a_std, b_std = math.sqrt(14 / 3), math.sqrt(4 / 3)
     leaves = [-2 / a_std, 0.0, -1 / a_std, 3 / a_std, -1 / b_std, 1 / b_std, 1 / b_std, -1 / b_std]
-    expected = torch.tensor([[0.0, -r, leaf, leaf] if i < 2 else [0.0, r, leaf, leaf] if i < 4 else [0.0, 0.0, leaf, leaf]
-                             for i, leaf in enumerate(leaves)])
+    first_level = [-r, -r, r, r, 0.0, 0.0, 0.0, 0.0]
+    expected = torch.tensor([[0.0, node, leaf, leaf] for node, leaf in zip(first_level, leaves)])
     scored = torch.ones(8, dtype=torch.bool)
     by_reward = branch_advantages(rewards, scored, traj.edge_ids, traj.parent, clip=5.0)
     torch.testing.assert_close(by_reward, expected, rtol=1e-6, atol=1e-7)
@@ -228,8 +228,8 @@ def test_the_recipe_uses_the_reference_tree_by_default(tmp_path, monkeypatch, ex
     monkeypatch.setattr(sampling, "rollout", recording_rollout)
     monkeypatch.setattr(grpo, "branch_advantages", recording_backup)
     cfg = load_config(Config, SMOKE, [f"run_dir={tmp_path}", "train.epochs=1", "log.progress=false", "log.eval_every=0",
-                                      "log.report_prompts=0", "train.export_lora=false", "sampling.tree.branch_steps=[0,2]",
-                                      *extra])
+                                      "log.report_prompts=0", "train.export_lora=false",
+                                      "sampling.tree.branch_steps=[0,2]", *extra])
     metrics = grpo.train(cfg)
     assert math.isfinite(metrics["loss/total"])
     assert metrics["policy/onpolicy_ratio_maxdev"] < 1e-5  # 4x split noise, yet the recorded log-probs are the loss's
