@@ -43,7 +43,8 @@ from flowrl.training.stats import StatsAccumulator
 
 def step_plan(s: SamplingConfig, epoch: int, seed: int) -> StepPlan:
     """This epoch's plan: full SDE, a (random / sliding / fixed) window, tree branch points (fixed, or
-    moving per epoch as TMPO's dynamic tree) and the steps BranchGRPO's depth pruning leaves untrained."""
+    moving per epoch as TMPO's dynamic tree), BranchGRPO's split noise and the steps its depth pruning leaves
+    untrained."""
     tree = s.tree
     branch_steps = branch_schedule(epoch, num_steps=s.num_steps, steps=tuple(tree.branch_steps), schedule=tree.schedule,
                                    branch_range=tuple(tree.branch_range) if tree.branch_range else None,
@@ -51,7 +52,7 @@ def step_plan(s: SamplingConfig, epoch: int, seed: int) -> StepPlan:
     pruned = depth_pruned_steps(epoch, num_steps=s.num_steps, last_branch=max(branch_steps), size=tree.prune_depth,
                                 shift_every=tree.prune_depth_shift_every) if branch_steps else ()
     branch = dict(branch_steps=branch_steps, branch_factor=tree.branch_factor if branch_steps else 1,
-                  pruned_steps=pruned)
+                  pruned_steps=pruned, split_noise_scale=tree.split_noise_scale if branch_steps else 1.0)
     if s.window.size is None:
         return StepPlan(s.num_steps, **branch)
     start_range = tuple(s.window.start_range) if s.window.start_range else None

@@ -6,8 +6,10 @@ Choices, all set in the config (``flowrl/config/schema.py``):
   dynamic tree, ``sampling.tree.schedule``), with BranchGRPO's width and depth pruning acting on the
   loss mask; only stochastic steps are stored;
 - advantages: per-prompt group mean, batch (global) or per-group std, clipped to +-advantage_clip;
-  tree edges get the mean advantage of the leaves below them and are trained once; ``loss: tmpo``
-  takes TMPO's Softmax Trajectory Balance target on each path's log-prob instead;
+  tree edges are trained once, on BranchGRPO's per-tree, per-step z-score of the mean leaf reward below
+  them (``flowrl/algorithms/branch.py``; ``sampling.tree.backup: leaf_mean``: the mean leaf advantage), and
+  branch steps draw BranchGRPO's scaled split noise; ``loss: tmpo`` takes TMPO's Softmax Trajectory Balance
+  target on each path's log-prob instead;
 - credit (``train.credit``): every trained step gets its row's advantage (terminal), a share of it by
   how far the step moves the predicted clean latent toward the final one (dense_cosine), or its own
   group-normalised reward gain measured by ODE look-ahead from the states around it (dense_ode,
@@ -33,6 +35,7 @@ Run: ``flowrl train configs/smoke/sd3_tiny.yaml`` (CPU, seconds) or
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from functools import partial
 
 import numpy as np
@@ -41,6 +44,7 @@ from accelerate import Accelerator
 from tqdm.auto import tqdm
 
 from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS, edge_advantages, tmpo_advantages
+from flowrl.algorithms.branch import branch_advantages
 from flowrl.algorithms.combine import COMBINERS, reward_advantages
 from flowrl.algorithms.gardo import (
     build_features, diversity_weighted, gated_rows, nearest_neighbour_distances, uncertainty,
@@ -87,6 +91,9 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
     for epoch in bar:
         epoch_start = time.perf_counter()
         plan = step_plan(s, epoch, cfg.seed)
+        if t.loss == "tmpo":  # BranchGRPO's split noise is GRPO's; TMPO's splits draw the step's own noise
+            plan = replace(plan, split_noise_scale=1.0)
+        depth_backup = bool(plan.branch_steps) and t.loss != "tmpo" and s.tree.backup == "depth_standardised"
         phase_metrics = start_phase(run, epoch)  # HRF: a new phase re-anchors the weights
 
         # 1-3. Sample prompts, roll out groups, score batch b while batch b+1 is sampled.
@@ -114,6 +121,10 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
             scores = uncertainty(combined, {key: gathered[key] for key in auxiliary}, all_groups)  # [N_all]
             kl_gate = gated_rows(scores, cfg.gardo.kl_fraction)[local]  # [N]
         traj.advantages = edge_advantages(row_adv, traj.edge_ids)  # [N, K]
+        scored = torch.isfinite(combined[local])  # [N]
+        if depth_backup:  # BranchGRPO: per tree and step, z-scores of the edges' mean leaf rewards, then the clip
+            traj.advantages = branch_advantages(gardo_weighted(combined_adv[local], distances), scored, traj.edge_ids,
+                                                traj.parent, clip=t.advantage_clip)
         # Diversity guard: these rollouts' in-group diversity against its start; past guard.max_drop it warns,
         # raises the live KL beta (run.beta, this epoch's update on) or stops the run after this epoch.
         guard_metrics = {} if run.guard is None or not run.guard.due(epoch) else run.guard.observe(
@@ -122,7 +133,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         # GRPO-Guard: each trained step's velocity sensitivity over their mean (1 everywhere without it).
         sensitivity = step_sensitivities(traj.sigmas, trained_cols, noise_level=s.noise_level, kind=s.kind,
                                          normalise=t.ratio_norm)
-        mask = traj.first_visit_mask() & torch.isfinite(combined[local])[:, None]  # [N, K]
+        mask = traj.first_visit_mask() & scored[:, None]  # [N, K]
         mask &= prune_mask(combined[local], traj.group_ids, traj.edge_ids, traj.step_indices,
                            keep_width=s.tree.prune_width, pruned_steps=plan.pruned_steps)  # BranchGRPO pruning
         mask[:, [k for k in range(traj.num_stored_steps) if k not in trained_cols]] = False
@@ -150,8 +161,10 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
 
         # MARBLE: each weighted reward's own clipped advantage on every edge, balanced per optimizer step.
         per_reward = None if run.marble is None else {
-            name: edge_advantages(gardo_weighted(adv[local].clamp(-t.advantage_clip, t.advantage_clip), distances),
-                                  traj.edge_ids)  # [N, K]
+            name: branch_advantages(gardo_weighted(adv[local], distances), scored, traj.edge_ids, traj.parent,
+                                    clip=t.advantage_clip) if depth_backup else
+            edge_advantages(gardo_weighted(adv[local].clamp(-t.advantage_clip, t.advantage_clip), distances),
+                            traj.edge_ids)  # [N, K]
             for name, adv in reward_advantages({key: gathered[key] for key in run.weights}, run.weights, all_groups,
                                                partial(estimator, std_scope=t.std_scope)).items()}
 

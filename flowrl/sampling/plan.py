@@ -8,6 +8,9 @@ A rollout of ``num_steps`` denoising steps is described by a :class:`StepPlan`:
 - ``branch_steps``: tree rollouts (BranchGRPO / TreeGRPO / TMPO). Before each listed step every
   trajectory is split into ``branch_factor`` children that share everything computed so far and
   draw different noise from that step on. ``w`` branch steps give ``branch_factor ** w`` leaves.
+- ``split_noise_scale``: BranchGRPO's split noise. At a branch step each child draws its noise times
+  this factor (4 in its script) so that siblings part further, while its log-probability stays that of
+  the step's unscaled Gaussian (:func:`flowrl.sampling.steps.sde_step`, ``noise_scale``).
 - ``pruned_steps``: BranchGRPO's depth pruning. These steps are sampled and stored as usual (the
   rollout and its exploration are unchanged) but not trained: the recipe drops them from the loss mask
   (:func:`flowrl.algorithms.tree.prune_mask`).
@@ -45,6 +48,7 @@ class StepPlan:
     branch_steps: tuple[int, ...] = ()
     branch_factor: int = 1
     pruned_steps: tuple[int, ...] = ()  # stored but not trained (BranchGRPO depth pruning)
+    split_noise_scale: float = 1.0  # noise factor of the branch steps' draws (BranchGRPO: 4)
 
     def __post_init__(self):
         if self.num_steps < 1:
@@ -59,6 +63,8 @@ class StepPlan:
                 raise ValueError(f"branch step {step} must lie inside the SDE window {list(self.sde_steps)}")
         if self.branch_steps and self.branch_factor < 2:
             raise ValueError("branch_factor must be >= 2 when branch_steps are given")
+        if self.split_noise_scale <= 0:
+            raise ValueError(f"split_noise_scale must be > 0, got {self.split_noise_scale}")
         if any(not 0 <= step < self.num_steps for step in self.pruned_steps):
             raise ValueError(f"pruned steps {list(self.pruned_steps)} must lie in [0, {self.num_steps})")
 

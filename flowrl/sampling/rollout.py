@@ -5,7 +5,8 @@ log-probabilities; every other step is a deterministic ODE step of ``ode_solver`
 DPM-Solver++(2M) as in MixGRPO-Flash; see ``flowrl.sampling.steps.ODE_SOLVERS``). Tree rollouts
 split each row into ``branch_factor`` children right before every branch step: children share the parent's
 computed prefix (computed once) and differ from that step on because each child draws its own
-noise.
+noise (times ``plan.split_noise_scale`` at the branch step itself, BranchGRPO's split noise; the
+recorded log-probability is that of the unscaled step).
 
 Randomness is per row: the initial noise of a row comes from a generator seeded with the row's
 seed, exactly as diffusers draws it from a list of generators, so an ODE rollout reproduces the
@@ -136,7 +137,8 @@ def rollout(
                 stored_latents.append(x)
             for generator, row_seed in zip(step_generators, seed_list):
                 generator.manual_seed(derive_seed(row_seed, i + 1))
-            out = schedule.step(i, velocity, x, generator=step_generators)
+            out = schedule.step(i, velocity, x, generator=step_generators,
+                                noise_scale=plan.split_noise_scale if i in branch_steps else 1.0)
             stored_latents.append(out.prev_sample)
             stored_log_probs.append(out.log_prob)
             stored_edges.append(lineage)  # never modified in place: a branch rebinds it
