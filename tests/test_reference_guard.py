@@ -133,9 +133,18 @@ def test_the_bias_is_removed_from_the_gradient_per_sample():
     torch.testing.assert_close(gradients[0], gradients[1], rtol=0, atol=0)
 
 
-def test_guard_loss_scale_is_one_over_dt():
+def test_guard_loss_scale_is_one_over_dt_and_evens_the_steps_gradients():
     assert grpo_guard_loss_scale(0.8, 0.5) == pytest.approx(1 / 0.3, rel=1e-12)
     assert grpo_guard_loss_scale(1.0, 0.8) == pytest.approx(5.0, rel=1e-12)
+    # Why |dt|: d mu / d v = (1 + std_t^2 (1 - sigma) / (2 sigma)) dt = (1 + a^2 / 2) dt below sigma = 1
+    # (std_t^2 = a^2 sigma / (1 - sigma)), and dt at sigma = 1 (where 1 - sigma = 0). Over |dt| the log-ratio's
+    # gradient in v is -eps (1 + a^2 / 2) / D on every step but the first, -eps / D there: whatever the step's
+    # size or noise level.
+    states, old_v, new_v, noise = three_by_two_batch()
+    for k, weight in ((0, 1.0), (1, 1 + A**2 / 2)):
+        ours, v, *_ = flowrl_guard_log_ratio(states, old_v, new_v, k, requires_grad=True)
+        (ours * grpo_guard_loss_scale(SIGMAS[k], SIGMAS[k + 1])).sum().backward()
+        torch.testing.assert_close(v.grad, -noise[k] * weight / noise[k][0].numel(), rtol=1e-10, atol=1e-15)
 
 
 SMOKE = "configs/smoke/sd3_tiny.yaml"

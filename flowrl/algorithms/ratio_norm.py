@@ -12,8 +12,12 @@ upper clip rarely binds on positive advantages), and its spread differs from ste
   exactly ``mean(eps * dmu)`` (:func:`grpo_guard_log_ratio`). The bias term is removed for each sample and
   from the gradient too, which becomes ``mean(eps * d mu_theta)``: the restoring pull ``-(mu_theta - mu_old)`` of
   the plain log-ratio is gone. Each step's clipped policy loss is then divided by ``|dt|``
-  (:func:`grpo_guard_loss_scale`); a KL term is not. The rollout keeps each stored step's mean ``mu_old``
-  (``Trajectory.means``) for it, as the reference keeps ``prev_sample_mean``.
+  (:func:`grpo_guard_loss_scale`); a KL term is not. As the SDE mean's slope in the velocity is
+  ``(1 + a^2 / 2) dt`` below sigma = 1, every step's log-ratio gradient in ``v`` is then
+  ``-eps (1 + a^2 / 2) / D``, whatever its size or noise level (the plain log-ratio's is
+  ``-eps (1 + a^2 / 2) sqrt(|dt|) / (std_t D)`` plus the restoring term, largest at the low-noise steps where
+  ``std_t`` is small). The rollout keeps each stored step's mean ``mu_old`` (``Trajectory.means``) for it, as
+  the reference keeps ``prev_sample_mean``.
   Deliberate differences from that code:
 
   - the log-ratio is evaluated as ``mean((x' - mu_old) * dmu) / s``, algebraically the reference's expression
