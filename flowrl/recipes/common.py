@@ -280,7 +280,7 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
 
 
 def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_level: float, kind: str = "sde",
-                     same_noise_in_group: bool = False, store_x0_preds: bool = False):
+                     same_noise_in_group: bool = False, store_x0_preds: bool = False, store_means: bool = False):
     """This epoch's rollouts on this process, scored: batch b is scored in a worker while b+1 is sampled.
 
     Prompts are sharded over processes and row seeds come from global row indices, so N processes
@@ -295,7 +295,7 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
     strata = [m[key] for m in run.train_prompts.metadata] if key else None
     if s.pilot.candidates:
         return pilot_sample_and_score(run, scorer, epoch, plan=plan, noise_level=noise_level, kind=kind,
-                                      strata=strata, store_x0_preds=store_x0_preds)
+                                      strata=strata, store_x0_preds=store_x0_preds, store_means=store_means)
     roots_per_group = s.group_size // plan.leaves_per_root
     parts, futures = [], []
     for b in range(cfg.train.batches_per_epoch):
@@ -309,6 +309,7 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
                                    num_steps=s.num_steps, guidance_scale=run.guidance, noise_level=noise_level,
                                    kind=kind, plan=plan, same_noise_in_group=same_noise_in_group,
                                    metadata=batch.metadata, store_x0_preds=store_x0_preds, ode_solver=s.ode_solver,
+                                   store_means=store_means,
                                    seeds=root_seeds(cfg.seed, first_root, len(batch) * roots_per_group))
         part.group_ids = part.group_ids + (batch_index * world + rank) * s.prompts_per_batch
         futures.append(scorer.submit(part.images, part.row_prompts, part.row_metadata))
@@ -322,7 +323,7 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
 
 
 def pilot_sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_level: float, kind: str,
-                           strata: list | None, store_x0_preds: bool = False):
+                           strata: list | None, store_x0_preds: bool = False, store_means: bool = False):
     """Pilot-Commit (``flowrl.sampling.pilot``): every batch pilots ``pilot.candidates`` prompts with
     ``pilot.group_size`` rollouts each, commits the ``prompts_per_batch`` whose pilot rewards vary most
     and rolls out the rest of their groups; uncommitted pilot rollouts are dropped.
@@ -340,7 +341,7 @@ def pilot_sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, nois
     s, rank, world = cfg.sampling, accelerator.process_index, accelerator.num_processes
     candidates, pilot_size, commit_size = s.pilot.candidates, s.pilot.group_size, s.group_size - s.pilot.group_size
     steps = dict(num_steps=s.num_steps, guidance_scale=run.guidance, noise_level=noise_level, kind=kind, plan=plan,
-                 store_x0_preds=store_x0_preds, ode_solver=s.ode_solver)
+                 store_x0_preds=store_x0_preds, ode_solver=s.ode_solver, store_means=store_means)
 
     # 1. Pilot: a few rollouts per candidate; candidate c owns root rows first_root + c * group_size + [0, G).
     pilots = []
