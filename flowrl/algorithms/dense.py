@@ -39,7 +39,7 @@ import torch
 from flowrl.config.loader import check
 from flowrl.sampling.steps import sde_step
 
-def check_credit(credit: str, *, recipe: str, branch_steps: Sequence[int]) -> None:
+def check_credit(credit: str, *, recipe: str, branch_steps: Sequence[int], batch_windows: bool = False) -> None:
     """One-line :class:`~flowrl.config.ConfigError` for the other sections' settings dense credit cannot
     run with (``train.loss=tmpo`` is refused by ``TrainConfig.validate`` itself)."""
     if credit == "terminal":
@@ -48,6 +48,8 @@ def check_credit(credit: str, *, recipe: str, branch_steps: Sequence[int]) -> No
           f"{recipe} has none of; use recipe grpo or train.credit=terminal")
     check(not branch_steps, "train.credit", f"{credit} is not defined on tree rollouts (sampling.tree."
           "branch_steps), whose edges take the mean advantage of their leaves; use train.credit=terminal")
+    check(not batch_windows, "train.credit", f"{credit} compares each stored step across a group, but "
+          "sampling.window.mode=random draws a window per rollout batch; use sampling.window.mode=random_per_epoch")
 
 
 # --- dense_cosine ----------------------------------------------------------------------------------------

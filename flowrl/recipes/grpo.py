@@ -92,15 +92,18 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         # 1-3. Sample prompts, roll out groups, score batch b while batch b+1 is sampled.
         traj, sample_done, reward_done = sample_and_score(
             run, scorer, epoch, plan=plan, noise_level=s.noise_level, kind=s.kind,
-            same_noise_in_group=s.same_noise_in_group, store_x0_preds=t.credit == "dense_cosine")
+            same_noise_in_group=s.same_noise_in_group, store_x0_preds=t.credit == "dense_cosine", batch_windows=True)
 
         # 4. Advantages over whole groups: gather every process's rewards, keep this process's slice.
         #    TMPO replaces the group-normalised reward by Softmax-TB's target on each path's log-prob.
         gathered, combined_adv, combined, local, all_groups = group_advantages(run, traj, estimator)
-        trained_cols = trained_columns(traj.step_indices, s.num_steps, t.skip_last_step, t.timestep_fraction,
-                                       seed=cfg.seed, epoch=epoch)
+        # Each row's own window (Flow-GRPO-Fast draws one per batch): which of its stored steps train [N, K].
+        skip_last = t.skip_last_step if t.skip_last_step is not None else s.window.size is None
+        trained = trained_mask(traj.row_step_indices, s.num_steps, skip_last, t.timestep_fraction, seed=cfg.seed,
+                               epoch=epoch)
+        trained_cols = [k for k in range(traj.num_stored_steps) if trained[:, k].any()]
         if t.loss == "tmpo":
-            path_log_probs = accelerator.gather(traj.log_probs[:, trained_cols].sum(1).to(accelerator.device)).cpu()
+            path_log_probs = accelerator.gather((traj.log_probs * trained).sum(1).to(accelerator.device)).cpu()
             combined_adv = tmpo_advantages(path_log_probs, combined, all_groups, beta=t.tmpo_beta)
             row_adv = combined_adv[local]
         else:
@@ -120,12 +123,13 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
             epoch, in_group_diversity(guard_features(traj.images, traj.final_latents), traj.group_ids, accelerator),
             reward=finite_mean(combined), weights=lambda: exported_weights(policy, ema))
         # GRPO-Guard: each trained step's velocity sensitivity over their mean (1 everywhere without it).
-        sensitivity = step_sensitivities(traj.sigmas, trained_cols, noise_level=s.noise_level, kind=s.kind,
+        # ratio_norm runs only where every row shares one window (Config.validate), so row 0's sigmas are all of them.
+        sensitivity = step_sensitivities(traj.row_sigmas[0], trained_cols, noise_level=s.noise_level, kind=s.kind,
                                          normalise=t.ratio_norm)
         mask = traj.first_visit_mask() & torch.isfinite(combined[local])[:, None]  # [N, K]
         mask &= prune_mask(combined[local], traj.group_ids, traj.edge_ids, traj.step_indices,
                            keep_width=s.tree.prune_width, pruned_steps=plan.pruned_steps)  # BranchGRPO pruning
-        mask[:, [k for k in range(traj.num_stored_steps) if k not in trained_cols]] = False
+        mask &= trained
         trained_fraction = float(mask.float().mean())  # stored transitions that train (first visit, scored, unpruned)
 
         # 5. Dense credit (train.credit): per-step advantages in place of the row's one on every trained step.
@@ -161,7 +165,8 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
             for chunk_index, chunk in enumerate(np.array_split(order, t.optimizer_steps_per_epoch)):
                 chunk = torch.as_tensor(chunk, dtype=torch.long)
                 weight = accelerator.reduce(mask[chunk].sum().float().to(accelerator.device), "sum").item()
-                work = [(rows, k) for rows in chunk.split(t.micro_batch_size) for k in trained_cols]
+                work = [(part, k) for rows in chunk.split(t.micro_batch_size) for k in trained_cols
+                        for part in same_step_rows(traj.row_step_indices, rows, k)]
 
                 def chunk_backward(advantages: torch.Tensor, chunk_stats: StatsAccumulator) -> None:
                     traj.advantages = advantages  # [N, K]
@@ -218,9 +223,29 @@ def gardo_metrics(distances: torch.Tensor | None, kl_gate: torch.Tensor | None) 
     return out
 
 
+def trained_mask(row_step_indices: torch.Tensor, num_steps: int, skip_last_step: bool, fraction: float, *,
+                 seed: int, epoch: int) -> torch.Tensor:
+    """[N, K] bool: the stored steps each row trains, by :func:`trained_columns` applied to each distinct window
+    (rows of one epoch hold different windows when they are drawn per batch)."""
+    mask = torch.zeros(row_step_indices.shape, dtype=torch.bool)
+    for window in torch.unique(row_step_indices.cpu(), dim=0):
+        rows = (row_step_indices.cpu() == window).all(1)  # [N]
+        columns = trained_columns(window, num_steps, skip_last_step, fraction, seed=seed, epoch=epoch)
+        mask[rows.nonzero()[:, 0, None], torch.tensor(columns)] = True
+    return mask
+
+
+def same_step_rows(row_step_indices: torch.Tensor, rows: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """``rows`` split by the schedule step their stored column ``k`` holds (one part when they share a window),
+    so each model call runs at one sigma; parts in order of first appearance, rows in their order."""
+    steps = row_step_indices[rows, k]
+    return [rows[steps == step] for step in dict.fromkeys(steps.tolist())]
+
+
 def trained_columns(step_indices: torch.Tensor, num_steps: int, skip_last_step: bool, fraction: float, *,
                     seed: int, epoch: int) -> list[int]:
-    """Stored-step columns to train: drop the final near-clean step, then keep a per-epoch fraction."""
+    """Stored-step columns of one window [K] to train: drop the final near-clean step (``skip_last_step``), then
+    keep a per-epoch fraction."""
     columns = [k for k, step in enumerate(step_indices.tolist()) if not (skip_last_step and step == num_steps - 1)]
     if not columns:
         raise ValueError("no trainable steps: the SDE window holds only the last step; widen it or set "
@@ -286,7 +311,7 @@ def transition_loss(policy, traj, rows, k, mask, *, accelerator, guidance, noise
     device = accelerator.device
     x = traj.latents[rows, k].to(device)  # [B, C, h, w]
     x_next = traj.latents[rows, k + 1].to(device)
-    sigma, sigma_next = traj.sigmas[k].item(), traj.sigmas[k + 1].item()
+    sigma, sigma_next = traj.row_sigmas[rows[0], k].item(), traj.row_sigmas[rows[0], k + 1].item()  # rows share step k
     cond = traj.cond.select(traj.prompt_ids[rows])
     with accelerator.autocast():
         velocity = policy.velocity(x, sigma, cond, guidance)
