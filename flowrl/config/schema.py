@@ -468,8 +468,7 @@ class Config:
 
         window = self.sampling.window
         batch_windows = window.size is not None and window.mode == "random"  # rows of an epoch: different windows
-        check_credit(self.train.credit, recipe=self.recipe, branch_steps=self.sampling.tree.branch_steps,
-                     batch_windows=batch_windows)
+        check_credit(self.train.credit, recipe=self.recipe, branch_steps=self.sampling.tree.branch_steps)
         check(not (batch_windows and self.train.ratio_norm), "train.ratio_norm",
               "scales each stored column by its step's sensitivity, but sampling.window.mode=random draws a window per "
               "rollout batch, so a column holds different steps: use sampling.window.mode=random_per_epoch")

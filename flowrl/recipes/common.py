@@ -59,7 +59,8 @@ def step_plan(s: SamplingConfig, epoch: int, seed: int, *, batch: int = 0, rank:
         return StepPlan(s.num_steps, **branch)
     start_range = tuple(s.window.start_range) if s.window.start_range else None
     start = window_start(epoch, num_steps=s.num_steps, size=s.window.size, mode=s.window.mode,
-                         start_range=start_range, shift_every=s.window.shift_every, seed=seed, batch=batch, rank=rank)
+                         start_range=start_range, shift_every=s.window.shift_every, seed=seed, batch=batch,
+                         rank=rank)
     return StepPlan(s.num_steps, sde_start=start, sde_size=s.window.size, **branch)
 
 
@@ -390,7 +391,8 @@ def pilot_sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, nois
         flat += int((variances == 0).sum())
         chosen = committed.tolist()
         with policy.local_forward():
-            commit = rollout(policy, [pilot.prompts[c] for c in chosen], group_size=commit_size, **steps, plan=pilot_plan,
+            commit = rollout(policy, [pilot.prompts[c] for c in chosen], group_size=commit_size, plan=pilot_plan,
+                             **steps,
                              metadata=[pilot.metadata[c] for c in chosen] if pilot.metadata else None,
                              cond=pilot.cond.select(committed),
                              seeds=slot_seeds(cfg.seed, first_root, chosen, s.group_size, pilot_size, s.group_size))

@@ -127,7 +127,8 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         sensitivity = step_sensitivities(traj.row_sigmas[0], trained_cols, noise_level=s.noise_level, kind=s.kind,
                                          normalise=t.ratio_norm)
         mask = traj.first_visit_mask() & torch.isfinite(combined[local])[:, None]  # [N, K]
-        mask &= prune_mask(combined[local], traj.group_ids, traj.edge_ids, traj.step_indices,
+        # Trees need a fixed window or a full-SDE rollout (SamplingConfig.validate): row 0's steps are every row's.
+        mask &= prune_mask(combined[local], traj.group_ids, traj.edge_ids, traj.row_step_indices[0],
                            keep_width=s.tree.prune_width, pruned_steps=plan.pruned_steps)  # BranchGRPO pruning
         mask &= trained
         trained_fraction = float(mask.float().mean())  # stored transitions that train (first visit, scored, unpruned)
@@ -136,7 +137,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         stats = StatsAccumulator()
         dense_start = time.perf_counter()
         if t.credit == "dense_cosine":
-            traj.advantages = cosine_credit(policy, traj, row_adv, trained_cols, guidance=guidance,
+            traj.advantages = cosine_credit(policy, traj, row_adv, trained, guidance=guidance,
                                             batch_size=rollout_batch)
         elif t.credit == "dense_ode":
             traj.advantages, gains = ode_credit(
@@ -257,16 +258,17 @@ def trained_columns(step_indices: torch.Tensor, num_steps: int, skip_last_step: 
     return columns
 
 
-def cosine_credit(policy, traj, row_advantages, columns, *, guidance, batch_size) -> torch.Tensor:
-    """dense_cosine advantages [N, K]: the row's clipped advantage split over its trained steps by their
-    x0-prediction gains, from the rollout's stored predictions or, when it kept none, recomputed."""
+def cosine_credit(policy, traj, row_advantages, trained, *, guidance, batch_size) -> torch.Tensor:
+    """dense_cosine advantages [N, K]: the row's clipped advantage split over its trained steps (``trained``
+    [N, K] bool) by their x0-prediction gains, from the rollout's stored predictions or, when it kept none,
+    recomputed."""
     x0_preds = traj.x0_preds
     if x0_preds is None:
         with policy.local_forward():
-            x0_preds = predict_x0(policy, traj.latents, traj.sigmas, traj.cond.select(traj.prompt_ids), guidance,
+            x0_preds = predict_x0(policy, traj.latents, traj.row_sigmas, traj.cond.select(traj.prompt_ids), guidance,
                                   batch_size=batch_size)
-    weights = cosine_gain_weights(x0_preds, traj.final_latents, columns)  # [N, K]
-    return cosine_advantages(row_advantages.cpu(), weights.cpu(), len(columns))
+    weights = cosine_gain_weights(x0_preds, traj.final_latents, trained)  # [N, K]
+    return cosine_advantages(row_advantages.cpu(), weights.cpu(), trained.sum(1))
 
 
 def ode_credit(policy, traj, scorer, columns, all_groups, local, *, accelerator, schedule, guidance, weights, combine,
@@ -278,7 +280,7 @@ def ode_credit(policy, traj, scorer, columns, all_groups, local, *, accelerator,
         return scorer.submit(images, traj.row_prompts, traj.row_metadata).result()
 
     with policy.local_forward():  # gradient-free passes need no distributed syncing
-        step_rewards = lookahead_rewards(policy, traj.latents, schedule, traj.step_indices,
+        step_rewards = lookahead_rewards(policy, traj.latents, schedule, traj.row_step_indices,
                                          traj.cond.select(traj.prompt_ids), guidance, score,
                                          states=lookahead_states(columns, traj.num_stored_steps), steps=steps,
                                          batch_size=batch_size)
