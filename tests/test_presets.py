@@ -37,8 +37,9 @@ SMOKE = "configs/smoke/sd3_tiny.yaml"
 PRESETS = {
     # SD3.5 Medium (Flow-GRPO-Fast and MixGRPO ship as grpo_ocr_fast.yaml and grpo_mixgrpo.yaml)
     "configs/sd35_medium/grpo_ocr_fast.yaml": {
-        "sampling.kind": "sde", "sampling.ode_solver": "euler", "sampling.window.size": 2,
-        "sampling.window.mode": "random", "sampling.window.start_range": [0, 3], "train.clip_range": 1e-5},
+        "sampling.kind": "cps", "sampling.noise_level": 0.8, "sampling.ode_solver": "euler", "sampling.window.size": 3,
+        "sampling.window.mode": "random", "sampling.window.start_range": [0, 2], "train.clip_range": 1e-5,
+        "train.beta": 0.0, "train.cfg": False, "train.skip_last_step": None},
     "configs/sd35_medium/grpo_mixgrpo.yaml": {
         "sampling.kind": "sde", "sampling.ode_solver": "euler", "sampling.window.size": 3,
         "sampling.window.mode": "sliding", "sampling.window.start_range": [0, 6], "sampling.window.shift_every": 25},
@@ -54,8 +55,9 @@ PRESETS = {
         "train.beta": 0.0, "train.cfg": False, "sampling.group_size": 18},
     # FLUX.1 [dev]
     "configs/flux1_dev/grpo_pickscore_fast.yaml": {
-        "sampling.kind": "sde", "sampling.ode_solver": "euler", "sampling.window.size": 2,
-        "sampling.window.mode": "random", "sampling.window.start_range": [0, 3], "train.clip_range": 1e-5},
+        "sampling.kind": "cps", "sampling.noise_level": 0.8, "sampling.num_steps": 6, "sampling.ode_solver": "euler",
+        "sampling.window.size": 3, "sampling.window.mode": "random", "sampling.window.start_range": [0, 0],
+        "train.clip_range": 1e-5, "train.beta": 0.0, "train.std_scope": "group", "train.skip_last_step": None},
     "configs/flux1_dev/grpo_mixgrpo.yaml": {
         "sampling.kind": "sde", "sampling.ode_solver": "euler", "sampling.num_steps": 25,
         "sampling.noise_level": 0.7, "sampling.window.size": 4, "sampling.window.mode": "sliding",
