@@ -27,6 +27,17 @@ steps apart (``train.credit``, recipe grpo):
   steps, then the ``L``-th steps straight to sigma 0 (the Euler step to 0 is the prediction
   ``x - sigma v``); ``L = 1`` is the one-step look-ahead, which DenseGRPO finds worse than plain GRPO.
 
+  What of DenseGRPO this is: its first component only, the step-wise reward gain from an ODE look-ahead
+  used as each step's dense reward, derived from the paper's abstract (no code has been published to
+  compare against; the group normalisation per step and the clip are flowrl's GRPO choices). Its second
+  component is left out: the reward-aware calibration of the exploration space, which adjusts a
+  timestep-specific noise level of the SDE sampler from the estimated dense rewards. The abstract does
+  not give the rule (which statistic of the gains sets a step's noise, how it is updated), and with no
+  reference code there is nothing to hold an implementation to; ``sampling.noise_level`` stays one value
+  for every step. Rows of one epoch may hold different SDE windows (Flow-GRPO-Fast draws one per rollout
+  batch): each row's look-ahead starts at its own stored steps, and a group, sampled in one batch, shares
+  its window, so the per-step normalisation still compares the same step.
+
 Every function takes flat arguments (tensors, a policy, a reward callable), never the config.
 """
 

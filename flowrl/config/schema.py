@@ -227,7 +227,8 @@ class TrainConfig:
     credit: Literal["terminal", "dense_cosine", "dense_ode"] = "terminal"
     """Per-step credit (recipe grpo, see flowrl/algorithms/dense.py): terminal gives every trained step its
     row's advantage; dense_cosine splits it by how far each step moves the predicted x0 toward the final
-    latent; dense_ode (DenseGRPO) trains each step on its group-normalised reward gain from ODE look-ahead."""
+    latent; dense_ode trains each step on its group-normalised reward gain from ODE look-ahead, DenseGRPO's
+    dense reward (its reward-aware per-timestep noise calibration is not implemented: no published code)."""
     dense_lookahead: int | None = None
     """dense_ode: model calls per look-ahead (the last one steps straight to sigma 0); null runs the full
     remaining ODE, which DenseGRPO finds better than a short look-ahead."""

@@ -19,6 +19,23 @@ deterministic functions of integers: (seed, iteration, batch, process) and (iter
 so a run reproduces and resumes exactly. ``random_per_epoch`` is flowrl's earlier draw, one start per
 iteration shared by every batch and process.
 
+Flow-GRPO-Fast's reference is yifan123/flow_grpo ``scripts/train_sd3_fast.py`` @ 74db691 with its
+``flow_grpo/diffusers_patch/sd3_pipeline_with_logprob_fast.py`` (read in the zhtmike/flow_grpo copy @
+3d02fd9) and the Fast recipes of ``config/grpo.py`` @ 31c71b9: every pipeline call draws
+``random.randint(r0, r1 - size)`` from ``sde_window_range = (r0, r1)``, keeps the window's states, log-probs
+and timesteps per row, and trains every window step at the row's own timestep, the last schedule step
+included when the window reaches it. Deliberate differences:
+
+- the draw comes from a seeded ``numpy`` generator keyed on (seed, epoch, batch, process), not from Python's
+  global ``random`` seeded with seed + process index, so it reproduces and resumes exactly (the same
+  uniform law, other numbers);
+- ``start_range`` lists the starts, ``[r0, r1 - size]``, where Flow-GRPO's range bounds the whole window;
+- a prompt's group is sampled in one rollout batch, so its rows share a window; Flow-GRPO spreads a group's
+  images over several sampling calls and processes, each with its own window. flowrl keeps the group in one
+  call so the group-normalised advantage compares trajectories explored at the same steps;
+- with ``random``, N processes draw N windows per batch where one process with N times the prompts draws one:
+  a multi-process run no longer reproduces a single-process one (``random_per_epoch`` still does).
+
 Branch points can move the same two ways (TMPO's Dynamic Stochastic Tree Sampling: "branch at
 dynamically scheduled steps"), see :func:`branch_schedule`: a fresh draw of distinct steps per
 iteration inside a range, or the configured pattern sliding forward one step every ``shift_every``

@@ -37,6 +37,14 @@ DPM-Solver++(2M) -- ``dpmsolver++``, order 2, midpoint form -- only after it, it
 steps' clean-latent predictions), or ``dpmpp_2m_restart`` (DPM-Solver++(2M) on every deterministic step, before
 the window too, restarting after it). Those steps are never stored or trained, so the solver changes which states
 the window starts from and how the clean sample is reached, never a log-probability.
+
+MixGRPO-Flash's reference is Tencent-Hunyuan/MixGRPO @ e5cdd6a, ``fastvideo/utils/sampling_utils.py``
+(``run_sample_step`` with ``dpm_apply_strategy="post"`` and ``flow_grpo_sampling``, ``dpm_step``,
+``multistep_dpm_solver_second_order_update``) as its ``finetune_flux_grpo_MixGRPO_Flash.sh`` runs it: up to the
+window's last step every step pushes ``x - sigma v`` into a ``DPMState`` of order 2 and takes the Euler (or SDE)
+step; after it ``dpm_step`` runs DPM-Solver++ (midpoint), second order wherever a previous prediction exists,
+first order on the final step. Left out: its ``dpm_post_compress_ratio``, which re-spaces the steps after the
+window onto fewer of them (flowrl keeps the schedule's steps, which the trained policy's sigmas come from).
 """
 
 from __future__ import annotations
