@@ -123,6 +123,40 @@ def test_fast_grpo_trains_each_row_at_its_own_sigma_and_the_last_step(tmp_path):
     assert metrics["policy/onpolicy_ratio_maxdev"] < 1e-5
 
 
+@pytest.mark.parametrize("credit", ["dense_ode", "dense_cosine"])
+def test_dense_credit_runs_on_rows_of_different_windows(tmp_path, credit):
+    from flowrl.recipes.common import step_plan
+    from flowrl.recipes.grpo import train
+
+    # Each row looks ahead from its own window's steps; on-policy ratios stay 1 and every stored step trains.
+    lookahead = ["train.dense_lookahead=1"] if credit == "dense_ode" else []
+    cfg = _smoke(tmp_path, "train.epochs=1", "train.batches_per_epoch=2", "sampling.window.size=2",
+                 "sampling.window.mode=random", "sampling.window.start_range=[0, 2]", "train.clip_range=1e-5",
+                 f"train.credit={credit}", *lookahead)
+    assert len({step_plan(cfg.sampling, 0, cfg.seed, batch=b).sde_start for b in range(2)}) == 2
+    metrics = train(cfg)
+    assert math.isfinite(metrics["loss/total"]) and 0 < metrics["advantages/dense_abs_mean"] < math.inf
+    assert metrics["policy/onpolicy_ratio_maxdev"] < 1e-5
+
+
+def test_lookahead_from_rows_of_different_windows_equals_each_window_on_its_own():
+    from flowrl.algorithms.dense import lookahead_rewards
+    from flowrl.models import build_policy
+    from flowrl.sampling import concat_trajectories
+
+    sd3 = build_policy("sd3", "tiny", seed=0)
+    kwargs = dict(group_size=2, num_steps=4, guidance_scale=4.5, noise_level=0.7, decode=False)
+    parts = [rollout(sd3, ["a red circle"], seeds=[1 + start, 2 + start], plan=StepPlan(4, sde_start=start, sde_size=2),
+                     **kwargs) for start in (0, 2)]
+    joined = concat_trajectories(parts)
+    schedule = sd3.sigmas(4)
+    brightness = lambda images: {"b": images.mean(dim=(1, 2, 3))}  # noqa: E731
+    rewards = [lookahead_rewards(sd3, t.latents, schedule, t.row_step_indices, t.cond.select(t.prompt_ids), 4.5,
+                                 brightness, states=[0, 1])["b"] for t in (joined, *parts)]
+    torch.testing.assert_close(rewards[0], torch.cat(rewards[1:]), rtol=0, atol=1e-6)
+    assert not torch.allclose(rewards[1], rewards[2])  # the windows' states do differ
+
+
 def test_per_batch_windows_refuse_a_per_column_step_normalisation():
     # flowrl's ratio_norm scales stored column k by one step's sensitivity: it needs one window per epoch.
     with pytest.raises(ConfigError, match="train.ratio_norm") as error:
