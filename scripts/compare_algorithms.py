@@ -1,7 +1,8 @@
 """Every trajectory and forward-process method on the toy world, on the same seeds, machine and budget.
 
-Each method is a toy config plus the overrides that turn the method on: the GRPO variants start from
-``configs/toy/grpo.yaml``'s learning rate, clip, KL and batch, NFT and AWM from ``configs/toy/nft.yaml``'s.
+Each method is a toy config plus the overrides that turn the method on. A method named after a paper runs its
+toy preset (``configs/toy/<method>.yaml``), which carries its reference's settings; the other GRPO variants
+start from ``configs/toy/grpo.yaml``'s learning rate, clip, KL and batch.
 Each trains for ``--budget-s`` seconds of sampling, scoring and training time (``train.time_limit_s``),
 with the held-out task-mean strict ToyEval measured before training, every ``--test-every`` epochs and
 where the budget runs out (``log.test_prompts`` prompts taken round-robin over tasks,
@@ -42,13 +43,20 @@ from flowrl.training.metrics import read_metrics  # noqa: E402
 GRPO, NFT, AWM = "configs/toy/grpo.yaml", "configs/toy/nft.yaml", "configs/toy/awm.yaml"
 TREE = ["sampling.tree.branch_steps=[1,4]", "sampling.tree.branch_factor=2"]  # 4 leaves per root, 2 roots a group
 WINDOW = ["sampling.window.size=3"]
+# MixGRPO: the window slides once over its six starts in 60 epochs, never wrapping (MixGRPO's 300 iterations
+# never do), and stays before the last two steps; no KL, as in MixGRPO's scripts.
+SLIDING = WINDOW + ["sampling.window.mode=sliding", "sampling.window.start_range=[0,5]",
+                    "sampling.window.shift_every=10", "train.beta=0"]
+# A method named after a paper runs its toy preset, which carries its reference's settings (each file's header
+# says which, and what the toy world changes); the others are toy GRPO or NFT plus the overrides naming them.
 METHODS: dict[str, tuple[str, list[str]]] = {
     "grpo_full": (GRPO, []),  # Flow-GRPO: every step stochastic and trained
-    "grpo_fast": (GRPO, WINDOW + ["sampling.window.mode=random"]),  # Flow-GRPO-Fast
-    "grpo_mix": (GRPO, WINDOW + ["sampling.window.mode=sliding"]),  # MixGRPO
+    "grpo_fast": ("configs/toy/grpo_fast.yaml", []),  # Flow-GRPO-Fast: a window drawn per rollout batch
+    "grpo_mix": (GRPO, SLIDING),  # MixGRPO
+    "grpo_mix_flash": (GRPO, SLIDING + ["sampling.ode_solver=dpmpp_2m"]),  # MixGRPO-Flash
     "grpo_early": (GRPO, WINDOW + ["sampling.window.mode=fixed", "sampling.window.start_range=[0,0]"]),
-    "grpo_tree": (GRPO, TREE),  # BranchGRPO / TreeGRPO
-    "grpo_guard": (GRPO, ["train.ratio_norm=true"]),
+    "grpo_tree": ("configs/toy/grpo_tree.yaml", []),  # BranchGRPO
+    "grpo_guard": ("configs/toy/grpo_guard.yaml", []),  # GRPO-Guard
     "dense_cosine": (GRPO, ["train.credit=dense_cosine"]),
     "dense_ode": (GRPO, ["train.credit=dense_ode"]),
     "pilot_commit": (GRPO, ["sampling.pilot.candidates=16", "sampling.pilot.group_size=4"]),
