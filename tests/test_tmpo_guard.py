@@ -1,4 +1,4 @@
-"""TMPO's Softmax Trajectory Balance targets and GRPO-Guard's ratio normalisation, held to numbers
+"""TMPO's Softmax Trajectory Balance gradient targets (train.tmpo_target=gradient) and GRPO-Guard's ratio normalisation, held to numbers
 computed by hand, and both running in the GRPO recipe on the tiny model (full SDE, window, tree)."""
 
 import math
@@ -9,7 +9,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from flowrl.algorithms.advantages import tmpo_advantages
+from flowrl.algorithms.tmpo import softmax_tb_gradient as tmpo_advantages
 from flowrl.algorithms.losses import guard_log_ratio
 from flowrl.config import Config, ConfigError, load_config
 from flowrl.recipes.grpo import step_sensitivities, train
@@ -94,9 +94,9 @@ def smoke(tmp_path, *overrides):
 
 
 @pytest.mark.parametrize("overrides", [
-    ["train.loss=tmpo"],
-    ["train.loss=tmpo", "sampling.tree.branch_steps=[1]", "sampling.tree.branch_factor=2"],
-    ["train.loss=tmpo", "sampling.window.size=2", "sampling.num_steps=4", "train.clip_range=1e-5"],
+    ["train.loss=tmpo", "train.beta=0"],
+    ["train.loss=tmpo", "train.beta=0", "sampling.tree.branch_steps=[1]", "sampling.tree.branch_factor=2"],
+    ["train.loss=tmpo", "train.beta=0", "sampling.window.size=2", "sampling.num_steps=4"],
     ["train.ratio_norm=true", "train.inner_epochs=2"],
 ])
 def test_tmpo_and_guard_train_in_the_grpo_recipe(tmp_path, monkeypatch, overrides):

@@ -7,7 +7,8 @@ Choices, all set in the config (``flowrl/config/schema.py``):
   loss mask; only stochastic steps are stored;
 - advantages: per-prompt group mean, batch (global) or per-group std, clipped to +-advantage_clip;
   tree edges get the mean advantage of the leaves below them and are trained once; ``loss: tmpo``
-  takes TMPO's Softmax Trajectory Balance target on each path's log-prob instead;
+  trains TMPO's Softmax Trajectory Balance over whole paths instead (``flowrl/recipes/tmpo_paths.py``), its
+  tree's split steps optionally drawn by TMPO's reward-adaptive scheduler (``sampling.tree.schedule: beta``);
 - credit (``train.credit``): every trained step gets its row's advantage (terminal), a share of it by
   how far the step moves the predicted clean latent toward the final one (dense_cosine), or its own
   group-normalised reward gain measured by ODE look-ahead from the states around it (dense_ode,
@@ -40,7 +41,7 @@ import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS, edge_advantages, tmpo_advantages
+from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS, edge_advantages
 from flowrl.algorithms.combine import COMBINERS, reward_advantages
 from flowrl.algorithms.gardo import (
     build_features, diversity_weighted, gated_rows, nearest_neighbour_distances, uncertainty,
@@ -58,6 +59,7 @@ from flowrl.recipes.common import (  # noqa: F401  (re-exported for callers of t
     out_of_time, sample_and_score, start_run, step_plan,
 )
 from flowrl.recipes.snapshots import maybe_reset_reference, reference_weights, start_phase
+from flowrl.recipes.tmpo_paths import TmpoPaths
 from flowrl.rewards_api import AsyncScorer
 from flowrl.sampling import sde_step, transition
 from flowrl.sampling.steps import kl_std, velocity_sensitivity
@@ -86,7 +88,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
     log_base_model(run)
     for epoch in bar:
         epoch_start = time.perf_counter()
-        plan = step_plan(s, epoch, cfg.seed)
+        plan = step_plan(s, epoch, cfg.seed, run.split_scheduler)
         phase_metrics = start_phase(run, epoch)  # HRF: a new phase re-anchors the weights
 
         # 1-3. Sample prompts, roll out groups, score batch b while batch b+1 is sampled.
@@ -95,16 +97,17 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
             same_noise_in_group=s.same_noise_in_group, store_x0_preds=t.credit == "dense_cosine")
 
         # 4. Advantages over whole groups: gather every process's rewards, keep this process's slice.
-        #    TMPO replaces the group-normalised reward by Softmax-TB's target on each path's log-prob.
+        #    TMPO takes that (unclipped) as its reward R and trains whole paths (TmpoPaths) on Softmax-TB.
         gathered, combined_adv, combined, local, all_groups = group_advantages(run, traj, estimator)
-        trained_cols = trained_columns(traj.step_indices, s.num_steps, t.skip_last_step, t.timestep_fraction,
-                                       seed=cfg.seed, epoch=epoch)
-        if t.loss == "tmpo":
-            path_log_probs = accelerator.gather(traj.log_probs[:, trained_cols].sum(1).to(accelerator.device)).cpu()
-            combined_adv = tmpo_advantages(path_log_probs, combined, all_groups, beta=t.tmpo_beta)
-            row_adv = combined_adv[local]
-        else:
-            row_adv = combined_adv[local].clamp(-t.advantage_clip, t.advantage_clip)
+        noise_at = lambda k: plan.noise_level_at(int(traj.step_indices[k]), s.noise_level)  # noqa: E731
+        trained_cols = [k for k in trained_columns(traj.step_indices, s.num_steps, t.skip_last_step,
+                                                   t.timestep_fraction, seed=cfg.seed, epoch=epoch)
+                        if noise_at(k) > 0]  # a stored step without noise is an ODE step between splits
+        if run.split_scheduler is not None:
+            run.split_scheduler.observe(combined_adv)  # TMPO's split scheduler follows R
+        paths = TmpoPaths(run, traj, trained_cols, [noise_at(k) for k in trained_cols],
+                          combined_adv[local]) if t.loss == "tmpo" else None
+        row_adv = combined_adv[local].clamp(-t.advantage_clip, t.advantage_clip)
         # GARDO: positive advantages times the nearest-neighbour distance in the group; the KL gate.
         distances = None if features is None else nearest_neighbour_distances(
             features(traj.images, traj.final_latents), traj.group_ids)  # [N]
@@ -158,7 +161,9 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         # 6-7. Inner passes: shuffled chunks -> micro-batches x trained steps -> one optimizer step per chunk.
         for inner in range(t.inner_epochs):
             order = np.random.default_rng([cfg.seed, epoch, inner, rank, 0x7EA1]).permutation(traj.num_rows)
-            for chunk_index, chunk in enumerate(np.array_split(order, t.optimizer_steps_per_epoch)):
+            chunks = np.array_split(order, t.optimizer_steps_per_epoch) if paths is None else \
+                paths.chunks(order, t.optimizer_steps_per_epoch)  # TMPO: whole groups
+            for chunk_index, chunk in enumerate(chunks):
                 chunk = torch.as_tensor(chunk, dtype=torch.long)
                 weight = accelerator.reduce(mask[chunk].sum().float().to(accelerator.device), "sum").item()
                 work = [(rows, k) for rows in chunk.split(t.micro_batch_size) for k in trained_cols]
@@ -169,7 +174,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                         sync = i == len(work) - 1
                         with micro_batch(accelerator, policy.forward_module, last=sync):
                             loss_sum = transition_loss(policy, traj, rows, k, mask, accelerator=accelerator,
-                                                       guidance=guidance, noise_level=s.noise_level, kind=s.kind,
+                                                       guidance=guidance, noise_level=noise_at(k), kind=s.kind,
                                                        beta=run.beta, policy_loss=policy_loss, clip_low=t.clip_range,
                                                        clip_high=clip_high, stats=chunk_stats,
                                                        on_policy=inner == 0 and chunk_index == 0,
@@ -177,7 +182,9 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                                                        reference=lambda: reference_weights(run))
                             accelerator.backward(loss_sum * world / max(weight, 1.0))
 
-                if per_reward is None:
+                if paths is not None:
+                    paths.backward(chunk, stats, on_policy=inner == 0 and chunk_index == 0)
+                elif per_reward is None:
                     chunk_backward(traj.advantages, stats)
                 else:
                     step = (epoch * t.inner_epochs + inner) * t.optimizer_steps_per_epoch + chunk_index
@@ -191,12 +198,13 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         train_done = time.perf_counter()
 
         # 8. Log, render eval grids, checkpoint.
-        advantage_size = float(combined_adv.abs().mean() if t.loss == "tmpo"
-                               else combined_adv.clamp(-t.advantage_clip, t.advantage_clip).abs().mean())
+        advantage_size = paths.advantage_abs_mean if paths is not None else \
+            float(combined_adv.clamp(-t.advantage_clip, t.advantage_clip).abs().mean())
         metrics = end_epoch(run, epoch, gathered=gathered, combined=combined, group_ids=all_groups, stats=stats,
                             extra={"advantages/abs_mean": advantage_size, "policy/trained_fraction": trained_fraction,
                                    **gardo_metrics(distances, kl_gate), **reference_metrics, **phase_metrics,
-                                   **guard_metrics, **traj.sampling_metrics},
+                                   **guard_metrics, **traj.sampling_metrics,
+                                   **(run.split_scheduler.metrics() if run.split_scheduler else {})},
                             rollouts=traj.rollouts_sampled,
                             times=(epoch_start, sample_done, reward_done, train_done), bar=bar)
         if out_of_time(run) or run.guard_stopped:

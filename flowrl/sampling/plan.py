@@ -8,6 +8,10 @@ A rollout of ``num_steps`` denoising steps is described by a :class:`StepPlan`:
 - ``branch_steps``: tree rollouts (BranchGRPO / TreeGRPO / TMPO). Before each listed step every
   trajectory is split into ``branch_factor`` children that share everything computed so far and
   draw different noise from that step on. ``w`` branch steps give ``branch_factor ** w`` leaves.
+- ``noise_levels``: per-step noise levels of the stochastic kind, ``(step, level)`` pairs overriding the
+  rollout's single ``noise_level`` at those steps (TMPO's per-split eta). A level of 0 makes a step inside
+  the window deterministic: it is stored (the stored latents stay one contiguous chain) with log-prob 0 and
+  never trained, which is how a plan runs the SDE at its branch steps only and the ODE between them.
 - ``pruned_steps``: BranchGRPO's depth pruning. These steps are sampled and stored as usual (the
   rollout and its exploration are unchanged) but not trained: the recipe drops them from the loss mask
   (:func:`flowrl.algorithms.tree.prune_mask`).
@@ -45,6 +49,7 @@ class StepPlan:
     branch_steps: tuple[int, ...] = ()
     branch_factor: int = 1
     pruned_steps: tuple[int, ...] = ()  # stored but not trained (BranchGRPO depth pruning)
+    noise_levels: tuple[tuple[int, float], ...] = ()  # (step, level): per-step noise overrides; 0 = deterministic
 
     def __post_init__(self):
         if self.num_steps < 1:
@@ -59,6 +64,10 @@ class StepPlan:
                 raise ValueError(f"branch step {step} must lie inside the SDE window {list(self.sde_steps)}")
         if self.branch_steps and self.branch_factor < 2:
             raise ValueError("branch_factor must be >= 2 when branch_steps are given")
+        for step, level in self.noise_levels:
+            if step not in self.sde_steps or level < 0:
+                raise ValueError(f"noise level {level} at step {step}: needs a step of the SDE window "
+                                 f"{list(self.sde_steps)} and a level >= 0")
         if any(not 0 <= step < self.num_steps for step in self.pruned_steps):
             raise ValueError(f"pruned steps {list(self.pruned_steps)} must lie in [0, {self.num_steps})")
 
@@ -66,6 +75,10 @@ class StepPlan:
     def sde_steps(self) -> range:
         size = self.num_steps - self.sde_start if self.sde_size is None else self.sde_size
         return range(self.sde_start, self.sde_start + size)
+
+    def noise_level_at(self, step: int, default: float) -> float:
+        """The noise level of ``step``: its entry in ``noise_levels``, else the rollout's ``default``."""
+        return dict(self.noise_levels).get(step, default)
 
     @property
     def leaves_per_root(self) -> int:
