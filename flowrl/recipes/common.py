@@ -52,8 +52,9 @@ def step_plan(s: SamplingConfig, epoch: int, seed: int, split_scheduler: BetaSpl
     if split_scheduler is not None:
         branch_steps, split_levels = split_scheduler.schedule(epoch, seed)
     else:
+        schedule = "fixed" if tree.schedule == "beta" else tree.schedule  # beta before any reward: its first steps
         branch_steps = branch_schedule(epoch, num_steps=s.num_steps, steps=tuple(tree.branch_steps),
-                                       schedule=tree.schedule, shift_every=tree.shift_every, seed=seed,
+                                       schedule=schedule, shift_every=tree.shift_every, seed=seed,
                                        branch_range=tuple(tree.branch_range) if tree.branch_range else None)
     pruned = depth_pruned_steps(epoch, num_steps=s.num_steps, last_branch=max(branch_steps), size=tree.prune_depth,
                                 shift_every=tree.prune_depth_shift_every) if branch_steps else ()
