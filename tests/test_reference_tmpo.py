@@ -245,6 +245,29 @@ def test_split_noise_levels_make_the_sde_run_at_the_splits_only():
     assert [plan.noise_level_at(step, 0.7) for step in range(8)] == [0.7, 0.4, 0, 0.7, 0, 1.0, 0.7, 0.7]
 
 
+def test_rollout_uses_each_steps_noise_level_and_zero_is_an_ode_step():
+    from flowrl.models import build_policy
+    from flowrl.sampling import StepPlan, rollout, sde_step
+
+    policy = build_policy("sd3", "tiny", seed=0)
+    plan = StepPlan(4, sde_start=1, sde_size=3, branch_steps=(1, 3), branch_factor=2,
+                    noise_levels=((1, 0.4), (2, 0.0), (3, 1.0)))
+    traj = rollout(policy, ["a red cube"], group_size=4, num_steps=4, guidance_scale=1.0, noise_level=0.7, seeds=[3],
+                   kind="cps", plan=plan, decode=False)
+    assert traj.log_probs[:, 1].abs().max() == 0  # the level-0 step has no density
+    cond = policy.encode(["a red cube"]).select(torch.zeros(4, dtype=torch.long))
+    for column, level in ((0, 0.4), (1, 0.0), (2, 1.0)):  # each stored step rescored at its own level
+        x, sigma, sigma_next = traj.latents[:, column], float(traj.sigmas[column]), float(traj.sigmas[column + 1])
+        with torch.no_grad():
+            velocity = policy.velocity(x, sigma, cond, 1.0)
+        step = sde_step(velocity, x, sigma, sigma_next, noise_level=level, kind="cps",
+                        prev_sample=traj.latents[:, column + 1])
+        assert torch.allclose(step.log_prob, traj.log_probs[:, column], atol=1e-5)
+        if level == 0:  # the CPS step without noise is the Euler step
+            torch.testing.assert_close(traj.latents[:, column + 1], x + (sigma_next - sigma) * velocity,
+                                       atol=1e-5, rtol=0)
+
+
 # --- a real run: the tree moves with the rewards, and resume restores the scheduler exactly ---------------------------
 
 TMPO_TREE = ["train.loss=tmpo", "train.beta=0", "sampling.kind=cps", "sampling.tree.branch_steps=[0,2]",

@@ -1,6 +1,6 @@
 """TMPO (Trajectory Matching Policy Optimization): Softmax Trajectory Balance over whole paths.
 
-Reference: the authors' release, github.com/MAIR-Lab-HUST/TMPO at commit af2fa6c (``tmpo/losses/softmax_tb.py``,
+Reference: the authors' release, github.com/MAIR-Lab-HUST/TMPO at commit af2fa6c300fd3a48068bfad064a786c7529ec553 (``tmpo/losses/softmax_tb.py``,
 ``ratio_norm.py``, ``reference.py``, ``total_loss.py``, ``tmpo/sampling/sde_step.py``, ``tmpo/train.py``). Over the
 K paths of one prompt (the leaves of its tree) it matches ``softmax(log P(tau))`` to ``softmax(beta R)``:
 
@@ -24,6 +24,18 @@ K paths of one prompt (the leaves of its tree) it matches ``softmax(log P(tau))`
 - R: the reward the release feeds in is each reward model's z-score within the prompt's group, weighted
   and summed; the recipe passes its group advantage before clipping (``train.advantage: grpo`` with
   ``train.std_scope: group`` is that z-score for one reward).
+
+Deliberate differences, one reason each:
+
+- A shared edge is computed once and its gradient weighted by the leaves below it (the release recomputes it
+  per leaf): the same gradient for fewer model calls (``flowrl/recipes/tmpo_paths.py``).
+- The rollout's step means, which RatioNorm compares against, come from a gradient-free pass before the first
+  update rather than being kept from sampling: the same policy, and the trajectory stays small.
+- Paths are centred and averaged per prompt group, and the groups of an optimizer step averaged over every
+  process; the release's batch is one prompt per process, so the two agree there.
+- The release's clamps of non-finite values (velocities to +-20, step log-probs to +-40, paths to +-80) are not
+  copied: flowrl's guards skip non-finite steps instead.
+- Its ``beta`` warm-up (``beta_target``, used by its FLUX configs only) is not implemented.
 
 ``softmax_tb_gradient`` is flowrl's earlier target ``t - p sum(t)`` with ``t`` the residual above: the exact
 negative gradient of the squared Softmax-TB loss ``1/2 sum_i (log p_i - log q_i)^2`` with respect to ``log P``,

@@ -20,12 +20,11 @@ Window placement follows the two published schedules: a random start drawn per i
 range (Flow-GRPO-Fast), or a start that slides forward by one step every ``shift_every``
 iterations and wraps around (MixGRPO). Both are deterministic functions of (seed, iteration).
 
-Branch points can move the same two ways (TMPO's Dynamic Stochastic Tree Sampling: "branch at
-dynamically scheduled steps"), see :func:`branch_schedule`: a fresh draw of distinct steps per
+Branch points can move the same two ways, see :func:`branch_schedule`: a fresh draw of distinct steps per
 iteration inside a range, or the configured pattern sliding forward one step every ``shift_every``
-iterations and wrapping inside the range. BranchGRPO itself branches at fixed steps, the default.
-TMPO states only that its branch steps are scheduled dynamically; the two schedules here are the
-window's, so one kind of range and one seed rule govern every moving part of a plan.
+iterations and wrapping inside the range. BranchGRPO itself branches at fixed steps, the default. TMPO's
+release moves them from the rewards instead (a Beta draw whose mean follows the reward level), which needs
+state across iterations: :class:`flowrl.sampling.split_schedule.BetaSplitScheduler`.
 
 Depth pruning (:func:`depth_pruned_steps`) follows BranchGRPO's definition: "depth" is the
 denoising depth (one level per step, not per branch point), the pruned depths are a contiguous
