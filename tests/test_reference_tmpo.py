@@ -128,7 +128,7 @@ def tree_trajectory():
         cond=SimpleNamespace(select=lambda ids: cond.expand(len(ids), 6)))
 
 
-def release_loss(policy, traj, old_w, rewards, *, beta, clip, ref_weight, etas):
+def release_loss(policy, traj, old_w, rewards, *, beta, clip, ref_weight, etas, ref_w=None):
     """The release's total loss, every leaf's path recomputed on its own (tmpo/losses/*.py, tree_sampler.py)."""
     def step(w, row, k):
         x, x_next = traj.latents[row, k], traj.latents[row, k + 1]
@@ -142,6 +142,8 @@ def release_loss(policy, traj, old_w, rewards, *, beta, clip, ref_weight, etas):
     old = [[step(torch.tensor(old_w), row, k) for k in range(2)] for row in range(4)]
     current = torch.stack([steps[r][0][0] + steps[r][1][0] for r in range(4)])
     old_paths = torch.stack([old[r][0][0] + old[r][1][0] for r in range(4)])
+    ref_paths = old_paths if ref_w is None else torch.stack(
+        [step(torch.tensor(ref_w), r, 0)[0] + step(torch.tensor(ref_w), r, 1)[0] for r in range(4)])
     advantage = torch.log_softmax(beta * rewards, 0) - torch.log_softmax(current.detach(), 0)
     log_w = torch.stack([torch.stack([
         (steps[r][k][0].detach() - old[r][k][0] + ((steps[r][k][1].detach() - old[r][k][1]) ** 2).mean()
@@ -150,11 +152,12 @@ def release_loss(policy, traj, old_w, rewards, *, beta, clip, ref_weight, etas):
     log_ratio = current - old_paths
     ratio = torch.exp((log_ratio - log_ratio.detach().mean()).clamp(-10, 10))
     surrogate = torch.maximum(-advantage * ratio * weights, -advantage * ratio.clamp(1 - clip, 1 + clip) * weights)
-    return surrogate.mean() + ref_weight * ((current / 2 - old_paths / 2) ** 2).mean()
+    return surrogate.mean() + ref_weight * ((current / 2 - ref_paths / 2) ** 2).mean()
 
 
-@pytest.mark.parametrize("new_w", [0.55, 0.9])  # near the rollout's weights, and far enough to clip
-def test_path_update_counts_a_shared_edge_once_per_leaf_like_the_release(new_w):
+@pytest.mark.parametrize("new_w, reference", [(0.55, "rollout"), (0.9, "rollout"), (0.55, "base")])
+def test_path_update_counts_a_shared_edge_once_per_leaf_like_the_release(new_w, reference):
+    # rollout at w = 0.5, then an update to new_w (0.9 is far enough to clip); reference "base" is w = 0
     from accelerate import Accelerator
 
     from flowrl.recipes.tmpo_paths import TmpoPaths
@@ -162,7 +165,7 @@ def test_path_update_counts_a_shared_edge_once_per_leaf_like_the_release(new_w):
 
     traj, rewards, etas = tree_trajectory(), torch.tensor([0.1, -0.3, 0.7, 0.2]), [0.4, 1.0]
     train = SimpleNamespace(micro_batch_size=3, tmpo_target="residual", tmpo_beta=2.0, tmpo_clip_range=0.2,
-                            tmpo_ref_weight=0.5, tmpo_reference="rollout")
+                            tmpo_ref_weight=0.5, tmpo_reference=reference)
     policy = LinearPolicy(0.5)
     accelerator = Accelerator(cpu=True)
     run = SimpleNamespace(cfg=SimpleNamespace(sampling=SimpleNamespace(kind="cps"), train=train), policy=policy,
@@ -173,7 +176,8 @@ def test_path_update_counts_a_shared_edge_once_per_leaf_like_the_release(new_w):
     paths.backward(torch.arange(4), StatsAccumulator(), on_policy=False)
     ours = policy.w.grad.clone()
     policy.w.grad = None
-    release_loss(policy, traj, 0.5, rewards, beta=2.0, clip=0.2, ref_weight=0.5, etas=etas).backward()
+    release_loss(policy, traj, 0.5, rewards, beta=2.0, clip=0.2, ref_weight=0.5, etas=etas,
+                 ref_w=0.0 if reference == "base" else None).backward()
     assert float(policy.w.grad) != 0
     assert float(ours) == pytest.approx(float(policy.w.grad), rel=1e-5, abs=1e-8)
 

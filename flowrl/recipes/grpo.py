@@ -103,10 +103,11 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         trained_cols = [k for k in trained_columns(traj.step_indices, s.num_steps, t.skip_last_step,
                                                    t.timestep_fraction, seed=cfg.seed, epoch=epoch)
                         if noise_at(k) > 0]  # a stored step without noise is an ODE step between splits
+        scored_adv = combined_adv.where(torch.isfinite(combined), torch.tensor(float("nan")))  # [N_all] NaN: unscored
         if run.split_scheduler is not None:
-            run.split_scheduler.observe(combined_adv)  # TMPO's split scheduler follows R
+            run.split_scheduler.observe(scored_adv)  # TMPO's split scheduler follows R
         paths = TmpoPaths(run, traj, trained_cols, [noise_at(k) for k in trained_cols],
-                          combined_adv[local]) if t.loss == "tmpo" else None
+                          scored_adv[local]) if t.loss == "tmpo" else None
         row_adv = combined_adv[local].clamp(-t.advantage_clip, t.advantage_clip)
         # GARDO: positive advantages times the nearest-neighbour distance in the group; the KL gate.
         distances = None if features is None else nearest_neighbour_distances(
