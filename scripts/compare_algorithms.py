@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -166,6 +167,14 @@ def tuning_lines(chosen: dict[str, dict], args) -> list[str]:
     return lines + [""]
 
 
+def replace_section(path: Path, text: str, section: str) -> None:
+    """``text`` in place of the section titled ``section`` (to the next ``## `` heading), or appended."""
+    old = path.read_text() if path.exists() else ""
+    pattern = re.compile(rf"^{re.escape(section)}\n.*?(?=^## |\Z)", re.S | re.M)
+    new = pattern.sub(lambda _: text, old) if pattern.search(old) else old.rstrip("\n") + "\n\n" + text
+    path.write_text(new)
+
+
 def write_results(curves: dict[str, list[dict]], args, command: str, chosen: dict[str, dict]) -> None:
     import matplotlib
 
@@ -182,9 +191,9 @@ def write_results(curves: dict[str, list[dict]], args, command: str, chosen: dic
         f"(2 CPU cores, {args.parallel} runs at a time, one torch thread each), from the same base model and seeds. "
         f"Held-out task-mean strict ToyEval on {args.test_prompts} prompts x {args.images} ODE images (base "
         f"{base:.3f}; the sampling error of one point is about 0.02). The only setting that differs between GRPO "
-        "rows is the method's own and its tuned learning rate (below); NFT and AWM share the main job's "
-        "other settings." if chosen else "rows is the method's own; NFT and AWM share the main job's settings. "
-        "No method was tuned beyond that.", "",
+        + ("rows is the method's own and its tuned learning rate (below); NFT and AWM share the main job's "
+           "other settings." if chosen else "rows is the method's own, at its config's learning rate; NFT and AWM "
+           "share the main job's settings. No method was tuned beyond that."), "",
         f"| method | epochs | rollouts | train s | best (at s) | final | change | "
         + " | ".join(TASKS) + f" | gt diversity | s to {level:.3f} | s to 0.60 |",
         "|" + "---|" * (10 + len(TASKS)),
@@ -207,9 +216,16 @@ def write_results(curves: dict[str, list[dict]], args, command: str, chosen: dic
     if chosen:
         lines += [""] + tuning_lines(chosen, args)
     results = Path("docs/results.md")
-    kept = results.read_text().partition("\n## Reading the table")[1:] if results.exists() else ()
     results.parent.mkdir(exist_ok=True)
-    results.write_text("\n".join(lines) + "\n" + "".join(kept))
+    plot = Path("docs/results_curves.png")
+    if args.section:  # a rerun of some methods: its own section, the main table and its reading kept
+        lines[0] = f"## {args.section}"
+        plot = Path(f"docs/results_curves_{re.sub(r'[^a-z0-9]+', '_', args.section.lower()).strip('_')}.png")
+        lines += ["", f"Curves: `{plot}`.", ""]
+        replace_section(results, "\n".join(lines) + "\n", lines[0])
+    else:
+        kept = results.read_text().partition("\n## Reading the table")[1:] if results.exists() else ()
+        results.write_text("\n".join(lines) + "\n" + "".join(kept))
     fig, ax = plt.subplots(figsize=(8, 5))
     colours = plt.get_cmap("tab20").colors  # 20 distinct colours: one per method
     for i, (name, points) in enumerate(curves.items()):
@@ -220,7 +236,7 @@ def write_results(curves: dict[str, list[dict]], args, command: str, chosen: dic
     ax.set_ylabel("held-out task-mean strict ToyEval")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig("docs/results_curves.png", dpi=120)
+    fig.savefig(plot, dpi=120)
     print("\n".join(lines))
 
 
@@ -243,6 +259,9 @@ def main() -> None:
                         help="report the time to reach the base task mean plus this (and to 0.6)")
     parser.add_argument("--tune-budget-s", type=float, default=120.0, help="per tuning run; 0: no tuning")
     parser.add_argument("--lr-factors", type=float, nargs="+", default=[0.3, 1.0, 3.0])
+    parser.add_argument("--section", default=None,
+                        help="write the table as this '## ' section of docs/results.md (replacing a section of that "
+                             "title, else appended) instead of replacing the main table: for reruns of some methods")
     args = parser.parse_args()
     command = "python scripts/compare_algorithms.py " + " ".join(sys.argv[1:])
     chosen = tune(args) if args.tune_budget_s > 0 else {}

@@ -47,7 +47,7 @@ def check_credit(credit: str, *, recipe: str, branch_steps: Sequence[int]) -> No
     check(recipe == "grpo", "train.credit", f"{credit} credit needs per-step log-prob ratios, which recipe "
           f"{recipe} has none of; use recipe grpo or train.credit=terminal")
     check(not branch_steps, "train.credit", f"{credit} is not defined on tree rollouts (sampling.tree."
-          "branch_steps), whose edges take the mean advantage of their leaves; use train.credit=terminal")
+          "branch_steps), whose edges take their advantage from the leaves below them; use train.credit=terminal")
 
 
 # --- dense_cosine ----------------------------------------------------------------------------------------

@@ -35,20 +35,6 @@ def grpo_clip_loss(log_probs, old_log_probs, advantages, *, clip_low: float, cli
     return loss, stats
 
 
-def guard_log_ratio(log_ratio: torch.Tensor, sensitivity: float) -> torch.Tensor:
-    """GRPO-Guard's ratio normalisation of one denoising step's transitions [B] -> [B].
-
-    Off the first on-policy pass the log-ratio of a Gaussian transition is ``(eps . dmu) / s -
-    |dmu|^2 / (2 s^2)`` (per dimension): its mean sits below 0 and its spread scales with the step's
-    sensitivity ``|d mu / d v| / s`` (:func:`flowrl.sampling.steps.velocity_sensitivity`). Clipping
-    then binds on the low-noise steps long before the high-noise ones, and a ratio shifted below 1
-    rarely clips a positive advantage. Subtracting the (detached) mean over the step's batch and
-    dividing by the step's sensitivity, relative to the mean over trained steps, gives every step the
-    same spread, so the clip binds evenly and each step's gradient is weighted alike.
-    """
-    return (log_ratio - log_ratio.detach().mean()) / sensitivity
-
-
 # "tmpo" names TMPO's path-level loss (flowrl.algorithms.tmpo), which the GRPO recipe trains over whole paths
 # (flowrl.recipes.tmpo_paths) instead of per transition; the entry makes the name a valid train.loss.
 POLICY_LOSSES: dict[str, Callable] = {"grpo-clip": grpo_clip_loss, "tmpo": grpo_clip_loss}

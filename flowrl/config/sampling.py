@@ -68,6 +68,13 @@ class TreeConfig:
     """schedule=beta: the reward-adaptive split scheduler's parameters."""
     shift_every: int = 1
     """sliding: move the branch steps one step every this many epochs."""
+    split_noise_scale: float = 4.0
+    """BranchGRPO's split noise: at a branch step each child's noise is drawn this many times larger, while its
+    log-prob stays the unscaled step's (4.0 in BranchGRPO's script; 1: plain). GRPO only: train.loss=tmpo ignores it."""
+    backup: Literal["depth_standardised", "leaf_mean"] = "depth_standardised"
+    """Tree edge advantages under GRPO: depth_standardised (BranchGRPO) z-scores, per tree and per step, the mean
+    leaf reward under each edge; leaf_mean gives each edge the mean of its leaves' group-normalised advantages,
+    which keeps a shared edge's size tied to how much its subtrees differ. train.loss=tmpo ignores it."""
     prune_width: int | None = None
     """BranchGRPO width pruning: train only this many leaves per group, the highest- and lowest-reward halves;
     the others' own edges (from the last branch point on) go untrained, shared edges still train (0 or null: off)."""
@@ -80,6 +87,7 @@ class TreeConfig:
 
     def validate(self):
         check(self.shift_every >= 1, "shift_every", "must be >= 1")
+        check(self.split_noise_scale > 0, "split_noise_scale", "must be > 0 (1: the step's own noise)")
         check(self.schedule == "fixed" or bool(self.branch_steps), "schedule",
               f"{self.schedule} moves sampling.tree.branch_steps; set them (their count is the tree's depth)")
         if self.branch_range is not None:
@@ -121,8 +129,9 @@ class SamplingConfig:
     """CFG scale for SD3; the distilled-guidance embedding value for FLUX."""
     noise_level: float = 0.7
     """SDE noise level a (0.7 for SD3, 0.9 for FLUX in Flow-GRPO)."""
-    kind: Literal["sde", "cps"] = "sde"
-    """Stochastic step inside the window: Flow-GRPO SDE or coefficient-preserving sampling."""
+    kind: Literal["sde", "cps", "dance"] = "sde"
+    """Stochastic step inside the window: Flow-GRPO SDE, coefficient-preserving sampling, or DanceGRPO's SDE (the
+    same mean with a constant std_t = noise_level; BranchGRPO's sampler, noise_level 0.3 there)."""
     ode_solver: Literal["euler", "dpmpp_2m"] = "euler"
     """Deterministic steps outside the SDE window (never stored or trained): Euler, or DPM-Solver++(2M), the
     second-order multistep solver MixGRPO-Flash uses there (no extra model call per step)."""

@@ -176,9 +176,11 @@ class TrainConfig:
     tmpo_reference: Literal["rollout", "base"] = "rollout"
     """TMPO's reference path log-probs: rollout, those recorded at sampling (what the release computes); base,
     the base model's (adapter off; one more forward per trained edge and update)."""
-    ratio_norm: bool = False
-    """GRPO-Guard: centre each step's log-ratio and divide it by the step's velocity sensitivity, so
-    the clip binds evenly across steps (recipe grpo)."""
+    ratio_norm: Literal["none", "grpo_guard", "batch_sensitivity"] | bool = "none"
+    """Per-step log-ratio normalisation (recipe grpo, flowrl/algorithms/ratio_norm.py): grpo_guard (or true) is
+    GRPO-Guard's, s (logp - logp_old + ||mu - mu_old||^2 / (2 s^2)) = mean(eps dmu), with each step's policy loss
+    divided by |dt| (SDE steps; its clip ranges are ~1e-6); batch_sensitivity centres the log-ratio on the step's
+    batch and divides it by the step's relative velocity sensitivity; none (or false): the plain log-ratio."""
     clip_range: float = 1e-4
     """PPO ratio clip epsilon (1e-4 full SDE, 1e-5 window/CPS in Flow-GRPO)."""
     clip_range_high: float | None = None
@@ -251,6 +253,8 @@ class TrainConfig:
     reward_errors=nan) before the run stops with an error; such an epoch trains on nothing (loss 0)."""
 
     def validate(self):
+        if isinstance(self.ratio_norm, bool):  # true names the method the option was written for
+            self.ratio_norm = "grpo_guard" if self.ratio_norm else "none"
         for key in ("epochs", "batches_per_epoch", "inner_epochs", "optimizer_steps_per_epoch", "micro_batch_size"):
             check(getattr(self, key) >= 1, key, "must be >= 1")
         check(self.learning_rate > 0, "learning_rate", "must be > 0")
@@ -474,15 +478,19 @@ class Config:
               or self.nft.timesteps_per_sample <= self.sampling.num_steps, "nft.timesteps_per_sample",
               f"exceeds the {self.sampling.num_steps} sigmas of the sampling schedule; lower it or set "
               "nft.timestep_schedule=uniform")
-        check(self.recipe != "nft" or (self.train.loss == "grpo-clip" and not self.train.ratio_norm), "train.loss",
+        check(self.recipe != "nft" or (self.train.loss == "grpo-clip" and self.train.ratio_norm == "none"),
+              "train.loss",
               "train.loss=tmpo and train.ratio_norm act on log-prob ratios, which recipe nft has none of; use "
               "recipe grpo")
+        check(self.train.ratio_norm != "grpo_guard" or self.sampling.kind == "sde", "train.ratio_norm",
+              f"grpo_guard's |dt| reweighting is defined for SDE steps, not sampling.kind={self.sampling.kind}: use "
+              "sampling.kind=sde, or train.ratio_norm=batch_sensitivity")
         if self.train.loss == "tmpo":
             tree = self.sampling.tree
             check(t.beta == 0, "train.beta", "train.loss=tmpo regularises with train.tmpo_ref_weight, not the KL; "
                   "set train.beta=0")
-            check(not t.ratio_norm, "train.ratio_norm", "train.loss=tmpo has its own RatioNorm weights; "
-                  "set train.ratio_norm=false")
+            check(t.ratio_norm == "none", "train.ratio_norm", "train.loss=tmpo has its own RatioNorm weights; "
+                  "set train.ratio_norm=none")
             check(not (tree.prune_width or tree.prune_depth), "sampling.tree.prune_width",
                   "train.loss=tmpo trains whole paths; BranchGRPO's pruning does not apply: set it to 0")
             check(not self.gardo.diversity, "gardo.diversity",

@@ -44,9 +44,9 @@ from flowrl.training.stats import StatsAccumulator
 
 def step_plan(s: SamplingConfig, epoch: int, seed: int, split_scheduler: BetaSplitScheduler | None = None) -> StepPlan:
     """This epoch's plan: full SDE, a (random / sliding / fixed) window, tree branch points (fixed, moving
-    per epoch, or drawn by TMPO's reward-adaptive ``split_scheduler``, called once per epoch) and the steps
-    BranchGRPO's depth pruning leaves untrained. With per-split noise levels the SDE window spans the
-    branch steps and is deterministic between them."""
+    per epoch, or drawn by TMPO's reward-adaptive ``split_scheduler``, called once per epoch), BranchGRPO's
+    split noise and the steps its depth pruning leaves untrained. With per-split noise levels the SDE window
+    spans the branch steps and is deterministic between them."""
     tree = s.tree
     split_levels = tuple(tree.split_noise_levels or ())
     if split_scheduler is not None:
@@ -59,7 +59,7 @@ def step_plan(s: SamplingConfig, epoch: int, seed: int, split_scheduler: BetaSpl
     pruned = depth_pruned_steps(epoch, num_steps=s.num_steps, last_branch=max(branch_steps), size=tree.prune_depth,
                                 shift_every=tree.prune_depth_shift_every) if branch_steps else ()
     branch = dict(branch_steps=branch_steps, branch_factor=tree.branch_factor if branch_steps else 1,
-                  pruned_steps=pruned)
+                  pruned_steps=pruned, split_noise_scale=tree.split_noise_scale if branch_steps else 1.0)
     if split_levels and branch_steps:
         levels = dict.fromkeys(range(branch_steps[0], branch_steps[-1] + 1), 0.0)  # ODE between the splits
         levels.update(zip(branch_steps, split_levels))
@@ -309,7 +309,7 @@ def beta_split_scheduler(s: SamplingConfig) -> BetaSplitScheduler | None:
 
 
 def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_level: float, kind: str = "sde",
-                     same_noise_in_group: bool = False, store_x0_preds: bool = False):
+                     same_noise_in_group: bool = False, store_x0_preds: bool = False, store_means: bool = False):
     """This epoch's rollouts on this process, scored: batch b is scored in a worker while b+1 is sampled.
 
     Prompts are sharded over processes and row seeds come from global row indices, so N processes
@@ -324,7 +324,7 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
     strata = [m[key] for m in run.train_prompts.metadata] if key else None
     if s.pilot.candidates:
         return pilot_sample_and_score(run, scorer, epoch, plan=plan, noise_level=noise_level, kind=kind,
-                                      strata=strata, store_x0_preds=store_x0_preds)
+                                      strata=strata, store_x0_preds=store_x0_preds, store_means=store_means)
     roots_per_group = s.group_size // plan.leaves_per_root
     parts, futures = [], []
     for b in range(cfg.train.batches_per_epoch):
@@ -338,6 +338,7 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
                                    num_steps=s.num_steps, guidance_scale=run.guidance, noise_level=noise_level,
                                    kind=kind, plan=plan, same_noise_in_group=same_noise_in_group,
                                    metadata=batch.metadata, store_x0_preds=store_x0_preds, ode_solver=s.ode_solver,
+                                   store_means=store_means,
                                    seeds=root_seeds(cfg.seed, first_root, len(batch) * roots_per_group))
         part.group_ids = part.group_ids + (batch_index * world + rank) * s.prompts_per_batch
         futures.append(scorer.submit(part.images, part.row_prompts, part.row_metadata))
@@ -351,7 +352,7 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
 
 
 def pilot_sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_level: float, kind: str,
-                           strata: list | None, store_x0_preds: bool = False):
+                           strata: list | None, store_x0_preds: bool = False, store_means: bool = False):
     """Pilot-Commit (``flowrl.sampling.pilot``): every batch pilots ``pilot.candidates`` prompts with
     ``pilot.group_size`` rollouts each, commits the ``prompts_per_batch`` whose pilot rewards vary most
     and rolls out the rest of their groups; uncommitted pilot rollouts are dropped.
@@ -369,7 +370,7 @@ def pilot_sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, nois
     s, rank, world = cfg.sampling, accelerator.process_index, accelerator.num_processes
     candidates, pilot_size, commit_size = s.pilot.candidates, s.pilot.group_size, s.group_size - s.pilot.group_size
     steps = dict(num_steps=s.num_steps, guidance_scale=run.guidance, noise_level=noise_level, kind=kind, plan=plan,
-                 store_x0_preds=store_x0_preds, ode_solver=s.ode_solver)
+                 store_x0_preds=store_x0_preds, ode_solver=s.ode_solver, store_means=store_means)
 
     # 1. Pilot: a few rollouts per candidate; candidate c owns root rows first_root + c * group_size + [0, G).
     pilots = []

@@ -6,15 +6,18 @@ Choices, all set in the config (``flowrl/config/schema.py``):
   dynamic tree, ``sampling.tree.schedule``), with BranchGRPO's width and depth pruning acting on the
   loss mask; only stochastic steps are stored;
 - advantages: per-prompt group mean, batch (global) or per-group std, clipped to +-advantage_clip;
-  tree edges get the mean advantage of the leaves below them and are trained once; ``loss: tmpo``
-  trains TMPO's Softmax Trajectory Balance over whole paths instead (``flowrl/recipes/tmpo_paths.py``), its
-  tree's split steps optionally drawn by TMPO's reward-adaptive scheduler (``sampling.tree.schedule: beta``);
+  tree edges are trained once, on BranchGRPO's per-tree, per-step z-score of the mean leaf reward below
+  them (``flowrl/algorithms/branch.py``; ``sampling.tree.backup: leaf_mean``: the mean leaf advantage), and
+  branch steps draw BranchGRPO's scaled split noise; ``loss: tmpo`` trains TMPO's Softmax Trajectory Balance
+  over whole paths instead (``flowrl/recipes/tmpo_paths.py``), its tree's split steps optionally drawn by
+  TMPO's reward-adaptive scheduler (``sampling.tree.schedule: beta``);
 - credit (``train.credit``): every trained step gets its row's advantage (terminal), a share of it by
   how far the step moves the predicted clean latent toward the final one (dense_cosine), or its own
   group-normalised reward gain measured by ODE look-ahead from the states around it (dense_ode,
   DenseGRPO); see ``flowrl/algorithms/dense.py``;
-- loss: PPO-clipped ratio with separate lower/upper ranges (optionally GRPO-Guard's per-step
-  normalisation of the log-ratio, ``train.ratio_norm``), plus beta * KL to the reference
+- loss: PPO-clipped ratio with separate lower/upper ranges (``train.ratio_norm: grpo_guard`` takes
+  GRPO-Guard's unbiased per-step log-ratio and divides each step's policy loss by ``|dt|``; see
+  ``flowrl/algorithms/ratio_norm.py``), plus beta * KL to the reference
   (the same transformer with the LoRA switched off), CFG inside the trained velocity. The KL is
   Flow-GRPO's, so its published beta carries over: per step ``||mu - mu_ref||^2 / (2 std_t^2)``
   (mean over non-batch dims) with ``std_t = a * sqrt(sigma / (1 - sigma))`` for SDE steps, i.e.
@@ -34,6 +37,7 @@ Run: ``flowrl train configs/smoke/sd3_tiny.yaml`` (CPU, seconds) or
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from functools import partial
 
 import numpy as np
@@ -42,6 +46,7 @@ from accelerate import Accelerator
 from tqdm.auto import tqdm
 
 from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS, edge_advantages
+from flowrl.algorithms.branch import branch_advantages
 from flowrl.algorithms.combine import COMBINERS, reward_advantages
 from flowrl.algorithms.gardo import (
     build_features, diversity_weighted, gated_rows, nearest_neighbour_distances, uncertainty,
@@ -52,7 +57,10 @@ from flowrl.algorithms.dense import (
     reward_gains, stepwise_advantages, top_step_share,
 )
 from flowrl.algorithms.tree import prune_mask
-from flowrl.algorithms.losses import POLICY_LOSSES, gaussian_mean_kl, guard_log_ratio
+from flowrl.algorithms.losses import POLICY_LOSSES, gaussian_mean_kl
+from flowrl.algorithms.ratio_norm import (
+    batch_sensitivity_log_ratio, grpo_guard_log_ratio, grpo_guard_loss_scale, step_sensitivities,
+)
 from flowrl.config import Config
 from flowrl.recipes.common import (  # noqa: F401  (re-exported for callers of this module)
     StatsAccumulator, end_epoch, finish_run, group_advantages, log_base_model, make_accelerator, optimizer_step,
@@ -62,7 +70,7 @@ from flowrl.recipes.snapshots import maybe_reset_reference, reference_weights, s
 from flowrl.recipes.tmpo_paths import TmpoPaths
 from flowrl.rewards_api import AsyncScorer
 from flowrl.sampling import sde_step, transition
-from flowrl.sampling.steps import kl_std, velocity_sensitivity
+from flowrl.sampling.steps import kl_std
 from flowrl.training.accumulate import micro_batch
 from flowrl.training.guard import exported_weights, finite_mean, in_group_diversity
 
@@ -89,12 +97,16 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
     for epoch in bar:
         epoch_start = time.perf_counter()
         plan = step_plan(s, epoch, cfg.seed, run.split_scheduler)
+        if t.loss == "tmpo":  # BranchGRPO's split noise is GRPO's; TMPO's splits draw the step's own noise
+            plan = replace(plan, split_noise_scale=1.0)
+        depth_backup = bool(plan.branch_steps) and t.loss != "tmpo" and s.tree.backup == "depth_standardised"
         phase_metrics = start_phase(run, epoch)  # HRF: a new phase re-anchors the weights
 
         # 1-3. Sample prompts, roll out groups, score batch b while batch b+1 is sampled.
         traj, sample_done, reward_done = sample_and_score(
             run, scorer, epoch, plan=plan, noise_level=s.noise_level, kind=s.kind,
-            same_noise_in_group=s.same_noise_in_group, store_x0_preds=t.credit == "dense_cosine")
+            same_noise_in_group=s.same_noise_in_group, store_x0_preds=t.credit == "dense_cosine",
+            store_means=t.ratio_norm == "grpo_guard")
 
         # 4. Advantages over whole groups: gather every process's rewards, keep this process's slice.
         #    TMPO takes that (unclipped) as its reward R and trains whole paths (TmpoPaths) on Softmax-TB.
@@ -118,15 +130,19 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
             scores = uncertainty(combined, {key: gathered[key] for key in auxiliary}, all_groups)  # [N_all]
             kl_gate = gated_rows(scores, cfg.gardo.kl_fraction)[local]  # [N]
         traj.advantages = edge_advantages(row_adv, traj.edge_ids)  # [N, K]
+        scored = torch.isfinite(combined[local])  # [N]
+        if depth_backup:  # BranchGRPO: per tree and step, z-scores of the edges' mean leaf rewards, then the clip
+            traj.advantages = branch_advantages(gardo_weighted(combined_adv[local], distances), scored, traj.edge_ids,
+                                                traj.parent, clip=t.advantage_clip)
         # Diversity guard: these rollouts' in-group diversity against its start; past guard.max_drop it warns,
         # raises the live KL beta (run.beta, this epoch's update on) or stops the run after this epoch.
         guard_metrics = {} if run.guard is None or not run.guard.due(epoch) else run.guard.observe(
             epoch, in_group_diversity(guard_features(traj.images, traj.final_latents), traj.group_ids, accelerator),
             reward=finite_mean(combined), weights=lambda: exported_weights(policy, ema))
-        # GRPO-Guard: each trained step's velocity sensitivity over their mean (1 everywhere without it).
-        sensitivity = step_sensitivities(traj.sigmas, trained_cols, noise_level=s.noise_level, kind=s.kind,
-                                         normalise=t.ratio_norm)
-        mask = traj.first_visit_mask() & torch.isfinite(combined[local])[:, None]  # [N, K]
+        # ratio_norm batch_sensitivity: each trained step's velocity sensitivity over their mean.
+        sensitivity = step_sensitivities(traj.sigmas, trained_cols, noise_level=s.noise_level, kind=s.kind) \
+            if t.ratio_norm == "batch_sensitivity" else {}
+        mask = traj.first_visit_mask() & scored[:, None]  # [N, K]
         mask &= prune_mask(combined[local], traj.group_ids, traj.edge_ids, traj.step_indices,
                            keep_width=s.tree.prune_width, pruned_steps=plan.pruned_steps)  # BranchGRPO pruning
         mask[:, [k for k in range(traj.num_stored_steps) if k not in trained_cols]] = False
@@ -154,8 +170,10 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
 
         # MARBLE: each weighted reward's own clipped advantage on every edge, balanced per optimizer step.
         per_reward = None if run.marble is None else {
-            name: edge_advantages(gardo_weighted(adv[local].clamp(-t.advantage_clip, t.advantage_clip), distances),
-                                  traj.edge_ids)  # [N, K]
+            name: branch_advantages(gardo_weighted(adv[local], distances), scored, traj.edge_ids, traj.parent,
+                                    clip=t.advantage_clip) if depth_backup else
+            edge_advantages(gardo_weighted(adv[local].clamp(-t.advantage_clip, t.advantage_clip), distances),
+                            traj.edge_ids)  # [N, K]
             for name, adv in reward_advantages({key: gathered[key] for key in run.weights}, run.weights, all_groups,
                                                partial(estimator, std_scope=t.std_scope)).items()}
 
@@ -179,7 +197,8 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                                                        beta=run.beta, policy_loss=policy_loss, clip_low=t.clip_range,
                                                        clip_high=clip_high, stats=chunk_stats,
                                                        on_policy=inner == 0 and chunk_index == 0,
-                                                       ratio_scale=sensitivity.get(k), kl_gate=kl_gate,
+                                                       ratio_norm=t.ratio_norm, sensitivity=sensitivity.get(k),
+                                                       kl_gate=kl_gate,
                                                        reference=lambda: reference_weights(run))
                             accelerator.backward(loss_sum * world / max(weight, 1.0))
 
@@ -273,23 +292,12 @@ def ode_credit(policy, traj, scorer, columns, all_groups, local, *, accelerator,
     return advantages[local], combined[local]
 
 
-def step_sensitivities(sigmas: torch.Tensor, columns: list[int], *, noise_level: float, kind: str,
-                       normalise: bool) -> dict[int, float]:
-    """{stored column: its step's velocity sensitivity over the mean of the trained ones} for GRPO-Guard
-    (:func:`flowrl.algorithms.losses.guard_log_ratio`); empty without ``normalise``."""
-    if not normalise:
-        return {}
-    raw = {k: velocity_sensitivity(float(sigmas[k]), float(sigmas[k + 1]), noise_level=noise_level, kind=kind)
-           for k in columns}
-    mean = sum(raw.values()) / len(raw)
-    return {k: value / mean for k, value in raw.items()}
-
-
 def transition_loss(policy, traj, rows, k, mask, *, accelerator, guidance, noise_level, kind, beta, policy_loss,
-                    clip_low, clip_high, stats, on_policy, ratio_scale: float | None = None,
+                    clip_low, clip_high, stats, on_policy, ratio_norm: str = "none", sensitivity: float | None = None,
                     kl_gate: torch.Tensor | None = None, reference=None) -> torch.Tensor:
-    """Summed (not averaged) loss of stored transitions ``rows`` at stored step ``k``; with
-    ``ratio_scale`` the log-ratio is GRPO-Guard-normalised by it first; with ``kl_gate`` [N] (bool)
+    """Summed (not averaged) loss of stored transitions ``rows`` at stored step ``k``; ``ratio_norm``
+    grpo_guard uses GRPO-Guard's log-ratio (from ``traj.means``) and divides the policy loss by ``|dt|``,
+    batch_sensitivity centres the log-ratio and divides it by ``sensitivity``; with ``kl_gate`` [N] (bool)
     the KL acts on the gated rows only (GARDO); ``reference()`` gives the KL reference's weights as a
     context (default: the base model, adapter off)."""
     device = accelerator.device
@@ -303,9 +311,13 @@ def transition_loss(policy, traj, rows, k, mask, *, accelerator, guidance, noise
     old_log_probs = traj.log_probs[rows, k].to(device)
     advantages = traj.advantages[rows, k].to(device)
     log_probs = step.log_prob
-    if ratio_scale is not None:
-        log_probs = old_log_probs + guard_log_ratio(log_probs - old_log_probs, ratio_scale)
+    if ratio_norm != "none":  # the normalised log-ratio against a zero baseline (flowrl/algorithms/ratio_norm.py)
+        log_probs = grpo_guard_log_ratio(step.mean, traj.means[rows, k].to(device), x_next, step.std) \
+            if ratio_norm == "grpo_guard" else batch_sensitivity_log_ratio(log_probs - old_log_probs, sensitivity)
+        old_log_probs = torch.zeros_like(log_probs)
     loss, loss_stats = policy_loss(log_probs, old_log_probs, advantages, clip_low=clip_low, clip_high=clip_high)
+    if ratio_norm == "grpo_guard":
+        loss = loss * grpo_guard_loss_scale(sigma, sigma_next)
     weights = mask[rows, k].to(device).float()  # [B]
     kl = torch.zeros_like(loss)
     if beta > 0:

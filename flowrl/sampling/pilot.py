@@ -85,7 +85,7 @@ def join_committed(pilot: Trajectory, commit: Trajectory, committed: torch.Tenso
     rewards = {k: take(pilot.rewards.get(k, nan(pilot)).float().cpu(), commit.rewards.get(k, nan(commit)).float())
                for k in keys}
     optional = {name: None if getattr(pilot, name) is None or getattr(commit, name) is None
-                else take(getattr(pilot, name), getattr(commit, name)) for name in ("images", "x0_preds")}
+                else take(getattr(pilot, name), getattr(commit, name)) for name in ("images", "x0_preds", "means")}
     return Trajectory(
         latents=take(pilot.latents, commit.latents),
         log_probs=take(pilot.log_probs, commit.log_probs),

@@ -12,6 +12,9 @@ A rollout of ``num_steps`` denoising steps is described by a :class:`StepPlan`:
   rollout's single ``noise_level`` at those steps (TMPO's per-split eta). A level of 0 makes a step inside
   the window deterministic: it is stored (the stored latents stay one contiguous chain) with log-prob 0 and
   never trained, which is how a plan runs the SDE at its branch steps only and the ODE between them.
+- ``split_noise_scale``: BranchGRPO's split noise. At a branch step each child draws its noise times
+  this factor (4 in its script) so that siblings part further, while its log-probability stays that of
+  the step's unscaled Gaussian (:func:`flowrl.sampling.steps.sde_step`, ``noise_scale``).
 - ``pruned_steps``: BranchGRPO's depth pruning. These steps are sampled and stored as usual (the
   rollout and its exploration are unchanged) but not trained: the recipe drops them from the loss mask
   (:func:`flowrl.algorithms.tree.prune_mask`).
@@ -49,6 +52,7 @@ class StepPlan:
     branch_factor: int = 1
     pruned_steps: tuple[int, ...] = ()  # stored but not trained (BranchGRPO depth pruning)
     noise_levels: tuple[tuple[int, float], ...] = ()  # (step, level): per-step noise overrides; 0 = deterministic
+    split_noise_scale: float = 1.0  # noise factor of the branch steps' draws (BranchGRPO: 4)
 
     def __post_init__(self):
         if self.num_steps < 1:
@@ -67,6 +71,8 @@ class StepPlan:
             if step not in self.sde_steps or level < 0:
                 raise ValueError(f"noise level {level} at step {step}: needs a step of the SDE window "
                                  f"{list(self.sde_steps)} and a level >= 0")
+        if self.split_noise_scale <= 0:
+            raise ValueError(f"split_noise_scale must be > 0, got {self.split_noise_scale}")
         if any(not 0 <= step < self.num_steps for step in self.pruned_steps):
             raise ValueError(f"pruned steps {list(self.pruned_steps)} must lie in [0, {self.num_steps})")
 

@@ -3,9 +3,10 @@
 Steps inside the plan's SDE window are stochastic (``kind``: sde or cps, at ``noise_level`` or the plan's
 per-step level) and stored with their log-probabilities; every other step is a deterministic ODE step of
 ``ode_solver`` (Euler, or DPM-Solver++(2M) as in MixGRPO-Flash; see ``flowrl.sampling.steps.ODE_SOLVERS``).
-Tree rollouts split each row into ``branch_factor`` children right before every branch step: children share the parent's
-computed prefix (computed once) and differ from that step on because each child draws its own
-noise.
+Tree rollouts split each row into ``branch_factor`` children right before every branch step: children share
+the parent's computed prefix (computed once) and differ from that step on because each child draws its own
+noise (times ``plan.split_noise_scale`` at the branch step itself, BranchGRPO's split noise; the
+recorded log-probability is that of the unscaled step).
 
 Randomness is per row: the initial noise of a row comes from a generator seeded with the row's
 seed, exactly as diffusers draws it from a list of generators, so an ODE rollout reproduces the
@@ -50,13 +51,16 @@ def rollout(
     decode_batch_size: int = 16,
     store_x0_preds: bool = False,
     ode_solver: str = "euler",
+    store_means: bool = False,
 ) -> Trajectory:
     """Sample ``len(prompts) * group_size`` trajectories; only the plan's SDE steps are stored.
 
     ``seeds`` holds one seed per root row (``len(prompts) * group_size // plan.leaves_per_root``).
     With ``same_noise_in_group`` every row of a group starts from the first row's initial noise.
     With ``store_x0_preds`` the trajectory also keeps the clean-latent prediction ``x - sigma v`` at
-    every stored state from the velocities the loop computes anyway (no extra model call).
+    every stored state from the velocities the loop computes anyway (no extra model call). With
+    ``store_means`` it keeps the float32 mean of every stored step (GRPO-Guard's ratio needs the sampling
+    policy's mean).
     ``ode_solver`` names the solver of the unstored deterministic steps; a multistep one restarts after
     every SDE step, since the noise moves the state off the ODE path its history lies on.
     """
@@ -105,6 +109,7 @@ def rollout(
     stored_log_probs: list[torch.Tensor] = []  # K x [rows]
     stored_edges: list[torch.Tensor] = []  # K x [rows]
     stored_x0: list[torch.Tensor] = []  # K+1 x [rows, C, h, w] float32, with store_x0_preds
+    stored_means: list[torch.Tensor] = []  # K x [rows, C, (F,) h, w] float32, with store_means
     # Per-row state that only changes at a branch step: conditioning rows, seeds, noise generators
     # (re-seeded every step; manual_seed resets a generator completely, so this equals a fresh one).
     row_cond = cond.select(prompt_ids)
@@ -125,6 +130,7 @@ def rollout(
             stored_log_probs = [t.repeat_interleave(k) for t in stored_log_probs]
             stored_edges = [t.repeat_interleave(k) for t in stored_edges]
             stored_x0 = [t.repeat_interleave(k, dim=0) for t in stored_x0]
+            stored_means = [t.repeat_interleave(k, dim=0) for t in stored_means]
             parent = torch.where(parent >= 0, parent * k, parent).repeat_interleave(k)
             first_child = torch.arange(rows) * k
             parent = torch.where(child > 0, first_child.repeat_interleave(k), parent)
@@ -142,10 +148,13 @@ def rollout(
                 stored_latents.append(x)
             for generator, row_seed in zip(step_generators, seed_list):
                 generator.manual_seed(derive_seed(row_seed, i + 1))
-            out = schedule_at(i).step(i, velocity, x, generator=step_generators)
+            out = schedule_at(i).step(i, velocity, x, generator=step_generators,
+                                      noise_scale=plan.split_noise_scale if i in branch_steps else 1.0)
             stored_latents.append(out.prev_sample)
             stored_log_probs.append(out.log_prob)
             stored_edges.append(lineage)  # never modified in place: a branch rebinds it
+            if store_means:
+                stored_means.append(out.mean)
             x, ode_history = out.prev_sample, None
         else:
             x, ode_history = ode_step(velocity, x, step_sigmas[i], step_sigmas[i + 1], ode_history)
@@ -177,6 +186,7 @@ def rollout(
         images=images,
         cond=cond,
         x0_preds=torch.stack(stored_x0, dim=1) if store_x0_preds else None,
+        means=torch.stack(stored_means, dim=1) if store_means else None,
     )
 
 

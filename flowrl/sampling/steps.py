@@ -4,13 +4,18 @@ Convention (rectified flow): ``x_sigma = (1 - sigma) * x0 + sigma * eps`` and th
 predicts ``v ~= eps - x0``; sampling walks sigma from 1 down to 0, so ``dt = sigma_next - sigma``
 is negative.
 
-Three kinds of step share one signature so the rollout can mix them freely:
+Four kinds of step share one signature so the rollout can mix them freely:
 
 - ``"ode"``: the Euler step ``x' = x + dt * v``. Deterministic.
 - ``"sde"``: Flow-GRPO's reverse SDE. ``std_t = a * sqrt(sigma / (1 - sigma))`` and
   ``mu = x + [v + std_t^2 / (2 sigma) * (x + (1 - sigma) v)] * dt``,
   ``x' = mu + std_t * sqrt(-dt) * eps``. At sigma = 1 the ratio blows up; like Flow-GRPO we
   evaluate the denominator at the next sigma of the schedule (``sigma_next``).
+- ``"dance"``: DanceGRPO's reverse SDE, the sampler BranchGRPO's script runs (``flux_step_with_split`` in
+  ``Fredreic1849/BranchGRPO`` ``fastvideo/train_branchgrpo_flux.py``): the same mean with a constant
+  ``std_t = a`` (its ``eta``, 0.3 there), so ``x' = mu + a * sqrt(-dt) * eps``. Its noise does not grow
+  near sigma = 1 as Flow-GRPO's does (there ``std_t`` is several times ``a``), which is what lets
+  BranchGRPO draw 4x noise at its split steps.
 - ``"cps"``: coefficient-preserving sampling. ``std = sigma_next * sin(a * pi / 2)``,
   ``mu = (1 - sigma_next) * x0_hat + sqrt(sigma_next^2 - std^2) * x1_hat`` with
   ``x0_hat = x - sigma v`` and ``x1_hat = x + (1 - sigma) v``.
@@ -46,8 +51,8 @@ from typing import Literal, Sequence
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-StepKind = Literal["sde", "cps", "ode"]
-STEP_KINDS: tuple[str, ...] = ("sde", "cps", "ode")
+StepKind = Literal["sde", "cps", "ode", "dance"]
+STEP_KINDS: tuple[str, ...] = ("sde", "cps", "ode", "dance")
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
@@ -85,6 +90,11 @@ def _mean_log_density(sample, mean, deterministic, neg_two_var, log_std) -> torc
     return log_density.mean(dim=tuple(range(1, sample.ndim)))
 
 
+def _scaled(noise: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale * noise``; at 1 the noise itself, one full-size multiply fewer on every plain step."""
+    return noise if scale == 1 else noise * scale
+
+
 def _sde_std_t(s: torch.Tensor, s_next: torch.Tensor, noise_level: float) -> torch.Tensor:
     """Flow-GRPO's ``std_t = a * sqrt(sigma / (1 - sigma))``, the SDE's diffusion coefficient before ``sqrt(-dt)``.
 
@@ -110,8 +120,8 @@ def _coefficients(s: torch.Tensor, s_next: torch.Tensor, noise_level: float, kin
     dt = s_next - s
     if kind == "ode":
         return (dt,), torch.zeros_like(s)
-    if kind == "sde":
-        std_t = _sde_std_t(s, s_next, noise_level)
+    if kind in ("sde", "dance"):
+        std_t = _sde_std_t(s, s_next, noise_level) if kind == "sde" else torch.full_like(s, noise_level)
         return (dt, std_t**2 / (2 * s), 1 - s), std_t * torch.sqrt(-dt)
     # cps
     std = _cps_std(s_next, noise_level)
@@ -123,7 +133,7 @@ def _mean(x: torch.Tensor, v: torch.Tensor, coefficients, kind: StepKind) -> tor
     if kind == "ode":
         (dt,) = coefficients
         return x + dt * v
-    if kind == "sde":
+    if kind in ("sde", "dance"):
         dt, drift, one_minus_s = coefficients
         return x + (v + drift * (x + one_minus_s * v)) * dt
     s, one_minus_s, one_minus_s_next, root = coefficients  # cps: x0_hat = x - s v, x1_hat = x + (1 - s) v
@@ -168,6 +178,8 @@ def kl_std(sample, sigma, sigma_next, *, noise_level: float, kind: StepKind) -> 
       its ``beta`` carries over.
     - ``"cps"``: Flow-GRPO's CPS variant returns its step std ``sigma_next * sin(a * pi / 2)`` and
       divides by it, so here ``s`` is the transition std itself and the KL is the true Gaussian KL.
+    - ``"dance"``: ``s = a``, its ``std_t`` without ``sqrt(-dt)``, as for ``"sde"`` (DanceGRPO and
+      BranchGRPO train without a KL, so there is no published scale to follow).
     - ``"ode"``: zero, like the step's std (a deterministic step has no KL; it is never trained).
 
     ``sample`` [B, ...] fixes the batch shape, device and dtype; ``sigma``/``sigma_next`` are floats
@@ -182,6 +194,8 @@ def kl_std(sample, sigma, sigma_next, *, noise_level: float, kind: StepKind) -> 
         return _sde_std_t(s, s_next, noise_level)
     if kind == "cps":
         return _cps_std(s_next, noise_level)
+    if kind == "dance":
+        return torch.full_like(s, noise_level)
     return torch.zeros_like(s)
 
 
@@ -195,18 +209,22 @@ def sde_step(
     kind: StepKind = "sde",
     prev_sample: torch.Tensor | None = None,
     generator: torch.Generator | Sequence[torch.Generator] | None = None,
+    noise_scale: float = 1.0,
 ) -> StepOutput:
     """Take one step (or, given ``prev_sample``, score it) and return its exact log-density.
 
     ``velocity`` and ``sample`` are [B, ...]; ``sigma``/``sigma_next`` are floats or [B] tensors.
     ``generator`` may be one generator or one per batch row (per-sample determinism).
+    ``noise_scale`` multiplies the drawn noise only (BranchGRPO's split steps draw 4x): the sample is
+    ``mean + noise_scale * std * eps`` while ``log_prob`` and ``std`` stay those of the unscaled Gaussian,
+    the one the loss recomputes, so a recomputed log-prob equals the recorded one.
     """
     mean, std = transition(velocity, sample, sigma, sigma_next, noise_level=noise_level, kind=kind)
     if prev_sample is None and (kind == "ode" or noise_level == 0):
         prev_sample = mean.to(sample.dtype)  # deterministic: draw no noise, leave every RNG untouched
     elif prev_sample is None:
         noise = randn_tensor(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
-        prev_sample = (mean + std * noise).to(sample.dtype)
+        prev_sample = (mean + std * _scaled(noise, noise_scale)).to(sample.dtype)
     log_prob = gaussian_log_prob(prev_sample.to(mean.dtype), mean, std)
     return StepOutput(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std)
 
@@ -238,7 +256,8 @@ class ScheduleSteps:
         self._steps = [tuple(step) for step in per_step]
 
     def step(self, i: int, velocity: torch.Tensor, sample: torch.Tensor, *,
-             generator: torch.Generator | Sequence[torch.Generator] | None = None) -> StepOutput:
+             generator: torch.Generator | Sequence[torch.Generator] | None = None,
+             noise_scale: float = 1.0) -> StepOutput:
         """Step ``i`` of the schedule (``sigmas[i] -> sigmas[i + 1]``) from ``sample``; see :func:`sde_step`."""
         if torch.promote_types(sample.dtype, torch.float32) != self.dtype:
             raise ValueError(f"sample dtype {sample.dtype} needs a {torch.promote_types(sample.dtype, torch.float32)}"
@@ -251,7 +270,7 @@ class ScheduleSteps:
         # The log sees the same contiguous [B, 1, ...] input as in gaussian_log_prob, so it rounds the same way.
         log_std = torch.log(safe_std.expand(column).contiguous())
         noise = randn_tensor(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
-        prev_sample = (mean + std * noise).to(sample.dtype)
+        prev_sample = (mean + std * _scaled(noise, noise_scale)).to(sample.dtype)
         log_prob = _mean_log_density(prev_sample.to(mean.dtype), mean, deterministic, neg_two_var, log_std)
         return StepOutput(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std)
 

@@ -36,6 +36,8 @@ class Trajectory:
     x0_preds: torch.Tensor | None = None  # [N, K+1, C, H, W] float32 x_k - sigma_k v_k at each stored state
     # (the last: x_K itself when clean, else from the next ODE step's velocity); filled only by
     # ``rollout(..., store_x0_preds=True)`` for dense_cosine credit, None otherwise to save memory.
+    means: torch.Tensor | None = None  # [N, K, C, H, W] float32 mean of each stored transition under the sampling
+    # policy; filled only by ``rollout(..., store_means=True)`` for GRPO-Guard's ratio, None otherwise.
     rollouts_sampled: int = 0  # rollouts of every process behind this set, dropped Pilot-Commit pilots included
     sampling_metrics: dict[str, float] = field(default_factory=dict)  # perf/* of the allocation (Pilot-Commit)
 
@@ -98,6 +100,7 @@ def concat_trajectories(parts: list[Trajectory]) -> Trajectory:
     first = parts[0]
     images = None if first.images is None else torch.cat([p.images for p in parts])
     x0_preds = None if first.x0_preds is None else torch.cat([p.x0_preds for p in parts])
+    means = None if first.means is None else torch.cat([p.means for p in parts])
     return Trajectory(
         latents=torch.cat([p.latents for p in parts]),
         log_probs=torch.cat([p.log_probs for p in parts]),
@@ -116,6 +119,7 @@ def concat_trajectories(parts: list[Trajectory]) -> Trajectory:
         cond=TextCond.cat([p.cond for p in parts]) if first.cond is not None else None,
         rewards=_concat_rewards(parts),
         x0_preds=x0_preds,
+        means=means,
     )
 
 
