@@ -124,8 +124,18 @@ def tree_trajectory():
     return SimpleNamespace(
         latents=torch.stack([root, mid, leaves], dim=1), sigmas=torch.tensor([0.9, 0.6, 0.3]),
         edge_ids=torch.tensor([[0, 2], [0, 3], [1, 4], [1, 5]]), group_ids=torch.zeros(4, dtype=torch.long),
-        prompt_ids=torch.zeros(4, dtype=torch.long), num_rows=4,
+        prompt_ids=torch.zeros(4, dtype=torch.long), num_rows=4, means=None,
         cond=SimpleNamespace(select=lambda ids: cond.expand(len(ids), 6)))
+
+
+def sampling_means(traj, w, etas):
+    """[4, 2, 6] the CPS step means at weight ``w``, as a rollout with ``store_means`` keeps them."""
+    from flowrl.sampling import transition
+
+    cond = traj.cond.select([0] * 4)
+    return torch.stack([transition(w * traj.latents[:, k] + cond, traj.latents[:, k], float(traj.sigmas[k]),
+                                   float(traj.sigmas[k + 1]), noise_level=etas[k], kind="cps")[0]
+                        for k in range(2)], dim=1)
 
 
 def release_loss(policy, traj, old_w, rewards, *, beta, clip, ref_weight, etas, ref_w=None):
@@ -155,15 +165,19 @@ def release_loss(policy, traj, old_w, rewards, *, beta, clip, ref_weight, etas, 
     return surrogate.mean() + ref_weight * ((current / 2 - ref_paths / 2) ** 2).mean()
 
 
-@pytest.mark.parametrize("new_w, reference", [(0.55, "rollout"), (0.9, "rollout"), (0.55, "base")])
-def test_path_update_counts_a_shared_edge_once_per_leaf_like_the_release(new_w, reference):
-    # rollout at w = 0.5, then an update to new_w (0.9 is far enough to clip); reference "base" is w = 0
+@pytest.mark.parametrize("new_w, reference, stored", [(0.55, "rollout", False), (0.9, "rollout", False),
+                                                      (0.55, "base", False), (0.9, "rollout", True)])
+def test_path_update_counts_a_shared_edge_once_per_leaf_like_the_release(new_w, reference, stored):
+    # rollout at w = 0.5, then an update to new_w (0.9 is far enough to clip); reference "base" is w = 0;
+    # stored: the rollout kept its step means (store_means), else they are recomputed before the update
     from accelerate import Accelerator
 
     from flowrl.recipes.tmpo_paths import TmpoPaths
     from flowrl.training.stats import StatsAccumulator
 
     traj, rewards, etas = tree_trajectory(), torch.tensor([0.1, -0.3, 0.7, 0.2]), [0.4, 1.0]
+    if stored:
+        traj.means = sampling_means(traj, 0.5, etas)
     train = SimpleNamespace(micro_batch_size=3, tmpo_target="residual", tmpo_beta=2.0, tmpo_clip_range=0.2,
                             tmpo_ref_weight=0.5, tmpo_reference=reference)
     policy = LinearPolicy(0.5)

@@ -29,8 +29,6 @@ Deliberate differences, one reason each:
 
 - A shared edge is computed once and its gradient weighted by the leaves below it (the release recomputes it
   per leaf): the same gradient for fewer model calls (``flowrl/recipes/tmpo_paths.py``).
-- The rollout's step means, which RatioNorm compares against, come from a gradient-free pass before the first
-  update rather than being kept from sampling: the same policy, and the trajectory stays small.
 - Paths are centred and averaged per prompt group, and the groups of an optimizer step averaged over every
   process; the release's batch is one prompt per process, so the two agree there.
 - The release's clamps of non-finite values (velocities to +-20, step log-probs to +-40, paths to +-80) are not

@@ -106,7 +106,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         traj, sample_done, reward_done = sample_and_score(
             run, scorer, epoch, plan=plan, noise_level=s.noise_level, kind=s.kind,
             same_noise_in_group=s.same_noise_in_group, store_x0_preds=t.credit == "dense_cosine",
-            store_means=t.ratio_norm == "grpo_guard")
+            store_means=t.ratio_norm == "grpo_guard" or t.loss == "tmpo")
 
         # 4. Advantages over whole groups: gather every process's rewards, keep this process's slice.
         #    TMPO takes that (unclipped) as its reward R and trains whole paths (TmpoPaths) on Softmax-TB.

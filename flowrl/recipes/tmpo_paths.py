@@ -11,8 +11,9 @@ own forward (what DDP / FSDP gradient accumulation expects):
 2. with gradient, in micro-batches of edges: backward of ``sum_e c_e log p_e`` with ``c_e`` the sum of ``g`` over
    the paths through edge ``e``. The gradient is exactly that of the path loss.
 
-The rollout's means (for RatioNorm's shift) come from one gradient-free pass before the first update; that pass is
-also the first chunk's pass 1. Chunks hold whole groups: the ratio is centred, and the loss averaged, per group
+The rollout's step means (for RatioNorm's shift) and log-probs are the ones the rollout kept (``store_means``); a
+trajectory without them gets them from one gradient-free pass before the first update. On the first chunk, before
+any update, pass 1 takes them as they are. Chunks hold whole groups: the ratio is centred, and the loss averaged, per group
 (the release's batch is one prompt's leaves per process).
 """
 
@@ -54,7 +55,14 @@ class TmpoPaths:
                                                    float(traj.sigmas[k + 1]), noise_level=level, kind=self.kind)[1])
                                   for k, level in zip(columns, noise_levels)])  # [S] each step's std
         every = torch.arange(offset)
-        self.old_log_probs, self.old_means = self._edges(every)  # [E], [E, ...] the rollout's
+        if traj.means is None:  # recomputed by the policy that sampled (no update has happened yet)
+            self.old_log_probs, self.old_means = self._edges(every)  # [E], [E, ...] the rollout's
+        else:  # kept by the rollout, as the release keeps them
+            columns_of = torch.tensor(columns)[self.edge_columns]  # [E] stored column of each slot
+            self.old_means = traj.means[self.edge_rows, columns_of].float().cpu()  # [E, ...]
+            outputs = traj.latents[self.edge_rows, columns_of + 1]
+            self.old_log_probs = cps_log_prob(outputs, self.old_means) if self.kind == "cps" else \
+                traj.log_probs[self.edge_rows, columns_of].float().cpu()
         self.reference = self.old_log_probs
         if self.t.tmpo_reference == "base":
             with run.policy.reference():
