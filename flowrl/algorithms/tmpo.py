@@ -1,8 +1,9 @@
 """TMPO (Trajectory Matching Policy Optimization): Softmax Trajectory Balance over whole paths.
 
-Reference: the authors' release, github.com/MAIR-Lab-HUST/TMPO at commit af2fa6c300fd3a48068bfad064a786c7529ec553 (``tmpo/losses/softmax_tb.py``,
-``ratio_norm.py``, ``reference.py``, ``total_loss.py``, ``tmpo/sampling/sde_step.py``, ``tmpo/train.py``). Over the
-K paths of one prompt (the leaves of its tree) it matches ``softmax(log P(tau))`` to ``softmax(beta R)``:
+Reference: the authors' release, github.com/MAIR-Lab-HUST/TMPO at commit af2fa6c300fd3a48068bfad064a786c7529ec553
+(``tmpo/losses/softmax_tb.py``, ``ratio_norm.py``, ``reference.py``, ``total_loss.py``, ``tmpo/sampling/sde_step.py``,
+``tmpo/train.py``). Over the K paths of one prompt (the leaves of its tree) it matches ``softmax(log P(tau))``
+to ``softmax(beta R)``:
 
 - Advantage (:func:`softmax_tb_advantages`): the detached residual ``log softmax(beta R)_i - log softmax(log P)_i``,
   recomputed from the current policy's path log-probs at every update (on the first one they are the rollout's).
@@ -34,6 +35,8 @@ Deliberate differences, one reason each:
 - The release's clamps of non-finite values (velocities to +-20, step log-probs to +-40, paths to +-80) are not
   copied: flowrl's guards skip non-finite steps instead.
 - Its ``beta`` warm-up (``beta_target``, used by its FLUX configs only) is not implemented.
+- With several rewards, ``train.combine: gdpo`` z-scores each in its group like the release, then also z-scores
+  the weighted sum over the batch: flowrl has no combiner that stops after the sum.
 
 ``softmax_tb_gradient`` is flowrl's earlier target ``t - p sum(t)`` with ``t`` the residual above: the exact
 negative gradient of the squared Softmax-TB loss ``1/2 sum_i (log p_i - log q_i)^2`` with respect to ``log P``,

@@ -13,8 +13,8 @@ own forward (what DDP / FSDP gradient accumulation expects):
 
 The rollout's step means (for RatioNorm's shift) and log-probs are the ones the rollout kept (``store_means``); a
 trajectory without them gets them from one gradient-free pass before the first update. On the first chunk, before
-any update, pass 1 takes them as they are. Chunks hold whole groups: the ratio is centred, and the loss averaged, per group
-(the release's batch is one prompt's leaves per process).
+any update, pass 1 takes them as they are. Chunks hold whole groups: the ratio is centred, and the loss averaged,
+per group (the release's batch is one prompt's leaves per process).
 """
 
 from __future__ import annotations
