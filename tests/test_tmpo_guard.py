@@ -97,7 +97,8 @@ def smoke(tmp_path, *overrides):
 @pytest.mark.parametrize("overrides", [
     ["train.loss=tmpo", "train.beta=0"],
     ["train.loss=tmpo", "train.beta=0", "sampling.tree.branch_steps=[1]", "sampling.tree.branch_factor=2"],
-    ["train.loss=tmpo", "train.beta=0", "sampling.window.size=2", "sampling.num_steps=4"],
+    ["train.loss=tmpo", "train.beta=0", "sampling.window.size=2", "sampling.window.mode=random_per_epoch",
+     "sampling.num_steps=4"],
     ["train.ratio_norm=true", "train.inner_epochs=2"],
     ["train.ratio_norm=batch_sensitivity", "train.inner_epochs=2"],
 ])

@@ -15,10 +15,14 @@ from flowrl.config.loader import check
 class WindowConfig:
     size: int | None = None
     """SDE window length k; None trains a full-SDE rollout (every step stochastic and stored)."""
-    mode: Literal["random", "sliding", "fixed"] = "random"
-    """Window placement: random start per iteration (Flow-GRPO-Fast) or sliding (MixGRPO)."""
+    mode: Literal["random", "random_per_epoch", "sliding", "fixed"] = "random"
+    """Window placement. random: Flow-GRPO-Fast, a fresh start for every rollout batch on every process (rows of
+    one epoch then hold different windows; each row records its own steps); random_per_epoch: one start per epoch
+    for every batch and process (flowrl's earlier draw: N processes then reproduce one, and
+    train.ratio_norm=batch_sensitivity, which needs one window per epoch, applies); sliding: MixGRPO; fixed: start_range[0]."""
     start_range: list[int] | None = None
-    """Inclusive [low, high] range of window starts (default: every valid start)."""
+    """Inclusive [low, high] range of window starts (default: every valid start). Flow-GRPO-Fast's
+    sde_window_range (r0, r1) bounds the whole window: it is start_range [r0, r1 - size]."""
     shift_every: int = 1
     """Sliding mode: move the window one step every this many iterations."""
 
@@ -132,9 +136,11 @@ class SamplingConfig:
     kind: Literal["sde", "cps", "dance"] = "sde"
     """Stochastic step inside the window: Flow-GRPO SDE, coefficient-preserving sampling, or DanceGRPO's SDE (the
     same mean with a constant std_t = noise_level; BranchGRPO's sampler, noise_level 0.3 there)."""
-    ode_solver: Literal["euler", "dpmpp_2m"] = "euler"
-    """Deterministic steps outside the SDE window (never stored or trained): Euler, or DPM-Solver++(2M), the
-    second-order multistep solver MixGRPO-Flash uses there (no extra model call per step)."""
+    ode_solver: Literal["euler", "dpmpp_2m", "dpmpp_2m_restart"] = "euler"
+    """Deterministic steps outside the SDE window (never stored or trained): euler; dpmpp_2m, MixGRPO-Flash's
+    sampler: Euler before and inside the window, DPM-Solver++(2M) (no extra model call per step) only after it,
+    its history seeded with the window steps' clean-latent predictions; dpmpp_2m_restart, DPM-Solver++(2M) on
+    every deterministic step, before the window too (a more accurate start state), restarting after it."""
     group_size: int = 24
     """Trajectories per prompt (the GRPO group)."""
     prompts_per_batch: int = 2

@@ -204,8 +204,9 @@ class TrainConfig:
     step std); NFT adds beta ||v - v_ref||^2 instead. 0 disables the reference pass."""
     cfg: bool = True
     """Classifier-free guidance in sampling and training (SD3); off trains the conditional model alone."""
-    skip_last_step: bool = True
-    """Do not train the last, near-clean step."""
+    skip_last_step: bool | None = None
+    """Do not train the last, near-clean step. null: true for a full-SDE rollout (Flow-GRPO trains steps
+    0..T-2), false with an SDE window (Flow-GRPO-Fast trains every window step, the last included)."""
     timestep_fraction: float = 1.0
     """Train this fraction of the stored steps, drawn per epoch."""
     ema: bool = True
@@ -240,7 +241,8 @@ class TrainConfig:
     credit: Literal["terminal", "dense_cosine", "dense_ode"] = "terminal"
     """Per-step credit (recipe grpo, see flowrl/algorithms/dense.py): terminal gives every trained step its
     row's advantage; dense_cosine splits it by how far each step moves the predicted x0 toward the final
-    latent; dense_ode (DenseGRPO) trains each step on its group-normalised reward gain from ODE look-ahead."""
+    latent; dense_ode trains each step on its group-normalised reward gain from ODE look-ahead, DenseGRPO's
+    dense reward (its reward-aware per-timestep noise calibration is not implemented: no published code)."""
     dense_lookahead: int | None = None
     """dense_ode: model calls per look-ahead (the last one steps straight to sigma 0); null runs the full
     remaining ODE, which DenseGRPO finds better than a short look-ahead."""
@@ -497,7 +499,15 @@ class Config:
                   "train.loss=tmpo has no per-row advantage to weight; set gardo.diversity=false")
         from flowrl.algorithms.dense import check_credit
 
+        window = self.sampling.window
+        batch_windows = window.size is not None and window.mode == "random"  # rows of an epoch: different windows
         check_credit(self.train.credit, recipe=self.recipe, branch_steps=self.sampling.tree.branch_steps)
+        check(not (batch_windows and self.train.ratio_norm == "batch_sensitivity"), "train.ratio_norm",
+              "batch_sensitivity scales each stored column by its step's sensitivity, but sampling.window.mode=random draws a window per "
+              "rollout batch, so a column holds different steps: use sampling.window.mode=random_per_epoch")
+        check(not (batch_windows and self.train.loss == "tmpo"), "sampling.window.mode",
+              "train.loss=tmpo scores each stored column at one step, but mode random draws a window per rollout "
+              "batch: use sampling.window.mode=random_per_epoch")
         check(self.sampling.group_size >= 2 or self.train.advantage == "mean", "sampling.group_size",
               "group advantages need at least 2 trajectories per prompt")
         check(not self.guard.enabled or self.sampling.group_size >= 2, "guard.enabled",

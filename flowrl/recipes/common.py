@@ -42,11 +42,15 @@ from flowrl.training.metrics import MetricsLogger
 from flowrl.training.stats import StatsAccumulator
 
 
-def step_plan(s: SamplingConfig, epoch: int, seed: int, split_scheduler: BetaSplitScheduler | None = None) -> StepPlan:
+def step_plan(s: SamplingConfig, epoch: int, seed: int, split_scheduler: BetaSplitScheduler | None = None, *,
+              batch: int = 0, rank: int = 0) -> StepPlan:
     """This epoch's plan: full SDE, a (random / sliding / fixed) window, tree branch points (fixed, moving
     per epoch, or drawn by TMPO's reward-adaptive ``split_scheduler``, called once per epoch), BranchGRPO's
     split noise and the steps its depth pruning leaves untrained. With per-split noise levels the SDE window
-    spans the branch steps and is deterministic between them."""
+    spans the branch steps and is deterministic between them.
+
+    ``window.mode: random`` (Flow-GRPO-Fast) draws its start per rollout ``batch`` of the epoch and per
+    process ``rank``: :func:`sample_and_score` asks for each batch's plan with ``batch_windows``."""
     tree = s.tree
     split_levels = tuple(tree.split_noise_levels or ())
     if split_scheduler is not None:
@@ -69,8 +73,18 @@ def step_plan(s: SamplingConfig, epoch: int, seed: int, split_scheduler: BetaSpl
         return StepPlan(s.num_steps, **branch)
     start_range = tuple(s.window.start_range) if s.window.start_range else None
     start = window_start(epoch, num_steps=s.num_steps, size=s.window.size, mode=s.window.mode,
-                         start_range=start_range, shift_every=s.window.shift_every, seed=seed)
+                         start_range=start_range, shift_every=s.window.shift_every, seed=seed, batch=batch,
+                         rank=rank)
     return StepPlan(s.num_steps, sde_start=start, sde_size=s.window.size, **branch)
+
+
+def batch_plan(plan: StepPlan, s: SamplingConfig, batch_windows: bool, *, seed: int, epoch: int, batch: int,
+               rank: int) -> StepPlan:
+    """The plan rollout batch ``batch`` of process ``rank`` samples with: its own draw of a random window
+    (Flow-GRPO-Fast) when ``batch_windows``, else the epoch's ``plan``."""
+    if not batch_windows or s.window.size is None or s.window.mode != "random":
+        return plan
+    return step_plan(s, epoch, seed, batch=batch, rank=rank)
 
 
 def restore_checkpoint(cfg: Config, policy, optimizer, ema, *, rank: int, snapshots: dict | None = None) -> dict:
@@ -309,8 +323,13 @@ def beta_split_scheduler(s: SamplingConfig) -> BetaSplitScheduler | None:
 
 
 def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_level: float, kind: str = "sde",
-                     same_noise_in_group: bool = False, store_x0_preds: bool = False, store_means: bool = False):
+                     same_noise_in_group: bool = False, store_x0_preds: bool = False, store_means: bool = False,
+                     batch_windows: bool = False):
     """This epoch's rollouts on this process, scored: batch b is scored in a worker while b+1 is sampled.
+
+    With ``batch_windows`` and ``sampling.window.mode: random`` each batch rolls out with its own window,
+    drawn from (seed, epoch, batch, process) (:func:`step_plan`), as Flow-GRPO-Fast draws one per sampling
+    call; otherwise every batch uses ``plan``.
 
     Prompts are sharded over processes and row seeds come from global row indices, so N processes
     reproduce one. With ``sampling.pilot.candidates`` the batches are allocated by Pilot-Commit
@@ -324,7 +343,8 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
     strata = [m[key] for m in run.train_prompts.metadata] if key else None
     if s.pilot.candidates:
         return pilot_sample_and_score(run, scorer, epoch, plan=plan, noise_level=noise_level, kind=kind,
-                                      strata=strata, store_x0_preds=store_x0_preds, store_means=store_means)
+                                      strata=strata, store_x0_preds=store_x0_preds, store_means=store_means,
+                                      batch_windows=batch_windows)
     roots_per_group = s.group_size // plan.leaves_per_root
     parts, futures = [], []
     for b in range(cfg.train.batches_per_epoch):
@@ -336,7 +356,9 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
         with policy.local_forward():
             part = chunked_rollout(policy, batch.prompts, group_size=s.group_size, chunk=s.rollout_chunk,
                                    num_steps=s.num_steps, guidance_scale=run.guidance, noise_level=noise_level,
-                                   kind=kind, plan=plan, same_noise_in_group=same_noise_in_group,
+                                   kind=kind, plan=batch_plan(plan, s, batch_windows, seed=cfg.seed, epoch=epoch,
+                                                              batch=b, rank=rank),
+                                   same_noise_in_group=same_noise_in_group,
                                    metadata=batch.metadata, store_x0_preds=store_x0_preds, ode_solver=s.ode_solver,
                                    store_means=store_means,
                                    seeds=root_seeds(cfg.seed, first_root, len(batch) * roots_per_group))
@@ -352,7 +374,8 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
 
 
 def pilot_sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_level: float, kind: str,
-                           strata: list | None, store_x0_preds: bool = False, store_means: bool = False):
+                           strata: list | None, store_x0_preds: bool = False, store_means: bool = False,
+                           batch_windows: bool = False):
     """Pilot-Commit (``flowrl.sampling.pilot``): every batch pilots ``pilot.candidates`` prompts with
     ``pilot.group_size`` rollouts each, commits the ``prompts_per_batch`` whose pilot rewards vary most
     and rolls out the rest of their groups; uncommitted pilot rollouts are dropped.
@@ -369,8 +392,10 @@ def pilot_sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, nois
     cfg, accelerator, policy = run.cfg, run.accelerator, run.policy
     s, rank, world = cfg.sampling, accelerator.process_index, accelerator.num_processes
     candidates, pilot_size, commit_size = s.pilot.candidates, s.pilot.group_size, s.group_size - s.pilot.group_size
-    steps = dict(num_steps=s.num_steps, guidance_scale=run.guidance, noise_level=noise_level, kind=kind, plan=plan,
+    steps = dict(num_steps=s.num_steps, guidance_scale=run.guidance, noise_level=noise_level, kind=kind,
                  store_x0_preds=store_x0_preds, ode_solver=s.ode_solver, store_means=store_means)
+    plans = [batch_plan(plan, s, batch_windows, seed=cfg.seed, epoch=epoch, batch=b, rank=rank)
+             for b in range(cfg.train.batches_per_epoch)]  # a batch's pilot and commit share its window
 
     # 1. Pilot: a few rollouts per candidate; candidate c owns root rows first_root + c * group_size + [0, G).
     pilots = []
@@ -383,12 +408,14 @@ def pilot_sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, nois
         first_root = slot * candidates * s.group_size
         with policy.local_forward():
             pilot = rollout(policy, batch.prompts, group_size=pilot_size, metadata=batch.metadata, **steps,
+                            plan=plans[b],
                             seeds=slot_seeds(cfg.seed, first_root, range(len(batch)), s.group_size, 0, pilot_size))
-        pilots.append((slot, first_root, pilot, scorer.submit(pilot.images, pilot.row_prompts, pilot.row_metadata)))
+        pilots.append((slot, first_root, pilot, scorer.submit(pilot.images, pilot.row_prompts, pilot.row_metadata),
+                       plans[b]))
 
     # 2. Commit the candidates whose combined pilot reward varies most; roll out the rest of their groups.
     commits, skipped, flat = [], 0, 0
-    for slot, first_root, pilot, future in pilots:
+    for slot, first_root, pilot, future, pilot_plan in pilots:
         pilot.rewards = future.result()
         n = pilot.num_rows
         signal = {k: pilot.rewards.get(k, torch.full((n,), math.nan)) for k in run.weights}  # a failed reward: NaN
@@ -399,7 +426,8 @@ def pilot_sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, nois
         flat += int((variances == 0).sum())
         chosen = committed.tolist()
         with policy.local_forward():
-            commit = rollout(policy, [pilot.prompts[c] for c in chosen], group_size=commit_size, **steps,
+            commit = rollout(policy, [pilot.prompts[c] for c in chosen], group_size=commit_size, plan=pilot_plan,
+                             **steps,
                              metadata=[pilot.metadata[c] for c in chosen] if pilot.metadata else None,
                              cond=pilot.cond.select(committed),
                              seeds=slot_seeds(cfg.seed, first_root, chosen, s.group_size, pilot_size, s.group_size))

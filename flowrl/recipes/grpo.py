@@ -106,15 +106,19 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         traj, sample_done, reward_done = sample_and_score(
             run, scorer, epoch, plan=plan, noise_level=s.noise_level, kind=s.kind,
             same_noise_in_group=s.same_noise_in_group, store_x0_preds=t.credit == "dense_cosine",
-            store_means=t.ratio_norm == "grpo_guard" or t.loss == "tmpo")
+            store_means=t.ratio_norm == "grpo_guard" or t.loss == "tmpo", batch_windows=True)
 
         # 4. Advantages over whole groups: gather every process's rewards, keep this process's slice.
         #    TMPO takes that (unclipped) as its reward R and trains whole paths (TmpoPaths) on Softmax-TB.
         gathered, combined_adv, combined, local, all_groups = group_advantages(run, traj, estimator)
-        noise_at = lambda k: plan.noise_level_at(int(traj.step_indices[k]), s.noise_level)  # noqa: E731
-        trained_cols = [k for k in trained_columns(traj.step_indices, s.num_steps, t.skip_last_step,
-                                                   t.timestep_fraction, seed=cfg.seed, epoch=epoch)
-                        if noise_at(k) > 0]  # a stored step without noise is an ODE step between splits
+        # Each row's own window (Flow-GRPO-Fast draws one per batch): which of its stored steps train [N, K].
+        skip_last = t.skip_last_step if t.skip_last_step is not None else s.window.size is None
+        trained = trained_mask(traj.row_step_indices, s.num_steps, skip_last, t.timestep_fraction, seed=cfg.seed,
+                               epoch=epoch)
+        # Per-step noise levels come with per-split levels only, where every row stores the same steps.
+        noise_at = lambda k: plan.noise_level_at(int(traj.row_step_indices[0, k]), s.noise_level)  # noqa: E731
+        trained[:, [k for k in range(traj.num_stored_steps) if noise_at(k) == 0]] = False  # ODE steps between splits
+        trained_cols = [k for k in range(traj.num_stored_steps) if trained[:, k].any()]
         scored_adv = combined_adv.where(torch.isfinite(combined), torch.tensor(float("nan")))  # [N_all] NaN: unscored
         if run.split_scheduler is not None:
             run.split_scheduler.observe(scored_adv)  # TMPO's split scheduler follows R
@@ -139,20 +143,22 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         guard_metrics = {} if run.guard is None or not run.guard.due(epoch) else run.guard.observe(
             epoch, in_group_diversity(guard_features(traj.images, traj.final_latents), traj.group_ids, accelerator),
             reward=finite_mean(combined), weights=lambda: exported_weights(policy, ema))
-        # ratio_norm batch_sensitivity: each trained step's velocity sensitivity over their mean.
-        sensitivity = step_sensitivities(traj.sigmas, trained_cols, noise_level=s.noise_level, kind=s.kind) \
+        # ratio_norm batch_sensitivity: each trained step's velocity sensitivity over their mean. ratio_norm runs
+        # only where every row shares one window (Config.validate), so row 0's sigmas are all of them.
+        sensitivity = step_sensitivities(traj.row_sigmas[0], trained_cols, noise_level=s.noise_level, kind=s.kind) \
             if t.ratio_norm == "batch_sensitivity" else {}
         mask = traj.first_visit_mask() & scored[:, None]  # [N, K]
-        mask &= prune_mask(combined[local], traj.group_ids, traj.edge_ids, traj.step_indices,
+        # Trees need a fixed window or a full-SDE rollout (SamplingConfig.validate): row 0's steps are every row's.
+        mask &= prune_mask(combined[local], traj.group_ids, traj.edge_ids, traj.row_step_indices[0],
                            keep_width=s.tree.prune_width, pruned_steps=plan.pruned_steps)  # BranchGRPO pruning
-        mask[:, [k for k in range(traj.num_stored_steps) if k not in trained_cols]] = False
+        mask &= trained
         trained_fraction = float(mask.float().mean())  # stored transitions that train (first visit, scored, unpruned)
 
         # 5. Dense credit (train.credit): per-step advantages in place of the row's one on every trained step.
         stats = StatsAccumulator()
         dense_start = time.perf_counter()
         if t.credit == "dense_cosine":
-            traj.advantages = cosine_credit(policy, traj, row_adv, trained_cols, guidance=guidance,
+            traj.advantages = cosine_credit(policy, traj, row_adv, trained, guidance=guidance,
                                             batch_size=rollout_batch)
         elif t.credit == "dense_ode":
             traj.advantages, gains = ode_credit(
@@ -185,7 +191,8 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
             for chunk_index, chunk in enumerate(chunks):
                 chunk = torch.as_tensor(chunk, dtype=torch.long)
                 weight = accelerator.reduce(mask[chunk].sum().float().to(accelerator.device), "sum").item()
-                work = [(rows, k) for rows in chunk.split(t.micro_batch_size) for k in trained_cols]
+                work = [(part, k) for rows in chunk.split(t.micro_batch_size) for k in trained_cols
+                        for part in same_step_rows(traj.row_step_indices, rows, k)]
 
                 def chunk_backward(advantages: torch.Tensor, chunk_stats: StatsAccumulator) -> None:
                     traj.advantages = advantages  # [N, K]
@@ -246,9 +253,29 @@ def gardo_metrics(distances: torch.Tensor | None, kl_gate: torch.Tensor | None) 
     return out
 
 
+def trained_mask(row_step_indices: torch.Tensor, num_steps: int, skip_last_step: bool, fraction: float, *,
+                 seed: int, epoch: int) -> torch.Tensor:
+    """[N, K] bool: the stored steps each row trains, by :func:`trained_columns` applied to each distinct window
+    (rows of one epoch hold different windows when they are drawn per batch)."""
+    mask = torch.zeros(row_step_indices.shape, dtype=torch.bool)
+    for window in torch.unique(row_step_indices.cpu(), dim=0):
+        rows = (row_step_indices.cpu() == window).all(1)  # [N]
+        columns = trained_columns(window, num_steps, skip_last_step, fraction, seed=seed, epoch=epoch)
+        mask[rows.nonzero()[:, 0, None], torch.tensor(columns)] = True
+    return mask
+
+
+def same_step_rows(row_step_indices: torch.Tensor, rows: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """``rows`` split by the schedule step their stored column ``k`` holds (one part when they share a window),
+    so each model call runs at one sigma; parts in order of first appearance, rows in their order."""
+    steps = row_step_indices[rows, k]
+    return [rows[steps == step] for step in dict.fromkeys(steps.tolist())]
+
+
 def trained_columns(step_indices: torch.Tensor, num_steps: int, skip_last_step: bool, fraction: float, *,
                     seed: int, epoch: int) -> list[int]:
-    """Stored-step columns to train: drop the final near-clean step, then keep a per-epoch fraction."""
+    """Stored-step columns of one window [K] to train: drop the final near-clean step (``skip_last_step``), then
+    keep a per-epoch fraction."""
     columns = [k for k, step in enumerate(step_indices.tolist()) if not (skip_last_step and step == num_steps - 1)]
     if not columns:
         raise ValueError("no trainable steps: the SDE window holds only the last step; widen it or set "
@@ -260,16 +287,17 @@ def trained_columns(step_indices: torch.Tensor, num_steps: int, skip_last_step: 
     return columns
 
 
-def cosine_credit(policy, traj, row_advantages, columns, *, guidance, batch_size) -> torch.Tensor:
-    """dense_cosine advantages [N, K]: the row's clipped advantage split over its trained steps by their
-    x0-prediction gains, from the rollout's stored predictions or, when it kept none, recomputed."""
+def cosine_credit(policy, traj, row_advantages, trained, *, guidance, batch_size) -> torch.Tensor:
+    """dense_cosine advantages [N, K]: the row's clipped advantage split over its trained steps (``trained``
+    [N, K] bool) by their x0-prediction gains, from the rollout's stored predictions or, when it kept none,
+    recomputed."""
     x0_preds = traj.x0_preds
     if x0_preds is None:
         with policy.local_forward():
-            x0_preds = predict_x0(policy, traj.latents, traj.sigmas, traj.cond.select(traj.prompt_ids), guidance,
+            x0_preds = predict_x0(policy, traj.latents, traj.row_sigmas, traj.cond.select(traj.prompt_ids), guidance,
                                   batch_size=batch_size)
-    weights = cosine_gain_weights(x0_preds, traj.final_latents, columns)  # [N, K]
-    return cosine_advantages(row_advantages.cpu(), weights.cpu(), len(columns))
+    weights = cosine_gain_weights(x0_preds, traj.final_latents, trained)  # [N, K]
+    return cosine_advantages(row_advantages.cpu(), weights.cpu(), trained.sum(1))
 
 
 def ode_credit(policy, traj, scorer, columns, all_groups, local, *, accelerator, schedule, guidance, weights, combine,
@@ -281,7 +309,7 @@ def ode_credit(policy, traj, scorer, columns, all_groups, local, *, accelerator,
         return scorer.submit(images, traj.row_prompts, traj.row_metadata).result()
 
     with policy.local_forward():  # gradient-free passes need no distributed syncing
-        step_rewards = lookahead_rewards(policy, traj.latents, schedule, traj.step_indices,
+        step_rewards = lookahead_rewards(policy, traj.latents, schedule, traj.row_step_indices,
                                          traj.cond.select(traj.prompt_ids), guidance, score,
                                          states=lookahead_states(columns, traj.num_stored_steps), steps=steps,
                                          batch_size=batch_size)
@@ -303,7 +331,7 @@ def transition_loss(policy, traj, rows, k, mask, *, accelerator, guidance, noise
     device = accelerator.device
     x = traj.latents[rows, k].to(device)  # [B, C, h, w]
     x_next = traj.latents[rows, k + 1].to(device)
-    sigma, sigma_next = traj.sigmas[k].item(), traj.sigmas[k + 1].item()
+    sigma, sigma_next = traj.row_sigmas[rows[0], k].item(), traj.row_sigmas[rows[0], k + 1].item()  # rows share step k
     cond = traj.cond.select(traj.prompt_ids[rows])
     with accelerator.autocast():
         velocity = policy.velocity(x, sigma, cond, guidance)

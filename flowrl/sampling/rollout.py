@@ -2,7 +2,8 @@
 
 Steps inside the plan's SDE window are stochastic (``kind``: sde or cps, at ``noise_level`` or the plan's
 per-step level) and stored with their log-probabilities; every other step is a deterministic ODE step of
-``ode_solver`` (Euler, or DPM-Solver++(2M) as in MixGRPO-Flash; see ``flowrl.sampling.steps.ODE_SOLVERS``).
+``ode_solver`` (Euler; or MixGRPO-Flash's ``dpmpp_2m``: Euler up to the end of the window, DPM-Solver++(2M)
+after it, its history holding the window's clean-latent predictions; see ``flowrl.sampling.steps.ODE_SOLVERS``).
 Tree rollouts split each row into ``branch_factor`` children right before every branch step: children share
 the parent's computed prefix (computed once) and differ from that step on because each child draws its own
 noise (times ``plan.split_noise_scale`` at the branch step itself, BranchGRPO's split noise; the
@@ -23,7 +24,7 @@ import torch
 from flowrl.models.base import Policy, TextCond
 from flowrl.sampling.plan import StepPlan
 from flowrl.sampling.seeding import derive_seed, generators
-from flowrl.sampling.steps import ODE_SOLVERS, ScheduleSteps, StepKind
+from flowrl.sampling.steps import ODE_SOLVERS, ScheduleSteps, StepKind, clean_prediction, euler_ode_step
 from flowrl.sampling.trajectory import Trajectory, concat_trajectories
 
 
@@ -61,13 +62,14 @@ def rollout(
     every stored state from the velocities the loop computes anyway (no extra model call). With
     ``store_means`` it keeps the float32 mean of every stored step (GRPO-Guard's ratio needs the sampling
     policy's mean).
-    ``ode_solver`` names the solver of the unstored deterministic steps; a multistep one restarts after
-    every SDE step, since the noise moves the state off the ODE path its history lies on.
+    ``ode_solver`` names the solver of the unstored deterministic steps (:data:`ODE_SOLVERS`): where it
+    acts (after the window only, or on every deterministic step) and whether its history carries the
+    window's clean-latent predictions or restarts after every SDE step.
     """
     plan = plan or StepPlan(num_steps)
     if ode_solver not in ODE_SOLVERS:
         raise ValueError(f"unknown ode_solver {ode_solver!r}; choose one of {sorted(ODE_SOLVERS)}")
-    ode_step, ode_history = ODE_SOLVERS[ode_solver], None
+    solver, ode_history = ODE_SOLVERS[ode_solver], None
     if plan.num_steps != num_steps:
         raise ValueError(f"plan has {plan.num_steps} steps but num_steps={num_steps}")
     if group_size % plan.leaves_per_root:
@@ -155,9 +157,15 @@ def rollout(
             stored_edges.append(lineage)  # never modified in place: a branch rebinds it
             if store_means:
                 stored_means.append(out.mean)
-            x, ode_history = out.prev_sample, None
+            # MixGRPO-Flash seeds the solver after the window with the window steps' x0 predictions (from the
+            # states before their noise); a restarting solver drops its history: the noise left the ODE path.
+            ode_history = (clean_prediction(velocity, x, step_sigmas[i]), step_sigmas[i]) if solver.after_window \
+                else None
+            x = out.prev_sample
+        elif solver.after_window and i < sde_steps.stop:  # MixGRPO-Flash: Euler up to the window's end
+            x, _ = euler_ode_step(velocity, x, step_sigmas[i], step_sigmas[i + 1])
         else:
-            x, ode_history = ode_step(velocity, x, step_sigmas[i], step_sigmas[i + 1], ode_history)
+            x, ode_history = solver.step(velocity, x, step_sigmas[i], step_sigmas[i + 1], ode_history)
 
     if store_x0_preds and sde_steps.stop == num_steps:  # the window reaches the end: x_K is clean
         stored_x0.append(x.float())
@@ -167,14 +175,15 @@ def rollout(
     if decode:
         images = torch.cat([policy.decode(chunk) for chunk in x.split(decode_batch_size)])
 
-    window = torch.tensor(list(plan.sde_steps), dtype=torch.long)
-    window_sigmas = sigmas[plan.sde_steps.start: plan.sde_steps.stop + 1]
+    rows = len(row_seeds)
+    window = torch.tensor(list(plan.sde_steps), dtype=torch.long).repeat(rows, 1)  # [N, K]
+    window_sigmas = sigmas[plan.sde_steps.start: plan.sde_steps.stop + 1].repeat(rows, 1)  # [N, K+1]
     return Trajectory(
         latents=torch.stack(stored_latents, dim=1),
         log_probs=torch.stack(stored_log_probs, dim=1).float(),
-        sigmas=window_sigmas,
-        timesteps=window_sigmas[:-1] * 1000,
-        step_indices=window,
+        row_sigmas=window_sigmas,
+        row_timesteps=window_sigmas[:, :-1] * 1000,
+        row_step_indices=window,
         final_latents=x,
         prompt_ids=prompt_ids.to(device),
         group_ids=prompt_ids.to(device).clone(),

@@ -37,16 +37,26 @@ sigma-only arithmetic is done once for every step, with bit-identical results.
 for ``"sde"``, the step std for ``"cps"`` (see its docstring).
 
 :data:`ODE_SOLVERS` are the deterministic steps a rollout takes outside its SDE window (``sampling.ode_solver``):
-Euler (the ``"ode"`` kind above) or DPM-Solver++(2M), the second-order multistep solver MixGRPO-Flash uses
-there (``dpmsolver++``, order 2, midpoint form). Those steps are never stored or trained, so the solver changes
-which states the window starts from and how the clean sample is reached, never a log-probability.
+Euler (the ``"ode"`` kind above), MixGRPO-Flash's ``dpmpp_2m`` (Euler before and inside the window,
+DPM-Solver++(2M) -- ``dpmsolver++``, order 2, midpoint form -- only after it, its history seeded with the window
+steps' clean-latent predictions), or ``dpmpp_2m_restart`` (DPM-Solver++(2M) on every deterministic step, before
+the window too, restarting after it). Those steps are never stored or trained, so the solver changes which states
+the window starts from and how the clean sample is reached, never a log-probability.
+
+MixGRPO-Flash's reference is Tencent-Hunyuan/MixGRPO @ e5cdd6a, ``fastvideo/utils/sampling_utils.py``
+(``run_sample_step`` with ``dpm_apply_strategy="post"`` and ``flow_grpo_sampling``, ``dpm_step``,
+``multistep_dpm_solver_second_order_update``) as its ``finetune_flux_grpo_MixGRPO_Flash.sh`` runs it: up to the
+window's last step every step pushes ``x - sigma v`` into a ``DPMState`` of order 2 and takes the Euler (or SDE)
+step; after it ``dpm_step`` runs DPM-Solver++ (midpoint), second order wherever a previous prediction exists,
+first order on the final step. Left out: its ``dpm_post_compress_ratio``, which re-spaces the steps after the
+window onto fewer of them (flowrl keeps the schedule's steps, which the trained policy's sigmas come from).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import torch
 from diffusers.utils.torch_utils import randn_tensor
@@ -279,10 +289,16 @@ class ScheduleSteps:
 # -- deterministic steps outside the SDE window ---------------------------------------------------------------
 #
 # The steps a rollout takes outside its SDE window are neither stored nor trained, so any accurate solver of the
-# probability-flow ODE may take them (MixGRPO-Flash's observation). Each solver is a plain function
+# probability-flow ODE may take them (MixGRPO-Flash's observation). Each solver step is a plain function
 #   (velocity, sample, sigma, sigma_next, history) -> (prev_sample, history)
-# where ``history`` is whatever the solver carries from one ODE step to the next (None for the first one; the
-# rollout resets it to None after every SDE step, because a noisy step leaves the ODE path the history lies on).
+# where ``history`` is whatever the solver carries from one step to the next (None for the first one).
+
+
+def clean_prediction(velocity, sample, sigma) -> torch.Tensor:
+    """The data prediction ``x0 = x - sigma v`` [B, ...] in compute precision (float32 or higher)."""
+    dtype = torch.promote_types(sample.dtype, torch.float32)
+    x = sample.to(dtype)
+    return x - _as_batch_column(sigma, x, dtype) * velocity.to(dtype)
 
 
 def euler_ode_step(velocity, sample, sigma, sigma_next, history=None):
@@ -305,13 +321,13 @@ def dpmpp_2m_ode_step(velocity, sample, sigma, sigma_next, history=None):
     step is first order: after a step from sigma = 1 (``lambda_prev = -inf``) and on the last step to
     sigma' = 0 (``lambda' = +inf``, where the step returns ``D``; DPM-Solver++ lowers its order there too).
 
-    ``history`` is ``(x0_prev [B, ...] compute dtype, sigma_prev)`` of the previous ODE step, or None.
+    ``history`` is ``(x0_prev [B, ...] compute dtype, sigma_prev)`` of the previous step, or None.
     """
     dtype = torch.promote_types(sample.dtype, torch.float32)
     x = sample.to(dtype)
     s = _as_batch_column(sigma, x, dtype)  # [B, 1, ...]
     s_next = _as_batch_column(sigma_next, x, dtype)
-    x0 = x - s * velocity.to(dtype)  # [B, ...] data prediction
+    x0 = clean_prediction(velocity, sample, sigma)  # [B, ...] data prediction
     ratio = s_next / s
     data_weight = (1 - s_next) - ratio * (1 - s)  # alpha' (1 - e^-h)
     target = x0
@@ -326,8 +342,24 @@ def dpmpp_2m_ode_step(velocity, sample, sigma, sigma_next, history=None):
     return prev_sample, (x0, sigma)
 
 
-# Solver name -> step; ``sampling.ode_solver`` names one. Closed set: add a solver here and in the schema's Literal.
+@dataclass(frozen=True)
+class OdeSolver:
+    """How a rollout takes its deterministic (unstored) steps."""
+
+    step: Callable  # (velocity, sample, sigma, sigma_next, history) -> (prev_sample, history)
+    after_window: bool = False
+    """True: Euler before and inside the SDE window, ``step`` only after it, its history starting from the window
+    steps' clean-latent predictions (MixGRPO-Flash's "post" placement). False: ``step`` on every deterministic
+    step, its history dropped after every SDE step."""
+
+
+# Solver name -> how the rollout solves its deterministic steps; ``sampling.ode_solver`` names one. Closed set:
+# add a solver here and in the schema's Literal.
 ODE_SOLVERS = {
-    "euler": euler_ode_step,
-    "dpmpp_2m": dpmpp_2m_ode_step,
+    "euler": OdeSolver(euler_ode_step),
+    # MixGRPO-Flash (Tencent-Hunyuan/MixGRPO, fastvideo/utils/sampling_utils.py, dpm_apply_strategy "post").
+    "dpmpp_2m": OdeSolver(dpmpp_2m_ode_step, after_window=True),
+    # flowrl's earlier variant: second order before the window as well, so the window starts from a more
+    # accurate ODE state; it matches no reference.
+    "dpmpp_2m_restart": OdeSolver(dpmpp_2m_ode_step),
 }
