@@ -208,7 +208,7 @@ def test_tree_settings_and_their_checks():
 @pytest.mark.parametrize("extra, backup_calls, noise", [
     ([], True, 4.0),
     (["sampling.tree.backup=leaf_mean"], False, 4.0),
-    (["train.loss=tmpo"], False, 1.0),  # TMPO keeps its own targets and its splits' own noise
+    (["train.loss=tmpo", "train.beta=0"], False, 1.0),  # TMPO keeps its own targets and its splits' own noise
 ])
 def test_the_recipe_uses_the_reference_tree_by_default(tmp_path, monkeypatch, extra, backup_calls, noise):
     import flowrl.recipes.grpo as grpo

@@ -1,6 +1,7 @@
-"""TMPO's Softmax Trajectory Balance targets and flowrl's batch_sensitivity ratio normalisation, held to
-numbers computed by hand, and both running in the GRPO recipe on the tiny model (full SDE, window, tree).
-GRPO-Guard's own ratio is held to its reference in test_reference_guard.py."""
+"""TMPO's Softmax Trajectory Balance gradient targets (train.tmpo_target=gradient) and flowrl's batch_sensitivity
+ratio normalisation, held to numbers computed by hand, and both running in the GRPO recipe on the tiny model (full
+SDE, window, tree). TMPO's release behaviour is held to its reference in test_reference_tmpo.py, GRPO-Guard's in
+test_reference_guard.py."""
 
 import math
 import os
@@ -10,8 +11,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from flowrl.algorithms.advantages import tmpo_advantages
 from flowrl.algorithms.ratio_norm import batch_sensitivity_log_ratio, step_sensitivities
+from flowrl.algorithms.tmpo import softmax_tb_gradient as tmpo_advantages
 from flowrl.config import Config, ConfigError, load_config
 from flowrl.recipes.grpo import train
 from flowrl.sampling.steps import velocity_sensitivity
@@ -94,9 +95,10 @@ def smoke(tmp_path, *overrides):
 
 
 @pytest.mark.parametrize("overrides", [
-    ["train.loss=tmpo"],
-    ["train.loss=tmpo", "sampling.tree.branch_steps=[1]", "sampling.tree.branch_factor=2"],
-    ["train.loss=tmpo", "sampling.window.size=2", "sampling.num_steps=4", "train.clip_range=1e-5"],
+    ["train.loss=tmpo", "train.beta=0"],
+    ["train.loss=tmpo", "train.beta=0", "sampling.tree.branch_steps=[1]", "sampling.tree.branch_factor=2"],
+    ["train.loss=tmpo", "train.beta=0", "sampling.window.size=2", "sampling.window.mode=random_per_epoch",
+     "sampling.num_steps=4"],
     ["train.ratio_norm=true", "train.inner_epochs=2"],
     ["train.ratio_norm=batch_sensitivity", "train.inner_epochs=2"],
 ])

@@ -214,7 +214,7 @@ def test_good_tree_settings_load():
 
 # --- the recipe ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("extra", [[], ["train.loss=tmpo"]])
+@pytest.mark.parametrize("extra", [[], ["train.loss=tmpo", "train.beta=0"]])
 def test_grpo_trains_on_a_random_tree_schedule(tmp_path, monkeypatch, extra):
     """Two epochs whose trees branch at different steps (seed 0 draws step 2, then step 0)."""
     import sys

@@ -80,32 +80,6 @@ def zero_std_fraction(rewards: torch.Tensor, group_ids: torch.Tensor) -> float:
     return float((group_variances(rewards, inverse, int(inverse.max()) + 1) == 0).double().mean())
 
 
-def tmpo_advantages(trajectory_log_probs: torch.Tensor, rewards: torch.Tensor, group_ids: torch.Tensor, *,
-                    beta: float = 15.0) -> torch.Tensor:
-    """TMPO's Softmax Trajectory Balance as per-trajectory advantages [N] (detached).
-
-    Within each group, the policy's distribution over its K trajectories, ``p = softmax(log P(tau))``
-    with ``log P`` summed over the trained steps (a tree leaf's path sums its ancestors' edges), is
-    matched to the reward's Boltzmann distribution ``q = softmax(beta * R)``. The squared loss
-    ``1/2 sum_i (log p_i - log q_i)^2`` has the negative gradient ``t_j - p_j sum_i t_i`` with respect
-    to ``log P(tau_j)``, where ``t = log q - log p`` is the per-trajectory target; that is the advantage
-    the clipped surrogate trains on. Unlike GRPO's it does not vanish once the group's best image
-    wins: it keeps mass on every trajectory whose reward is near the best (the mode covering of
-    forward KL), and a group whose targets agree (p = q) gets none. Rows with NaN rewards are left out
-    of their group and get 0. The log-probs use the recipe's convention (mean over latent dimensions),
-    which keeps ``p`` close to uniform, so ``beta`` sets the scale of the advantages.
-    """
-    out = torch.zeros(rewards.shape, dtype=torch.float64)
-    finite = torch.isfinite(rewards)
-    for group in torch.unique(group_ids[finite]).tolist():
-        rows = torch.nonzero(finite & (group_ids == group)).flatten()
-        log_p = torch.log_softmax(trajectory_log_probs[rows].double(), dim=0)
-        log_q = torch.log_softmax(beta * rewards[rows].double(), dim=0)
-        target = log_q - log_p  # [K]
-        out[rows] = target - log_p.exp() * target.sum()
-    return out.float()
-
-
 def edge_advantages(row_advantages: torch.Tensor, edge_ids: torch.Tensor) -> torch.Tensor:
     """[N] leaf advantages -> [N, K]: each tree edge gets the mean advantage of the leaves below it.
 

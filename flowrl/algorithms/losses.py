@@ -35,8 +35,8 @@ def grpo_clip_loss(log_probs, old_log_probs, advantages, *, clip_low: float, cli
     return loss, stats
 
 
-# TMPO trains with the clipped surrogate too; what differs is its advantage, Softmax Trajectory Balance's
-# per-trajectory target (flowrl.algorithms.advantages.tmpo_advantages), which the recipe computes for it.
+# "tmpo" names TMPO's path-level loss (flowrl.algorithms.tmpo), which the GRPO recipe trains over whole paths
+# (flowrl.recipes.tmpo_paths) instead of per transition; the entry makes the name a valid train.loss.
 POLICY_LOSSES: dict[str, Callable] = {"grpo-clip": grpo_clip_loss, "tmpo": grpo_clip_loss}
 
 

@@ -28,17 +28,48 @@ class WindowConfig:
 
 
 @dataclass
+class BetaScheduleConfig:
+    """TMPO's reward-adaptive split scheduler (sampling.tree.schedule=beta; flowrl/sampling/split_schedule.py)."""
+
+    kappa: float = 4.0
+    """Concentration of the Beta draw of split positions (0: keep tree.branch_steps)."""
+    min_gap: int = 3
+    """Least number of steps between two splits."""
+    reward_bounds: list[float] = field(default_factory=lambda: [0.2, 0.35])
+    """Initial [r_min, r_max] of the reward bounds that normalise the mean reward into alpha."""
+    bounds_decay: float = 0.99
+    """EMA decay of the reward bounds toward each rollout's min and max reward."""
+    alpha_decay: float = 0.85
+    """EMA decay of the normalised reward level alpha."""
+    alpha_min: float = 0.1
+    """Floor of the raw alpha."""
+
+    def validate(self):
+        check(self.kappa >= 0, "kappa", "must be >= 0 (0: the splits stay at tree.branch_steps)")
+        check(self.min_gap >= 1, "min_gap", "must be >= 1 (splits are distinct steps)")
+        check(len(self.reward_bounds) == 2, "reward_bounds", "must be [r_min, r_max]")
+        for key in ("bounds_decay", "alpha_decay"):
+            check(0 <= getattr(self, key) < 1, key, "must be in [0, 1)")
+
+
+@dataclass
 class TreeConfig:
     branch_steps: list[int] = field(default_factory=list)
     """Steps before which every trajectory splits (empty: no tree)."""
     branch_factor: int = 2
     """Children per branch point; w branch steps give branch_factor**w leaves per root."""
-    schedule: Literal["fixed", "random", "sliding"] = "fixed"
-    """Branch points per epoch (TMPO's dynamic stochastic tree): fixed at branch_steps; random, a fresh draw of
-    len(branch_steps) distinct steps from branch_range each epoch; sliding, branch_steps moved one step later
-    every shift_every epochs (spacing kept), wrapping inside branch_range."""
+    schedule: Literal["fixed", "random", "sliding", "beta"] = "fixed"
+    """Branch points per epoch: fixed at branch_steps; random, a fresh draw of len(branch_steps) distinct steps
+    from branch_range each epoch; sliding, branch_steps moved one step later every shift_every epochs (spacing
+    kept), wrapping inside branch_range; beta, TMPO's reward-adaptive Beta draw in branch_range (tree.beta),
+    starting from branch_steps, which also scales split_noise_levels (its state is saved in checkpoints)."""
     branch_range: list[int] | None = None
-    """random / sliding: inclusive [low, high] range the branch steps move in (default: every step)."""
+    """random / sliding / beta: inclusive [low, high] range the branch steps move in (default: every step)."""
+    split_noise_levels: list[float] | None = None
+    """Noise level of each branch step, in order (TMPO: [0.4, 0.7, 1.0]); with it the rollout is stochastic at
+    the branch steps only, ODE between them (null: sampling.noise_level on every step of the SDE window)."""
+    beta: BetaScheduleConfig = field(default_factory=BetaScheduleConfig)
+    """schedule=beta: the reward-adaptive split scheduler's parameters."""
     shift_every: int = 1
     """sliding: move the branch steps one step every this many epochs."""
     split_noise_scale: float = 4.0
@@ -67,7 +98,13 @@ class TreeConfig:
             check(len(self.branch_range) == 2 and self.branch_range[0] <= self.branch_range[1], "branch_range",
                   "must be [low, high] with low <= high")
             check(self.schedule != "fixed", "branch_range",
-                  "only applies to schedule random or sliding; remove it or set sampling.tree.schedule")
+                  "only applies to schedule random, sliding or beta; remove it or set sampling.tree.schedule")
+        if self.split_noise_levels is not None:
+            check(len(self.split_noise_levels) == len(self.branch_steps), "split_noise_levels",
+                  f"needs one level per branch step ({len(self.branch_steps)}), got {len(self.split_noise_levels)}")
+            check(all(level > 0 for level in self.split_noise_levels), "split_noise_levels", "levels must be > 0")
+        check(self.schedule != "beta" or self.split_noise_levels is not None, "split_noise_levels",
+              "schedule beta scales each split's noise level; set sampling.tree.split_noise_levels")
         check(self.prune_width is None or self.prune_width == 0 or self.prune_width >= 2, "prune_width",
               "must be >= 2 (the best and the worst leaf), or 0 / null (off)")
         check(self.prune_depth >= 0, "prune_depth", "must be >= 0 (0: off)")
@@ -152,6 +189,8 @@ class SamplingConfig:
                   f"must be a multiple of the tree's {leaves} leaves per root")
             check(size is None or self.window.mode == "fixed", "tree.branch_steps",
                   "a tree needs a full-SDE rollout or a fixed window containing every branch step")
+            check(size is None or tree.split_noise_levels is None, "tree.split_noise_levels",
+                  "makes the SDE window span the branch steps itself; remove sampling.window.size")
             # Where branches can fall: the fixed steps, or the range a dynamic schedule moves them in.
             if tree.branch_range is not None:
                 check(0 <= tree.branch_range[0] <= tree.branch_range[1] < self.num_steps, "tree.branch_range",
@@ -162,6 +201,9 @@ class SamplingConfig:
                       f"{len(tree.branch_steps)} distinct branch steps do not fit in the range [{low}, {high}]")
             else:
                 low, high = min(tree.branch_steps), max(tree.branch_steps)
+            if tree.schedule == "beta":
+                check((len(tree.branch_steps) - 1) * tree.beta.min_gap <= high - low, "tree.beta.min_gap",
+                      f"{len(tree.branch_steps)} splits {tree.beta.min_gap} steps apart do not fit in [{low}, {high}]")
             if tree.schedule == "sliding":
                 check(all(low <= s <= high for s in tree.branch_steps), "tree.branch_steps",
                       f"sliding starts from the branch steps, so they must lie in tree.branch_range [{low}, {high}]")

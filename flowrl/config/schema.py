@@ -15,7 +15,9 @@ from typing import Any, Literal
 
 from flowrl.config.loader import check
 from flowrl.config.reporting import EvalConfig, GuardConfig, LogConfig  # noqa: F401  (re-exported)
-from flowrl.config.sampling import PilotConfig, SamplingConfig, TreeConfig, WindowConfig  # noqa: F401
+from flowrl.config.sampling import (  # noqa: F401
+    BetaScheduleConfig, PilotConfig, SamplingConfig, TreeConfig, WindowConfig,
+)
 
 
 @dataclass
@@ -160,10 +162,20 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     """Gradient clipping norm (0 disables)."""
     loss: str = "grpo-clip"
-    """Policy loss (registry name): grpo-clip, or tmpo (TMPO's Softmax Trajectory Balance targets as
-    advantages under the same clipped ratio; recipe grpo)."""
+    """Policy loss (registry name): grpo-clip, or tmpo (TMPO's Softmax Trajectory Balance over whole paths under a
+    path-level clipped ratio, as in its authors' release; recipe grpo, flowrl/algorithms/tmpo.py)."""
     tmpo_beta: float = 15.0
     """TMPO: inverse temperature of the reward's Boltzmann distribution softmax(tmpo_beta * R)."""
+    tmpo_target: Literal["residual", "gradient"] = "residual"
+    """TMPO's advantage: residual, log softmax(beta R) - log softmax(log P) (the release); gradient, the exact
+    negative gradient of the squared Softmax-TB loss, residual - softmax(log P) * sum(residual)."""
+    tmpo_clip_range: float = 0.2
+    """TMPO: clip epsilon of the path-level ratio (centred by its group mean) and of the RatioNorm weights."""
+    tmpo_ref_weight: float = 0.1
+    """TMPO: weight of the reference term, the mean squared difference of length-normalised path log-probs."""
+    tmpo_reference: Literal["rollout", "base"] = "rollout"
+    """TMPO's reference path log-probs: rollout, those recorded at sampling (what the release computes); base,
+    the base model's (adapter off; one more forward per trained edge and update)."""
     ratio_norm: Literal["none", "grpo_guard", "batch_sensitivity"] | bool = "none"
     """Per-step log-ratio normalisation (recipe grpo, flowrl/algorithms/ratio_norm.py): grpo_guard (or true) is
     GRPO-Guard's, s (logp - logp_old + ||mu - mu_old||^2 / (2 s^2)) = mean(eps dmu), with each step's policy loss
@@ -285,6 +297,8 @@ class TrainConfig:
         check(self.credit == "terminal" or self.loss != "tmpo", "credit",
               f"{self.credit} gives per-step advantages, but train.loss=tmpo trains on per-trajectory targets; "
               "use train.loss=grpo-clip or train.credit=terminal")
+        check(0 < self.tmpo_clip_range < 1, "tmpo_clip_range", "must be in (0, 1)")
+        check(self.tmpo_ref_weight >= 0, "tmpo_ref_weight", "must be >= 0")
         if self.dense_lookahead is not None:
             check(self.dense_lookahead >= 1, "dense_lookahead", "must be >= 1 model call, or null for the full ODE")
             check(self.credit == "dense_ode", "dense_lookahead",
@@ -473,6 +487,16 @@ class Config:
         check(self.train.ratio_norm != "grpo_guard" or self.sampling.kind == "sde", "train.ratio_norm",
               f"grpo_guard's |dt| reweighting is defined for SDE steps, not sampling.kind={self.sampling.kind}: use "
               "sampling.kind=sde, or train.ratio_norm=batch_sensitivity")
+        if self.train.loss == "tmpo":
+            tree = self.sampling.tree
+            check(t.beta == 0, "train.beta", "train.loss=tmpo regularises with train.tmpo_ref_weight, not the KL; "
+                  "set train.beta=0")
+            check(t.ratio_norm == "none", "train.ratio_norm", "train.loss=tmpo has its own RatioNorm weights; "
+                  "set train.ratio_norm=none")
+            check(not (tree.prune_width or tree.prune_depth), "sampling.tree.prune_width",
+                  "train.loss=tmpo trains whole paths; BranchGRPO's pruning does not apply: set it to 0")
+            check(not self.gardo.diversity, "gardo.diversity",
+                  "train.loss=tmpo has no per-row advantage to weight; set gardo.diversity=false")
         from flowrl.algorithms.dense import check_credit
 
         window = self.sampling.window
@@ -481,6 +505,9 @@ class Config:
         check(not (batch_windows and self.train.ratio_norm == "batch_sensitivity"), "train.ratio_norm",
               "batch_sensitivity scales each stored column by its step's sensitivity, but sampling.window.mode=random draws a window per "
               "rollout batch, so a column holds different steps: use sampling.window.mode=random_per_epoch")
+        check(not (batch_windows and self.train.loss == "tmpo"), "sampling.window.mode",
+              "train.loss=tmpo scores each stored column at one step, but mode random draws a window per rollout "
+              "batch: use sampling.window.mode=random_per_epoch")
         check(self.sampling.group_size >= 2 or self.train.advantage == "mean", "sampling.group_size",
               "group advantages need at least 2 trajectories per prompt")
         check(not self.guard.enabled or self.sampling.group_size >= 2, "guard.enabled",

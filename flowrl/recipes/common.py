@@ -32,6 +32,7 @@ from flowrl.report import evaluate, render, write_report
 from flowrl.rewards_api import nan_summary
 from flowrl.sampling import StepPlan, chunked_rollout, concat_trajectories, rollout, root_seeds, window_start
 from flowrl.sampling.plan import branch_schedule, depth_pruned_steps
+from flowrl.sampling.split_schedule import BetaSplitScheduler
 from flowrl.sampling.pilot import commit_candidates, join_committed, pilot_variances, slot_seeds
 from flowrl.training.ema import LoraEMA, ema_weights
 from flowrl.training.faults import FaultCounter, TrainingAborted, checkpoint_write_failed, grad_norm as total_grad_norm
@@ -41,21 +42,33 @@ from flowrl.training.metrics import MetricsLogger
 from flowrl.training.stats import StatsAccumulator
 
 
-def step_plan(s: SamplingConfig, epoch: int, seed: int, *, batch: int = 0, rank: int = 0) -> StepPlan:
-    """This epoch's plan: full SDE, a (random / sliding / fixed) window, tree branch points (fixed, or
-    moving per epoch as TMPO's dynamic tree), BranchGRPO's split noise and the steps its depth pruning leaves
-    untrained.
+def step_plan(s: SamplingConfig, epoch: int, seed: int, split_scheduler: BetaSplitScheduler | None = None, *,
+              batch: int = 0, rank: int = 0) -> StepPlan:
+    """This epoch's plan: full SDE, a (random / sliding / fixed) window, tree branch points (fixed, moving
+    per epoch, or drawn by TMPO's reward-adaptive ``split_scheduler``, called once per epoch), BranchGRPO's
+    split noise and the steps its depth pruning leaves untrained. With per-split noise levels the SDE window
+    spans the branch steps and is deterministic between them.
 
     ``window.mode: random`` (Flow-GRPO-Fast) draws its start per rollout ``batch`` of the epoch and per
     process ``rank``: :func:`sample_and_score` asks for each batch's plan with ``batch_windows``."""
     tree = s.tree
-    branch_steps = branch_schedule(epoch, num_steps=s.num_steps, steps=tuple(tree.branch_steps), schedule=tree.schedule,
-                                   branch_range=tuple(tree.branch_range) if tree.branch_range else None,
-                                   shift_every=tree.shift_every, seed=seed)
+    split_levels = tuple(tree.split_noise_levels or ())
+    if split_scheduler is not None:
+        branch_steps, split_levels = split_scheduler.schedule(epoch, seed)
+    else:
+        schedule = "fixed" if tree.schedule == "beta" else tree.schedule  # beta before any reward: its first steps
+        branch_steps = branch_schedule(epoch, num_steps=s.num_steps, steps=tuple(tree.branch_steps),
+                                       schedule=schedule, shift_every=tree.shift_every, seed=seed,
+                                       branch_range=tuple(tree.branch_range) if tree.branch_range else None)
     pruned = depth_pruned_steps(epoch, num_steps=s.num_steps, last_branch=max(branch_steps), size=tree.prune_depth,
                                 shift_every=tree.prune_depth_shift_every) if branch_steps else ()
     branch = dict(branch_steps=branch_steps, branch_factor=tree.branch_factor if branch_steps else 1,
                   pruned_steps=pruned, split_noise_scale=tree.split_noise_scale if branch_steps else 1.0)
+    if split_levels and branch_steps:
+        levels = dict.fromkeys(range(branch_steps[0], branch_steps[-1] + 1), 0.0)  # ODE between the splits
+        levels.update(zip(branch_steps, split_levels))
+        return StepPlan(s.num_steps, sde_start=branch_steps[0], sde_size=branch_steps[-1] - branch_steps[0] + 1,
+                        noise_levels=tuple(levels.items()), **branch)
     if s.window.size is None:
         return StepPlan(s.num_steps, **branch)
     start_range = tuple(s.window.start_range) if s.window.start_range else None
@@ -175,6 +188,7 @@ class Run:
     guard: DiversityGuard | None = None  # guard.enabled: the diversity guard (flowrl/training/guard.py)
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None  # train.lr_scheduler, one step per optimizer step
     faults: FaultCounter | None = None  # skipped non-finite steps and unscorable epochs (flowrl/training/faults.py)
+    split_scheduler: BetaSplitScheduler | None = None  # sampling.tree.schedule=beta: TMPO's adaptive split steps
 
     @property
     def fault_counter(self) -> FaultCounter:
@@ -280,6 +294,9 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
                                 ema=t.marble.ema)
         if "marble" in resumed:
             marble.load_state_dict(resumed["marble"])
+    split_scheduler = beta_split_scheduler(cfg.sampling)
+    if split_scheduler is not None and "split_scheduler" in resumed:
+        split_scheduler.load_state_dict(resumed["split_scheduler"])
     return Run(
         cfg=cfg, accelerator=accelerator, run_dir=run_dir, policy=policy, params=params, optimizer=optimizer, ema=ema,
         rewards=rewards, weights=weights, train_prompts=train_prompts, test_prompts=test_prompts,
@@ -288,8 +305,21 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
         guidance=cfg.sampling.guidance_scale if (t.cfg or policy.guidance_in_model) else 1.0, start_epoch=start_epoch,
         counters={"rollouts": resumed.get("rollouts", 0), "train_wall_s": resumed.get("train_wall_s", 0.0)},
         marble=marble, reference=reference, reference_resets=int(resumed.get("reference_resets", 0)), anchor=anchor,
-        guard=guard, scheduler=scheduler,
+        guard=guard, scheduler=scheduler, split_scheduler=split_scheduler,
     )
+
+
+def beta_split_scheduler(s: SamplingConfig) -> BetaSplitScheduler | None:
+    """TMPO's reward-adaptive split scheduler for ``sampling.tree.schedule=beta``, else None."""
+    tree = s.tree
+    if tree.schedule != "beta":
+        return None
+    low, high = tree.branch_range or (0, s.num_steps - 1)
+    b = tree.beta
+    return BetaSplitScheduler(first_steps=tuple(tree.branch_steps), base_noise_levels=tuple(tree.split_noise_levels),
+                              low=low, high=high, kappa=b.kappa, min_gap=b.min_gap,
+                              reward_bounds=tuple(b.reward_bounds), bounds_decay=b.bounds_decay,
+                              alpha_decay=b.alpha_decay, alpha_min=b.alpha_min)
 
 
 def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_level: float, kind: str = "sde",
@@ -523,6 +553,8 @@ def end_epoch(run: Run, epoch: int, *, gathered: dict[str, torch.Tensor], combin
             extra["reference_resets"] = run.reference_resets
         if run.guard is not None:
             extra["guard"] = run.guard.state_dict()
+        if run.split_scheduler is not None:
+            extra["split_scheduler"] = run.split_scheduler.state_dict()
         try:
             save_run_checkpoint(cfg, run.policy, run.optimizer, run.ema, accelerator, epoch=epoch,
                                 counters=run.counters, extra=extra, snapshots=run.snapshots)

@@ -8,8 +8,9 @@ Choices, all set in the config (``flowrl/config/schema.py``):
 - advantages: per-prompt group mean, batch (global) or per-group std, clipped to +-advantage_clip;
   tree edges are trained once, on BranchGRPO's per-tree, per-step z-score of the mean leaf reward below
   them (``flowrl/algorithms/branch.py``; ``sampling.tree.backup: leaf_mean``: the mean leaf advantage), and
-  branch steps draw BranchGRPO's scaled split noise; ``loss: tmpo`` takes TMPO's Softmax Trajectory Balance
-  target on each path's log-prob instead;
+  branch steps draw BranchGRPO's scaled split noise; ``loss: tmpo`` trains TMPO's Softmax Trajectory Balance
+  over whole paths instead (``flowrl/recipes/tmpo_paths.py``), its tree's split steps optionally drawn by
+  TMPO's reward-adaptive scheduler (``sampling.tree.schedule: beta``);
 - credit (``train.credit``): every trained step gets its row's advantage (terminal), a share of it by
   how far the step moves the predicted clean latent toward the final one (dense_cosine), or its own
   group-normalised reward gain measured by ODE look-ahead from the states around it (dense_ode,
@@ -44,7 +45,7 @@ import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS, edge_advantages, tmpo_advantages
+from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS, edge_advantages
 from flowrl.algorithms.branch import branch_advantages
 from flowrl.algorithms.combine import COMBINERS, reward_advantages
 from flowrl.algorithms.gardo import (
@@ -66,6 +67,7 @@ from flowrl.recipes.common import (  # noqa: F401  (re-exported for callers of t
     out_of_time, sample_and_score, start_run, step_plan,
 )
 from flowrl.recipes.snapshots import maybe_reset_reference, reference_weights, start_phase
+from flowrl.recipes.tmpo_paths import TmpoPaths
 from flowrl.rewards_api import AsyncScorer
 from flowrl.sampling import sde_step, transition
 from flowrl.sampling.steps import kl_std
@@ -94,7 +96,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
     log_base_model(run)
     for epoch in bar:
         epoch_start = time.perf_counter()
-        plan = step_plan(s, epoch, cfg.seed)
+        plan = step_plan(s, epoch, cfg.seed, run.split_scheduler)
         if t.loss == "tmpo":  # BranchGRPO's split noise is GRPO's; TMPO's splits draw the step's own noise
             plan = replace(plan, split_noise_scale=1.0)
         depth_backup = bool(plan.branch_steps) and t.loss != "tmpo" and s.tree.backup == "depth_standardised"
@@ -104,22 +106,25 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         traj, sample_done, reward_done = sample_and_score(
             run, scorer, epoch, plan=plan, noise_level=s.noise_level, kind=s.kind,
             same_noise_in_group=s.same_noise_in_group, store_x0_preds=t.credit == "dense_cosine",
-            store_means=t.ratio_norm == "grpo_guard", batch_windows=True)
+            store_means=t.ratio_norm == "grpo_guard" or t.loss == "tmpo", batch_windows=True)
 
         # 4. Advantages over whole groups: gather every process's rewards, keep this process's slice.
-        #    TMPO replaces the group-normalised reward by Softmax-TB's target on each path's log-prob.
+        #    TMPO takes that (unclipped) as its reward R and trains whole paths (TmpoPaths) on Softmax-TB.
         gathered, combined_adv, combined, local, all_groups = group_advantages(run, traj, estimator)
         # Each row's own window (Flow-GRPO-Fast draws one per batch): which of its stored steps train [N, K].
         skip_last = t.skip_last_step if t.skip_last_step is not None else s.window.size is None
         trained = trained_mask(traj.row_step_indices, s.num_steps, skip_last, t.timestep_fraction, seed=cfg.seed,
                                epoch=epoch)
+        # Per-step noise levels come with per-split levels only, where every row stores the same steps.
+        noise_at = lambda k: plan.noise_level_at(int(traj.row_step_indices[0, k]), s.noise_level)  # noqa: E731
+        trained[:, [k for k in range(traj.num_stored_steps) if noise_at(k) == 0]] = False  # ODE steps between splits
         trained_cols = [k for k in range(traj.num_stored_steps) if trained[:, k].any()]
-        if t.loss == "tmpo":
-            path_log_probs = accelerator.gather((traj.log_probs * trained).sum(1).to(accelerator.device)).cpu()
-            combined_adv = tmpo_advantages(path_log_probs, combined, all_groups, beta=t.tmpo_beta)
-            row_adv = combined_adv[local]
-        else:
-            row_adv = combined_adv[local].clamp(-t.advantage_clip, t.advantage_clip)
+        scored_adv = combined_adv.where(torch.isfinite(combined), torch.tensor(float("nan")))  # [N_all] NaN: unscored
+        if run.split_scheduler is not None:
+            run.split_scheduler.observe(scored_adv)  # TMPO's split scheduler follows R
+        paths = TmpoPaths(run, traj, trained_cols, [noise_at(k) for k in trained_cols],
+                          scored_adv[local]) if t.loss == "tmpo" else None
+        row_adv = combined_adv[local].clamp(-t.advantage_clip, t.advantage_clip)
         # GARDO: positive advantages times the nearest-neighbour distance in the group; the KL gate.
         distances = None if features is None else nearest_neighbour_distances(
             features(traj.images, traj.final_latents), traj.group_ids)  # [N]
@@ -181,7 +186,9 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         # 6-7. Inner passes: shuffled chunks -> micro-batches x trained steps -> one optimizer step per chunk.
         for inner in range(t.inner_epochs):
             order = np.random.default_rng([cfg.seed, epoch, inner, rank, 0x7EA1]).permutation(traj.num_rows)
-            for chunk_index, chunk in enumerate(np.array_split(order, t.optimizer_steps_per_epoch)):
+            chunks = np.array_split(order, t.optimizer_steps_per_epoch) if paths is None else \
+                paths.chunks(order, t.optimizer_steps_per_epoch)  # TMPO: whole groups
+            for chunk_index, chunk in enumerate(chunks):
                 chunk = torch.as_tensor(chunk, dtype=torch.long)
                 weight = accelerator.reduce(mask[chunk].sum().float().to(accelerator.device), "sum").item()
                 work = [(part, k) for rows in chunk.split(t.micro_batch_size) for k in trained_cols
@@ -193,7 +200,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                         sync = i == len(work) - 1
                         with micro_batch(accelerator, policy.forward_module, last=sync):
                             loss_sum = transition_loss(policy, traj, rows, k, mask, accelerator=accelerator,
-                                                       guidance=guidance, noise_level=s.noise_level, kind=s.kind,
+                                                       guidance=guidance, noise_level=noise_at(k), kind=s.kind,
                                                        beta=run.beta, policy_loss=policy_loss, clip_low=t.clip_range,
                                                        clip_high=clip_high, stats=chunk_stats,
                                                        on_policy=inner == 0 and chunk_index == 0,
@@ -202,7 +209,9 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                                                        reference=lambda: reference_weights(run))
                             accelerator.backward(loss_sum * world / max(weight, 1.0))
 
-                if per_reward is None:
+                if paths is not None:
+                    paths.backward(chunk, stats, on_policy=inner == 0 and chunk_index == 0)
+                elif per_reward is None:
                     chunk_backward(traj.advantages, stats)
                 else:
                     step = (epoch * t.inner_epochs + inner) * t.optimizer_steps_per_epoch + chunk_index
@@ -216,12 +225,13 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         train_done = time.perf_counter()
 
         # 8. Log, render eval grids, checkpoint.
-        advantage_size = float(combined_adv.abs().mean() if t.loss == "tmpo"
-                               else combined_adv.clamp(-t.advantage_clip, t.advantage_clip).abs().mean())
+        advantage_size = paths.advantage_abs_mean if paths is not None else \
+            float(combined_adv.clamp(-t.advantage_clip, t.advantage_clip).abs().mean())
         metrics = end_epoch(run, epoch, gathered=gathered, combined=combined, group_ids=all_groups, stats=stats,
                             extra={"advantages/abs_mean": advantage_size, "policy/trained_fraction": trained_fraction,
                                    **gardo_metrics(distances, kl_gate), **reference_metrics, **phase_metrics,
-                                   **guard_metrics, **traj.sampling_metrics},
+                                   **guard_metrics, **traj.sampling_metrics,
+                                   **(run.split_scheduler.metrics() if run.split_scheduler else {})},
                             rollouts=traj.rollouts_sampled,
                             times=(epoch_start, sample_done, reward_done, train_done), bar=bar)
         if out_of_time(run) or run.guard_stopped:

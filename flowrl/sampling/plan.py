@@ -8,6 +8,10 @@ A rollout of ``num_steps`` denoising steps is described by a :class:`StepPlan`:
 - ``branch_steps``: tree rollouts (BranchGRPO / TreeGRPO / TMPO). Before each listed step every
   trajectory is split into ``branch_factor`` children that share everything computed so far and
   draw different noise from that step on. ``w`` branch steps give ``branch_factor ** w`` leaves.
+- ``noise_levels``: per-step noise levels of the stochastic kind, ``(step, level)`` pairs overriding the
+  rollout's single ``noise_level`` at those steps (TMPO's per-split eta). A level of 0 makes a step inside
+  the window deterministic: it is stored (the stored latents stay one contiguous chain) with log-prob 0 and
+  never trained, which is how a plan runs the SDE at its branch steps only and the ODE between them.
 - ``split_noise_scale``: BranchGRPO's split noise. At a branch step each child draws its noise times
   this factor (4 in its script) so that siblings part further, while its log-probability stays that of
   the step's unscaled Gaussian (:func:`flowrl.sampling.steps.sde_step`, ``noise_scale``).
@@ -39,12 +43,11 @@ included when the window reaches it. Deliberate differences:
 - with ``random``, N processes draw N windows per batch where one process with N times the prompts draws one:
   a multi-process run no longer reproduces a single-process one (``random_per_epoch`` still does).
 
-Branch points can move the same two ways (TMPO's Dynamic Stochastic Tree Sampling: "branch at
-dynamically scheduled steps"), see :func:`branch_schedule`: a fresh draw of distinct steps per
+Branch points can move the same two ways, see :func:`branch_schedule`: a fresh draw of distinct steps per
 iteration inside a range, or the configured pattern sliding forward one step every ``shift_every``
-iterations and wrapping inside the range. BranchGRPO itself branches at fixed steps, the default.
-TMPO states only that its branch steps are scheduled dynamically; the two schedules here are the
-window's, so one kind of range and one seed rule govern every moving part of a plan.
+iterations and wrapping inside the range. BranchGRPO itself branches at fixed steps, the default. TMPO's
+release moves them from the rewards instead (a Beta draw whose mean follows the reward level), which needs
+state across iterations: :class:`flowrl.sampling.split_schedule.BetaSplitScheduler`.
 
 Depth pruning (:func:`depth_pruned_steps`) follows BranchGRPO's definition: "depth" is the
 denoising depth (one level per step, not per branch point), the pruned depths are a contiguous
@@ -68,6 +71,7 @@ class StepPlan:
     branch_steps: tuple[int, ...] = ()
     branch_factor: int = 1
     pruned_steps: tuple[int, ...] = ()  # stored but not trained (BranchGRPO depth pruning)
+    noise_levels: tuple[tuple[int, float], ...] = ()  # (step, level): per-step noise overrides; 0 = deterministic
     split_noise_scale: float = 1.0  # noise factor of the branch steps' draws (BranchGRPO: 4)
 
     def __post_init__(self):
@@ -83,6 +87,10 @@ class StepPlan:
                 raise ValueError(f"branch step {step} must lie inside the SDE window {list(self.sde_steps)}")
         if self.branch_steps and self.branch_factor < 2:
             raise ValueError("branch_factor must be >= 2 when branch_steps are given")
+        for step, level in self.noise_levels:
+            if step not in self.sde_steps or level < 0:
+                raise ValueError(f"noise level {level} at step {step}: needs a step of the SDE window "
+                                 f"{list(self.sde_steps)} and a level >= 0")
         if self.split_noise_scale <= 0:
             raise ValueError(f"split_noise_scale must be > 0, got {self.split_noise_scale}")
         if any(not 0 <= step < self.num_steps for step in self.pruned_steps):
@@ -92,6 +100,10 @@ class StepPlan:
     def sde_steps(self) -> range:
         size = self.num_steps - self.sde_start if self.sde_size is None else self.sde_size
         return range(self.sde_start, self.sde_start + size)
+
+    def noise_level_at(self, step: int, default: float) -> float:
+        """The noise level of ``step``: its entry in ``noise_levels``, else the rollout's ``default``."""
+        return dict(self.noise_levels).get(step, default)
 
     @property
     def leaves_per_root(self) -> int:

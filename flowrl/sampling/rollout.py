@@ -1,11 +1,11 @@
 """The denoising loop, written out: N = prompts x group_size trajectories -> :class:`Trajectory`.
 
-Steps inside the plan's SDE window are stochastic (``kind``: sde or cps) and stored with their
-log-probabilities; every other step is a deterministic ODE step of ``ode_solver`` (Euler; or
-MixGRPO-Flash's ``dpmpp_2m``: Euler up to the end of the window, DPM-Solver++(2M) after it, its history
-holding the window's clean-latent predictions; see ``flowrl.sampling.steps.ODE_SOLVERS``). Tree rollouts
-split each row into ``branch_factor`` children right before every branch step: children share the parent's
-computed prefix (computed once) and differ from that step on because each child draws its own
+Steps inside the plan's SDE window are stochastic (``kind``: sde or cps, at ``noise_level`` or the plan's
+per-step level) and stored with their log-probabilities; every other step is a deterministic ODE step of
+``ode_solver`` (Euler; or MixGRPO-Flash's ``dpmpp_2m``: Euler up to the end of the window, DPM-Solver++(2M)
+after it, its history holding the window's clean-latent predictions; see ``flowrl.sampling.steps.ODE_SOLVERS``).
+Tree rollouts split each row into ``branch_factor`` children right before every branch step: children share
+the parent's computed prefix (computed once) and differ from that step on because each child draws its own
 noise (times ``plan.split_noise_scale`` at the branch step itself, BranchGRPO's split noise; the
 recorded log-probability is that of the unscaled step).
 
@@ -96,7 +96,13 @@ def rollout(
     # host-to-device copy of a sigma (each one a blocking sync on a GPU) and no per-step coefficient math.
     step_sigmas = sigmas.to(x.device)
     sde_steps, branch_steps = plan.sde_steps, set(plan.branch_steps)
-    schedule = ScheduleSteps(sigmas, noise_level=noise_level, kind=kind, dtype=x.dtype, device=x.device)
+    schedules: dict[float, ScheduleSteps] = {}  # one per noise level in use (plan.noise_levels may vary it)
+
+    def schedule_at(step: int) -> ScheduleSteps:
+        level = plan.noise_level_at(step, noise_level)
+        if level not in schedules:
+            schedules[level] = ScheduleSteps(sigmas, noise_level=level, kind=kind, dtype=x.dtype, device=x.device)
+        return schedules[level]
 
     lineage = torch.arange(len(row_seeds))  # [rows] id of the tree edge each row is on
     next_lineage = len(row_seeds)
@@ -144,8 +150,8 @@ def rollout(
                 stored_latents.append(x)
             for generator, row_seed in zip(step_generators, seed_list):
                 generator.manual_seed(derive_seed(row_seed, i + 1))
-            out = schedule.step(i, velocity, x, generator=step_generators,
-                                noise_scale=plan.split_noise_scale if i in branch_steps else 1.0)
+            out = schedule_at(i).step(i, velocity, x, generator=step_generators,
+                                      noise_scale=plan.split_noise_scale if i in branch_steps else 1.0)
             stored_latents.append(out.prev_sample)
             stored_log_probs.append(out.log_prob)
             stored_edges.append(lineage)  # never modified in place: a branch rebinds it
