@@ -41,7 +41,6 @@ from flowrl.config.schema import Config  # noqa: E402
 from flowrl.training.metrics import read_metrics  # noqa: E402
 
 GRPO, NFT, AWM = "configs/toy/grpo.yaml", "configs/toy/nft.yaml", "configs/toy/awm.yaml"
-TREE = ["sampling.tree.branch_steps=[1,4]", "sampling.tree.branch_factor=2"]  # 4 leaves per root, 2 roots a group
 WINDOW = ["sampling.window.size=3"]
 # MixGRPO: the window slides once over its six starts in 60 epochs, never wrapping (MixGRPO's 300 iterations
 # never do), and stays before the last two steps; no KL, as in MixGRPO's scripts.
@@ -60,8 +59,8 @@ METHODS: dict[str, tuple[str, list[str]]] = {
     "dense_cosine": (GRPO, ["train.credit=dense_cosine"]),
     "dense_ode": (GRPO, ["train.credit=dense_ode"]),
     "pilot_commit": (GRPO, ["sampling.pilot.candidates=16", "sampling.pilot.group_size=4"]),
-    "tmpo": (GRPO, ["train.loss=tmpo"]),
-    "tmpo_tree": (GRPO, ["train.loss=tmpo"] + TREE),
+    "tmpo": (GRPO, ["train.loss=tmpo", "train.beta=0", "train.std_scope=group"]),  # Softmax-TB on flat groups
+    "tmpo_tree": ("configs/toy/tmpo.yaml", []),  # TMPO: 27-leaf tree, CPS at Beta-scheduled splits
     "nft": (NFT, []),
     "awm": (AWM, []),
 }
