@@ -306,7 +306,7 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
 
 def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_level: float, kind: str = "sde",
                      same_noise_in_group: bool = False, store_x0_preds: bool = False, store_means: bool = False,
-                     batch_windows: bool = False, rollout_fn=rollout):
+                     batch_windows: bool = False, rollout_fn=None):
     """This epoch's rollouts on this process, scored: batch b is scored in a worker while b+1 is sampled.
 
     With ``batch_windows`` and ``sampling.window.mode: random`` each batch rolls out with its own window,
@@ -318,7 +318,7 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
     (:func:`pilot_sample_and_score`). Returns (trajectory with rewards, time sampling ended, time
     scoring ended); the trajectory also carries ``rollouts_sampled`` (rollouts of every process this
     epoch, dropped pilot ones included) and ``sampling_metrics`` (``perf/*`` for ``end_epoch``'s extra).
-    ``rollout_fn`` is the loop that samples (default :func:`rollout`; not used by Pilot-Commit).
+    ``rollout_fn`` is the loop that samples (None: :func:`rollout`; not used by Pilot-Commit).
     """
     cfg, accelerator, policy = run.cfg, run.accelerator, run.policy
     s, rank, world = cfg.sampling, accelerator.process_index, accelerator.num_processes

@@ -87,7 +87,7 @@ from flowrl.recipes.common import (
 )
 from flowrl.recipes.snapshots import start_phase
 from flowrl.rewards_api import AsyncScorer
-from flowrl.sampling import StepPlan, rollout
+from flowrl.sampling import StepPlan
 from flowrl.sampling.sa_solver import sa_solver_rollout
 from flowrl.algorithms.gardo import build_features
 from flowrl.training.accumulate import micro_batch
@@ -108,7 +108,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
     schedule = policy.sigmas(s.num_steps)[:-1] if timestep_schedule != "uniform" else None  # [num_steps]
     # AWM samples with the trained adapter and SA-Solver (nft.sampler, nft.rollout_weights; null: the loss's own).
     sa_solver = n.choice("sampler") == "sa_solver"
-    rollout_fn = functools.partial(sa_solver_rollout, noise_window=tuple(n.sa_noise_window)) if sa_solver else rollout
+    rollout_fn = functools.partial(sa_solver_rollout, noise_window=tuple(n.sa_noise_window)) if sa_solver else None
     rollout_noise = n.sa_noise_level if sa_solver else 0.0  # the ODE's is 0
     rollout_ema = ema if n.choice("rollout_weights") == "old" else None
     loss_options = dict(weighting=n.awm_weighting, power=n.awm_ghuber_power, clip_range=n.awm_clip_range) \

@@ -195,7 +195,7 @@ def rollout(
 
 def chunked_rollout(policy: Policy, prompts: Sequence[str], *, group_size: int, seeds: Sequence[int],
                     chunk: int | None = None, plan: StepPlan | None = None, metadata: Sequence[dict] | None = None,
-                    cond: TextCond | None = None, rollout_fn=rollout, **kwargs) -> Trajectory:
+                    cond: TextCond | None = None, rollout_fn=None, **kwargs) -> Trajectory:
     """:func:`rollout` ``chunk`` trajectories at a time (whole groups, or equal parts of each group), joined:
     the same trajectories as one call, since every row's noise comes from its own seed; only memory differs,
     and the float rounding of kernels that a backend picks by batch size (bit-identical where it does not).
@@ -203,6 +203,7 @@ def chunked_rollout(policy: Policy, prompts: Sequence[str], *, group_size: int, 
     ``chunk`` must be a multiple or a divisor of ``group_size`` and a multiple of the tree's leaves per root;
     None (or a chunk holding the whole batch) is one call. Tree edge ids are numbered per chunk. ``rollout_fn``
     replaces :func:`rollout` by a loop with its signature (SA-Solver's, :mod:`flowrl.sampling.sa_solver`)."""
+    rollout_fn = rollout_fn or rollout
     if not chunk or chunk >= len(prompts) * group_size:
         return rollout_fn(policy, prompts, group_size=group_size, seeds=seeds, plan=plan, metadata=metadata, cond=cond,
                           **kwargs)
