@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, SASolverScheduler
+from safetensors.torch import load_file
 
 import flowrl.recipes.common as common
 import flowrl.recipes.nft as nft_recipe
@@ -227,12 +228,13 @@ def awm_config(tmp_path, *overrides):
 
 
 def test_awm_rolls_out_the_trained_adapter_with_sa_solver_and_exports_the_eval_ema(tmp_path, monkeypatch):
-    runs, rollouts, exported, sigmas = [], [], [], []
+    runs, rollouts, exported, sigmas, restored = [], [], [], [], []
     real_start, real_rollout, real_export = nft_recipe.start_run, nft_recipe.sa_solver_rollout, common.export_final_lora
     real_loss = nft_recipe.awm_loss
 
     def start(cfg, accelerator=None):
         runs.append(real_start(cfg, accelerator))
+        restored.append({name: ema.state_tensors() for name, ema in (("ema", runs[-1].eval_ema), ("old", runs[-1].ema))})
         return runs[-1]
 
     def spy_rollout(policy, prompts, **kwargs):
@@ -262,6 +264,18 @@ def test_awm_rolls_out_the_trained_adapter_with_sa_solver_and_exports_the_eval_e
     # Eval and export use the separate eval EMA (decay 0.99), not the old policy.
     assert run.eval_ema is not None and run.eval_ema.decay == 0.99 and exported == [run.eval_ema]
     assert run.exported_ema is run.eval_ema and set(run.snapshots) == {"old"}
+    # The checkpoint's ema.safetensors holds the eval EMA (what `flowrl export-lora` and `flowrl eval` read), the
+    # old policy rides along as a snapshot, and a resumed run gets both back.
+    checkpoint = tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "latest").read_text().strip()
+    saved_eval, saved_old = (load_file(str(checkpoint / f"{name}.safetensors")) for name in ("ema", "old"))
+    for saved, ema in ((saved_eval, run.eval_ema), (saved_old, run.ema)):
+        assert all(torch.equal(saved[k], v) for k, v in ema.state_tensors().items())
+    assert any(not torch.equal(saved_eval[k], saved_old[k]) for k in saved_eval)
+    runs.clear()
+    nft_recipe.train(awm_config(tmp_path, "train.epochs=3", "train.resume=latest"))
+    assert runs[0].start_epoch == 2
+    for name, saved in (("ema", saved_eval), ("old", saved_old)):
+        assert all(torch.equal(saved[k], v) for k, v in restored[-1][name].items()), name
 
 
 def test_nft_keeps_ode_rollouts_from_the_old_adapter(tmp_path, monkeypatch):
