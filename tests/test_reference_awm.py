@@ -174,7 +174,8 @@ def reference_sa_loop(velocity, x, grid, taus, noises):
         if step > 1:
             scheduler._step_index, scheduler.model_outputs = step, x0s[-1:]
             x = scheduler.stochastic_adams_moulton_update(x0_t, last_sample=x, last_noise=noises[step],
-                                                          this_sample=predicted, order=min(2, steps - step + 2), tau=tau)
+                                                          this_sample=predicted, order=min(2, steps - step + 2),
+                                                          tau=tau)
         else:
             x = predicted
         x0s.append(x0_t)
@@ -234,7 +235,7 @@ def test_awm_rolls_out_the_trained_adapter_with_sa_solver_and_exports_the_eval_e
 
     def start(cfg, accelerator=None):
         runs.append(real_start(cfg, accelerator))
-        restored.append({name: ema.state_tensors() for name, ema in (("ema", runs[-1].eval_ema), ("old", runs[-1].ema))})
+        restored.append({"ema": runs[-1].eval_ema.state_tensors(), "old": runs[-1].ema.state_tensors()})
         return runs[-1]
 
     def spy_rollout(policy, prompts, **kwargs):
@@ -297,7 +298,8 @@ def test_awm_config_choices_and_errors(tmp_path):
     for override, key in (("nft.awm_clip_range=0", r"nft\.awm_clip_range"),
                           ("nft.sa_noise_window=[0.9,0.3]", r"nft\.sa_noise_window"),
                           ("nft.stratified_fraction=0.4", r"nft\.stratified_fraction"),
-                          ("sampling.pilot.candidates=4 sampling.pilot.group_size=2".split(), r"sampling\.pilot\.candidates")):
+                          (["sampling.pilot.candidates=4", "sampling.pilot.group_size=2"],
+                           r"sampling\.pilot\.candidates")):
         with pytest.raises(ConfigError, match=key) as error:
             awm_config(tmp_path, *([override] if isinstance(override, str) else override))
         assert "\n" not in str(error.value)
