@@ -219,6 +219,24 @@ def test_sa_solver_converges_to_the_flow_and_keeps_its_marginals():
     assert float(out.std()) == pytest.approx((1 - t) * std ** 2 / spread(t), rel=0.01)
 
 
+def test_sa_solver_rollout_is_row_seeded_and_keeps_the_clean_samples():
+    from flowrl.models import build_policy
+    from flowrl.sampling import chunked_rollout
+    from flowrl.sampling.sa_solver import sa_solver_rollout
+
+    policy = build_policy("sd3", "tiny", seed=0)
+    args = dict(group_size=4, num_steps=4, guidance_scale=1.0, noise_level=0.4, seeds=list(range(8)))
+    whole = sa_solver_rollout(policy, ["a red circle", "two blue squares"], **args)
+    chunked = chunked_rollout(policy, ["a red circle", "two blue squares"], chunk=2, rollout_fn=sa_solver_rollout,
+                              **args)
+    assert whole.final_latents.shape[0] == 8 and whole.images.shape[0] == 8 and whole.log_probs.abs().sum() == 0
+    assert torch.equal(whole.latents[:, 1], whole.final_latents) and torch.equal(whole.group_ids, chunked.group_ids)
+    torch.testing.assert_close(chunked.final_latents, whole.final_latents, rtol=0, atol=1e-5)
+    # Its noise matters (tau 0.4 on the 4-step grid's points in [0.3, 0.9]) and comes from the row seeds.
+    quiet = sa_solver_rollout(policy, ["a red circle", "two blue squares"], **{**args, "noise_level": 0.0})
+    assert not torch.allclose(quiet.final_latents, whole.final_latents)
+
+
 # ---- the recipe --------------------------------------------------------------------------------------------------
 
 def awm_config(tmp_path, *overrides):

@@ -221,8 +221,8 @@ def chunked_rollout(policy: Policy, prompts: Sequence[str], *, group_size: int, 
         index = list(range(first, min(first + per_chunk, len(prompts))))
         for offset in range(0, group_roots, roots):
             part = rollout_fn(policy, [prompts[p] for p in index], group_size=size, plan=plan, cond=cond.select(index),
-                           seeds=[seeds[p * group_roots + offset + j] for p in index for j in range(roots)],
-                           metadata=[metadata[p] for p in index] if metadata is not None else None, **kwargs)
+                              seeds=[seeds[p * group_roots + offset + j] for p in index for j in range(roots)],
+                              metadata=[metadata[p] for p in index] if metadata is not None else None, **kwargs)
             prompt_ids.append(part.prompt_ids + first)
             parts.append(part)
     traj = concat_trajectories(parts)

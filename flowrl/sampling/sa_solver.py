@@ -156,8 +156,8 @@ def sa_solver_rollout(policy: Policy, prompts: Sequence[str], *, group_size: int
     as a deterministic rollout's plan does: only ``final_latents`` and ``images`` are meant to be used."""
     if plan is not None and (plan.branch_steps or plan.num_steps != num_steps):
         raise ValueError("SA-Solver rollouts have no tree and take their steps from num_steps")
-    if store_x0_preds:
-        raise ValueError("SA-Solver rollouts keep clean samples only (store_x0_preds is not supported)")
+    if store_x0_preds or _solver_options.get("store_means"):
+        raise ValueError("SA-Solver rollouts keep clean samples only (store_x0_preds and store_means do not apply)")
     if cond is None:
         cond = policy.encode(list(prompts), metadata=metadata)
     num_prompts = len(prompts)
