@@ -156,10 +156,13 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         for inner in range(t.inner_epochs):
             order = np.random.default_rng([cfg.seed, epoch, inner, rank, 0x4F7]).permutation(pairs)
             timestep_seed = [cfg.seed, epoch, inner, rank, 0x7153]
-            timesteps = None if schedule is None else schedule_timesteps(  # [N, num_steps]
-                schedule, traj.num_rows, seed=timestep_seed) if timestep_schedule == "sampling" else \
-                stratified_timesteps(schedule, traj.num_rows, n.timesteps_per_sample, n.stratified_fraction,
-                                     seed=timestep_seed)  # [N, timesteps_per_sample]
+            if timestep_schedule == "sampling":
+                timesteps = schedule_timesteps(schedule, traj.num_rows, seed=timestep_seed)  # [N, num_steps]
+            elif timestep_schedule == "stratified":  # AWM's: [N, timesteps_per_sample]
+                timesteps = stratified_timesteps(schedule, traj.num_rows, n.timesteps_per_sample,
+                                                 n.stratified_fraction, seed=timestep_seed)
+            else:  # uniform: t ~ U(0, 1), drawn with the noise
+                timesteps = None
             for chunk_index, chunk in enumerate(np.array_split(order, t.optimizer_steps_per_epoch)):
                 chunk = torch.as_tensor(chunk, dtype=torch.long)
                 weight = accelerator.reduce(keep[chunk % traj.num_rows].sum().float().to(accelerator.device),
