@@ -297,17 +297,19 @@ class NFTConfig:
     with DiffusionNFT's loss or AWM's."""
 
     loss: Literal["nft", "awm", "crd"] = "nft"
-    """'nft': DiffusionNFT's implicit positive/negative policies; 'awm': Advantage Weighted Matching, the
-    flow-matching loss weighted by the clipped advantage over train.advantage_clip, plus nft.awm_kl
-    times ||v - v_old||^2 toward the old (EMA) adapter; 'crd': Centered Reward Distillation, the implicit
-    log-ratio to the old adapter matched to the reward, both centred within the prompt's group."""
+    """'nft': DiffusionNFT's implicit positive/negative policies; 'awm': Advantage Weighted Matching, its
+    (ghuber-weighted) flow-matching log-probability under a clipped ratio times the clipped advantage over
+    train.advantage_clip, plus nft.awm_kl times ||v - v_old||^2 toward the old (EMA) adapter; 'crd': Centered
+    Reward Distillation, the implicit log-ratio to the old adapter matched to the reward, both centred within
+    the prompt's group."""
     crd_beta: float = 10.0
     """CRD: the KL temperature beta of beta (log-ratio - group mean) ~ (advantage - group mean); the
     log-ratio estimates are mean squared errors, so beta sets how far the policy may move per unit of
     advantage."""
     awm_kl: float = 1.0
-    """AWM: weight of ||v - v_old||^2 (AWM's published value). A sample's loss is bounded below while its
-    advantage weight (in [-1, 1]) plus awm_kl is > 0, so 1 covers every weight above -1."""
+    """AWM: weight of ||v - v_old||^2 (AWM's published value). With ghuber weighting any awm_kl > 0 bounds a
+    sample's loss below (its l^p grows slower than the pull); with uniform, while its advantage weight (in
+    [-1, 1]) plus awm_kl is > 0, so 1 covers every weight above -1."""
     strength: float = 1.0
     """beta of the implicit policies v+ = beta v + (1 - beta) v_old, v- = (1 + beta) v_old - beta v (loss nft)."""
     timesteps_per_sample: int = 1
@@ -346,9 +348,9 @@ class NFTConfig:
     """Which adapter samples the rollouts: old (the EMA "old" adapter, DiffusionNFT) or trained (the live one,
     AWM); null: the loss's own (awm: trained, else old)."""
     eval_ema_decay: float | None = None
-    """Decay of a separate EMA of the trained adapter, stepped once per optimizer step with the ramp
-    min(decay, (1 + s) / (10 + s)), that eval, checkpoints' export and the report use (AWM: 0.99); null: the
-    loss's own (awm: 0.99; else none, and eval and export use the old adapter)."""
+    """Decay of a separate EMA of the trained adapter that eval, the report, the export and checkpoints'
+    ema.safetensors hold, stepped once per epoch at min(decay, (1 + s) / (10 + s)), s the optimizer steps so far
+    (AWM: 0.99); null: the loss's own (awm: 0.99; else none, and they hold the old adapter)."""
 
     def choice(self, key: str):
         """The setting ``key`` in force: its own value, or the loss's reference choice where it is null."""
