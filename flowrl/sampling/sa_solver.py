@@ -184,10 +184,12 @@ def sa_solver_rollout(policy: Policy, prompts: Sequence[str], *, group_size: int
     clean, before = sa_solver_sample(model, x, grid, taus, step_noise)
     final = clean.to(model_dtype)  # [N, C, (F,) h, w]
     images = torch.cat([policy.decode(chunk) for chunk in final.split(decode_batch_size)]) if decode else None
-    last = torch.tensor([grid[-2], 0.0])
+    rows = len(row_seeds)
+    last = torch.tensor([[grid[-2], 0.0]]).repeat(rows, 1)  # [N, 2] the stored step's noise levels
     return Trajectory(
-        latents=torch.stack([before.to(model_dtype), final], dim=1), log_probs=torch.zeros(len(row_seeds), 1),
-        sigmas=last, timesteps=last[:-1] * 1000, step_indices=torch.tensor([num_steps - 1]), final_latents=final,
+        latents=torch.stack([before.to(model_dtype), final], dim=1), log_probs=torch.zeros(rows, 1),
+        row_sigmas=last, row_timesteps=last[:, :-1] * 1000,
+        row_step_indices=torch.full((rows, 1), num_steps - 1, dtype=torch.long), final_latents=final,
         prompt_ids=prompt_ids.to(device), group_ids=prompt_ids.to(device).clone(),
         seeds=torch.tensor(row_seeds, dtype=torch.long), edge_ids=torch.arange(len(row_seeds)).unsqueeze(1),
         parent=torch.full((len(row_seeds),), -1, dtype=torch.long), prompts=list(prompts),
