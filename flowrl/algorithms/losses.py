@@ -79,25 +79,3 @@ def nft_loss(velocity: torch.Tensor, old_velocity: torch.Tensor, target: torch.T
         return sigma * squared / scale
 
     return optimality * term(positive) + (1 - optimality) * term(negative)
-
-
-def awm_loss(velocity: torch.Tensor, reference_velocity: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
-             *, kl_weight: float) -> torch.Tensor:
-    """Advantage Weighted Matching (AWM) on noised clean samples -> [B] (means over non-batch dims).
-
-    ``A ||v - target||^2 + kl_weight ||v - v_ref||^2``: the pretraining flow-matching loss (target
-    ``eps - x0``) weighted by each sample's advantage ``A`` [B], plus a pull toward the reference
-    velocity ``v_ref`` (AWM's EMA policy, computed without grad). Positive samples are fitted
-    like data, negative ones are unlearned.
-
-    The gradient is ``2 / D * [A (v - target) + kl_weight (v - v_ref)]`` over ``D`` dims. At
-    ``v = v_ref`` it is ``2 A (v_ref - target) / D``: DiffusionNFT's gradient at strength 1 with
-    ``2r - 1 = A``. A sample whose ``A + kl_weight > 0`` has the bounded minimum
-    ``v_ref + A / (A + kl_weight) * (target - v_ref)``; with ``A + kl_weight <= 0`` a negative sample's
-    loss falls without bound as ``v`` moves away from its target, so keep ``kl_weight`` above ``-A`` of
-    the most negative sample (the nft recipe's weights lie in [-1, 1]; its default ``kl_weight`` is 1).
-    """
-    dims = tuple(range(1, velocity.ndim))
-    matching = ((velocity - target) ** 2).mean(dim=dims)  # [B]
-    regulariser = ((velocity - reference_velocity) ** 2).mean(dim=dims)  # [B]
-    return advantages * matching + kl_weight * regulariser

@@ -311,17 +311,19 @@ class NFTConfig:
     with DiffusionNFT's loss or AWM's."""
 
     loss: Literal["nft", "awm", "crd"] = "nft"
-    """'nft': DiffusionNFT's implicit positive/negative policies; 'awm': Advantage Weighted Matching, the
-    flow-matching loss weighted by the clipped advantage over train.advantage_clip, plus nft.awm_kl
-    times ||v - v_old||^2 toward the old (EMA) adapter; 'crd': Centered Reward Distillation, the implicit
-    log-ratio to the old adapter matched to the reward, both centred within the prompt's group."""
+    """'nft': DiffusionNFT's implicit positive/negative policies; 'awm': Advantage Weighted Matching, its
+    (ghuber-weighted) flow-matching log-probability under a clipped ratio times the clipped advantage over
+    train.advantage_clip, plus nft.awm_kl times ||v - v_old||^2 toward the old (EMA) adapter; 'crd': Centered
+    Reward Distillation, the implicit log-ratio to the old adapter matched to the reward, both centred within
+    the prompt's group."""
     crd_beta: float = 10.0
     """CRD: the KL temperature beta of beta (log-ratio - group mean) ~ (advantage - group mean); the
     log-ratio estimates are mean squared errors, so beta sets how far the policy may move per unit of
     advantage."""
     awm_kl: float = 1.0
-    """AWM: weight of ||v - v_old||^2 (AWM's published value). A sample's loss is bounded below while its
-    advantage weight (in [-1, 1]) plus awm_kl is > 0, so 1 covers every weight above -1."""
+    """AWM: weight of ||v - v_old||^2 (AWM's published value). With ghuber weighting any awm_kl > 0 bounds a
+    sample's loss below (its l^p grows slower than the pull); with uniform, while its advantage weight (in
+    [-1, 1]) plus awm_kl is > 0, so 1 covers every weight above -1."""
     strength: float = 1.0
     """beta of the implicit policies v+ = beta v + (1 - beta) v_old, v- = (1 + beta) v_old - beta v (loss nft)."""
     timesteps_per_sample: int = 1
@@ -329,12 +331,45 @@ class NFTConfig:
     adaptive_weighting: bool = True
     """Measure each loss term in x0-space, divided by its own detached mean error (keeps training stable;
     loss nft)."""
-    timestep_schedule: Literal["sampling", "uniform"] = "sampling"
+    timestep_schedule: Literal["sampling", "uniform", "stratified"] | None = None
     """Where training t comes from: 'sampling' draws, per sample and without repeats, from the sigmas of
-    the (shifted) sampling schedule, as DiffusionNFT does; 'uniform' draws t ~ U(0, 1)."""
+    the (shifted) sampling schedule, as DiffusionNFT does; 'uniform' draws t ~ U(0, 1); 'stratified' is AWM's
+    draw, one sigma per stratum of the schedule without its first (sigma 1) and last ones (see
+    nft.stratified_fraction); null: the loss's own (awm: stratified, else sampling)."""
+    stratified_fraction: float = 0.9
+    """timestep_schedule stratified: the strata cover schedule indices 1 .. int(num_steps * this) - 1 (AWM: 0.9,
+    which leaves out the last two of 14 sigmas)."""
     old_decay_ramp: list[float] | None = None
     """[rate, max]: the old adapter's decay after optimizer step s is min(rate * s, max) (DiffusionNFT:
-    [0.001, 0.5]); null keeps train.ema_decay."""
+    [0.001, 0.5]; AWM: [0.001, 0.3]); null keeps train.ema_decay."""
+    awm_weighting: Literal["ghuber", "uniform"] = "ghuber"
+    """AWM's log-probability of a sample from its flow-matching error l: ghuber, -(t / p)((l + 1e-10)^p - 1e-10^p)
+    (AWM's default; each sample's gradient weighted by t l^(p - 1)), or uniform, -l (the plain advantage-weighted
+    flow-matching loss, flowrl's earlier AWM)."""
+    awm_ghuber_power: float = 0.25
+    """AWM: the power p of the ghuber weighting (AWM: 0.25)."""
+    awm_clip_range: float = 1.0
+    """AWM: clip range c of its PPO surrogate max(-A rho, -A clip(rho, 1 - c, 1 + c)) on the ratio of
+    log-probabilities (AWM: 1)."""
+    sampler: Literal["ode", "sa_solver"] | None = None
+    """Rollout sampler: ode (sampling.num_steps Euler steps, no noise) or sa_solver (AWM's stochastic order-2
+    SA-Solver, flowrl/sampling/sa_solver.py); null: the loss's own (awm: sa_solver, else ode)."""
+    sa_noise_level: float = 0.4
+    """sampler sa_solver: its SDE noise tau inside nft.sa_noise_window (AWM: 0.4; 0 is its ODE)."""
+    sa_noise_window: list[float] = field(default_factory=lambda: [0.3, 0.9])
+    """sampler sa_solver: [low, high], the t-range of the steps that get noise tau (AWM: [0.3, 0.9])."""
+    rollout_weights: Literal["old", "trained"] | None = None
+    """Which adapter samples the rollouts: old (the EMA "old" adapter, DiffusionNFT) or trained (the live one,
+    AWM); null: the loss's own (awm: trained, else old)."""
+    eval_ema_decay: float | None = None
+    """Decay of a separate EMA of the trained adapter that eval, the report, the export and checkpoints'
+    ema.safetensors hold, stepped once per epoch at min(decay, (1 + s) / (10 + s)), s the optimizer steps so far
+    (AWM: 0.99); null: the loss's own (awm: 0.99; else none, and they hold the old adapter)."""
+
+    def choice(self, key: str):
+        """The setting ``key`` in force: its own value, or the loss's reference choice where it is null."""
+        value = getattr(self, key)
+        return value if value is not None else LOSS_CHOICES.get(self.loss, {}).get(key, NFT_CHOICES[key])
 
     def validate(self):
         check(self.strength > 0, "strength", "must be > 0")
@@ -344,6 +379,21 @@ class NFTConfig:
         ramp = self.old_decay_ramp
         check(ramp is None or (len(ramp) == 2 and ramp[0] >= 0 and 0 <= ramp[1] < 1), "old_decay_ramp",
               "must be [rate >= 0, max in [0, 1)] or null")
+        check(0 < self.stratified_fraction <= 1, "stratified_fraction", "must be in (0, 1]")
+        check(self.awm_ghuber_power > 0, "awm_ghuber_power", "must be > 0")
+        check(self.awm_clip_range > 0, "awm_clip_range", "must be > 0 (the ratio is clipped to [1 - c, 1 + c])")
+        check(self.sa_noise_level >= 0, "sa_noise_level", "must be >= 0")
+        window = self.sa_noise_window
+        check(len(window) == 2 and 0 <= window[0] <= window[1] <= 1, "sa_noise_window",
+              "must be [low, high] with 0 <= low <= high <= 1")
+        check(self.eval_ema_decay is None or 0 <= self.eval_ema_decay < 1, "eval_ema_decay",
+              "must be in [0, 1), or null")
+
+
+# The settings of NFTConfig whose null means "the loss's own": DiffusionNFT's (and CRD's), and AWM's reference ones.
+NFT_CHOICES = {"timestep_schedule": "sampling", "sampler": "ode", "rollout_weights": "old", "eval_ema_decay": None}
+LOSS_CHOICES = {"awm": {"timestep_schedule": "stratified", "sampler": "sa_solver", "rollout_weights": "trained",
+                        "eval_ema_decay": 0.99}}
 
 
 @dataclass
@@ -476,10 +526,20 @@ class Config:
               "leave train.ema_start_step, ema_every and ema_warmup at 1, 1, none")
         check(self.recipe != "nft" or self.train.ema, "train.ema",
               "recipe nft samples with the EMA ('old') adapter: set train.ema=true (ema_decay 0 follows the live one)")
-        check(self.recipe != "nft" or self.nft.timestep_schedule != "sampling"
+        check(self.recipe != "nft" or self.nft.choice("timestep_schedule") != "sampling"
               or self.nft.timesteps_per_sample <= self.sampling.num_steps, "nft.timesteps_per_sample",
               f"exceeds the {self.sampling.num_steps} sigmas of the sampling schedule; lower it or set "
               "nft.timestep_schedule=uniform")
+        n = self.nft
+        check(self.recipe != "nft" or n.choice("timestep_schedule") != "stratified"
+              or int(self.sampling.num_steps * n.stratified_fraction) >= 2, "nft.stratified_fraction",
+              f"leaves no sigma between the first and the last of sampling.num_steps={self.sampling.num_steps}: "
+              "raise it or the steps")
+        check(self.recipe != "nft" or n.choice("sampler") != "sa_solver" or self.sampling.num_steps >= 2,
+              "sampling.num_steps", "SA-Solver rollouts need at least 2 steps (nft.sampler=sa_solver)")
+        check(self.recipe != "nft" or n.choice("sampler") != "sa_solver" or not self.sampling.pilot.candidates,
+              "sampling.pilot.candidates", "Pilot-Commit rolls out with the Euler/SDE loop, not SA-Solver: set it to 0 "
+              "or nft.sampler=ode")
         check(self.recipe != "nft" or (self.train.loss == "grpo-clip" and self.train.ratio_norm == "none"),
               "train.loss",
               "train.loss=tmpo and train.ratio_norm act on log-prob ratios, which recipe nft has none of; use "

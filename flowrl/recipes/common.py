@@ -189,6 +189,7 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None  # train.lr_scheduler, one step per optimizer step
     faults: FaultCounter | None = None  # skipped non-finite steps and unscorable epochs (flowrl/training/faults.py)
     split_scheduler: BetaSplitScheduler | None = None  # sampling.tree.schedule=beta: TMPO's adaptive split steps
+    eval_ema: LoraEMA | None = None  # nft.eval_ema_decay: the EMA eval and export use; ``ema`` is then the old policy
 
     @property
     def fault_counter(self) -> FaultCounter:
@@ -201,8 +202,15 @@ class Run:
     def snapshots(self) -> dict[str, LoraEMA]:
         """The adapter copies that checkpoints save and resume restores."""
         best = self.guard.best if self.guard is not None and self.guard.best.tensors else None
-        return {name: s for name, s in (("reference", self.reference), ("anchor", self.anchor), ("guard_best", best))
-                if s is not None}
+        old = self.ema if self.eval_ema is not None else None  # the checkpoint's ema.safetensors holds eval_ema
+        return {name: s for name, s in (("reference", self.reference), ("anchor", self.anchor), ("guard_best", best),
+                                        ("old", old)) if s is not None}
+
+    @property
+    def exported_ema(self) -> LoraEMA | None:
+        """The weights eval, the report, the export and checkpoints' ema.safetensors hold: the eval EMA where one is
+        kept, else ``ema``."""
+        return self.eval_ema if self.eval_ema is not None else self.ema
 
     @property
     def eval_guidance(self) -> float:
@@ -271,14 +279,18 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
     snapshot = lambda: LoraEMA(policy.named_trainable_parameters(), decay=0.0)  # noqa: E731  (copies the weights)
     reference = snapshot() if g.reset_every is not None or g.reset_kl is not None else None
     anchor = snapshot() if cfg.hrf.anchor_weight > 0 else None
+    eval_decay = cfg.nft.choice("eval_ema_decay") if cfg.recipe == "nft" else None
+    eval_ema = LoraEMA(policy.named_trainable_parameters(), decay=eval_decay) if eval_decay is not None else None
     gd = cfg.guard
     guard = DiversityGuard(every=gd.every, warmup=gd.warmup, max_drop=gd.max_drop, policy=gd.policy, beta=t.beta,
                            beta_factor=gd.beta_factor, beta_floor=gd.beta_floor, cooldown=gd.cooldown,
                            diversity_weight=gd.diversity_weight,
                            write=tqdm.write if accelerator.is_main_process else None) if gd.enabled else None
     snapshots = {name: s for name, s in (("reference", reference), ("anchor", anchor),
-                                         ("guard_best", guard.best if guard else None)) if s is not None}
-    resumed = restore_checkpoint(cfg, policy, optimizer, ema, rank=accelerator.process_index,
+                                         ("guard_best", guard.best if guard else None),
+                                         ("old", ema if eval_ema is not None else None)) if s is not None}
+    resumed = restore_checkpoint(cfg, policy, optimizer, eval_ema if eval_ema is not None else ema,
+                                 rank=accelerator.process_index,
                                  snapshots=snapshots) if t.resume else {"epoch": -1}
     if "lr_scheduler" in resumed:
         scheduler.load_state_dict(resumed["lr_scheduler"])
@@ -305,7 +317,7 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
         guidance=cfg.sampling.guidance_scale if (t.cfg or policy.guidance_in_model) else 1.0, start_epoch=start_epoch,
         counters={"rollouts": resumed.get("rollouts", 0), "train_wall_s": resumed.get("train_wall_s", 0.0)},
         marble=marble, reference=reference, reference_resets=int(resumed.get("reference_resets", 0)), anchor=anchor,
-        guard=guard, scheduler=scheduler, split_scheduler=split_scheduler,
+        guard=guard, scheduler=scheduler, split_scheduler=split_scheduler, eval_ema=eval_ema,
     )
 
 
@@ -324,7 +336,7 @@ def beta_split_scheduler(s: SamplingConfig) -> BetaSplitScheduler | None:
 
 def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_level: float, kind: str = "sde",
                      same_noise_in_group: bool = False, store_x0_preds: bool = False, store_means: bool = False,
-                     batch_windows: bool = False):
+                     batch_windows: bool = False, rollout_fn=None):
     """This epoch's rollouts on this process, scored: batch b is scored in a worker while b+1 is sampled.
 
     With ``batch_windows`` and ``sampling.window.mode: random`` each batch rolls out with its own window,
@@ -336,6 +348,7 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
     (:func:`pilot_sample_and_score`). Returns (trajectory with rewards, time sampling ended, time
     scoring ended); the trajectory also carries ``rollouts_sampled`` (rollouts of every process this
     epoch, dropped pilot ones included) and ``sampling_metrics`` (``perf/*`` for ``end_epoch``'s extra).
+    ``rollout_fn`` is the loop that samples (None: :func:`rollout`; not used by Pilot-Commit).
     """
     cfg, accelerator, policy = run.cfg, run.accelerator, run.policy
     s, rank, world = cfg.sampling, accelerator.process_index, accelerator.num_processes
@@ -361,7 +374,8 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
                                    same_noise_in_group=same_noise_in_group,
                                    metadata=batch.metadata, store_x0_preds=store_x0_preds, ode_solver=s.ode_solver,
                                    store_means=store_means,
-                                   seeds=root_seeds(cfg.seed, first_root, len(batch) * roots_per_group))
+                                   seeds=root_seeds(cfg.seed, first_root, len(batch) * roots_per_group),
+                                   rollout_fn=rollout_fn)
         part.group_ids = part.group_ids + (batch_index * world + rank) * s.prompts_per_batch
         futures.append(scorer.submit(part.images, part.row_prompts, part.row_metadata))
         parts.append(part)
@@ -470,8 +484,8 @@ def group_advantages(run: Run, traj, estimator):
 def log_base_model(run: Run) -> None:
     """With ``log.test_every``, the held-out score of the base model: the curve's starting point."""
     if run.cfg.log.test_every and run.start_epoch == 0:
-        run.logger.log({"epoch": -1, **held_out_metrics(run.policy, run.ema, run.rewards, run.test_set, run.cfg,
-                                                        run.eval_guidance, run.accelerator),
+        run.logger.log({"epoch": -1, **held_out_metrics(run.policy, run.exported_ema, run.rewards, run.test_set,
+                                                        run.cfg, run.eval_guidance, run.accelerator),
                         **{f"perf/{k}": v for k, v in run.counters.items()}}, step=-1)
 
 
@@ -538,10 +552,10 @@ def end_epoch(run: Run, epoch: int, *, gathered: dict[str, torch.Tensor], combin
         raise aborted
     last = out_of_time(run) or run.guard_stopped  # the run ends after this epoch, before train.epochs
     if cfg.log.test_every and ((epoch + 1) % cfg.log.test_every == 0 or last):  # the curve's last point
-        metrics.update(held_out_metrics(run.policy, run.ema, run.rewards, run.test_set, cfg, run.eval_guidance,
+        metrics.update(held_out_metrics(run.policy, run.exported_ema, run.rewards, run.test_set, cfg, run.eval_guidance,
                                         accelerator))
     if cfg.log.eval_every and (epoch + 1) % cfg.log.eval_every == 0:  # every rank samples (sharded models)
-        eval_grid(run.policy, run.ema, run.eval_prompts, cfg, run.eval_guidance,
+        eval_grid(run.policy, run.exported_ema, run.eval_prompts, cfg, run.eval_guidance,
                   run.run_dir / "grids" / f"epoch_{epoch:05d}.png", save=accelerator.is_main_process)
     metrics["perf/epoch_s"] = time.perf_counter() - epoch_start
     run.logger.log(metrics, step=epoch)  # before the checkpoint: a resumed run redoes later epochs only
@@ -556,7 +570,7 @@ def end_epoch(run: Run, epoch: int, *, gathered: dict[str, torch.Tensor], combin
         if run.split_scheduler is not None:
             extra["split_scheduler"] = run.split_scheduler.state_dict()
         try:
-            save_run_checkpoint(cfg, run.policy, run.optimizer, run.ema, accelerator, epoch=epoch,
+            save_run_checkpoint(cfg, run.policy, run.optimizer, run.exported_ema, accelerator, epoch=epoch,
                                 counters=run.counters, extra=extra, snapshots=run.snapshots)
         except OSError as error:  # a full disk: the save is atomic, so the previous checkpoint is still the latest
             raise checkpoint_write_failed(run.run_dir, epoch, error, clean=accelerator.is_main_process) from error
@@ -575,13 +589,13 @@ def finish_run(run: Run, metrics: dict) -> dict[str, float]:
     """Export the final adapter (EMA weights when kept) and report before/after on held-out prompts."""
     cfg, accelerator = run.cfg, run.accelerator
     if run.guard_stopped and run.guard.best.tensors:  # export and report the best reward-diversity weights
-        restore_weights(run.policy, run.ema, run.guard.best.tensors)
+        restore_weights(run.policy, run.exported_ema, run.guard.best.tensors)
     if cfg.train.export_lora:  # every rank gathers (FSDP2), the main one writes
-        export_final_lora(run.policy, run.ema, run.run_dir / "lora", write=accelerator.is_main_process)
+        export_final_lora(run.policy, run.exported_ema, run.run_dir / "lora", write=accelerator.is_main_process)
     if cfg.log.report_prompts:
         prompts = stratified_prefix(run.test_prompts, cfg.log.report_prompts)  # equal share per task
-        report = write_report(run.run_dir, policy=run.policy, ema=run.ema, rewards=run.rewards, prompts=prompts,
-                              images_per_prompt=cfg.log.eval_images_per_prompt,
+        report = write_report(run.run_dir, policy=run.policy, ema=run.exported_ema, rewards=run.rewards,
+                              prompts=prompts, images_per_prompt=cfg.log.eval_images_per_prompt,
                               num_steps=cfg.log.eval_num_steps or cfg.sampling.num_steps, guidance=run.eval_guidance,
                               seed=cfg.seed + 2, diversity=cfg.log.report_diversity,
                               save=accelerator.is_main_process,

@@ -11,22 +11,21 @@ pulling the velocity toward good samples and away from bad ones. ``nft.loss`` pi
   12 epochs on four training prompts take strict ToyEval from 0.31 to 0.51 where full-SDE GRPO
   reaches 0.41, and on the whole prompt set it raises the held-out task mean while GRPO stays flat
   (assets/toy/README.md, tests/test_toy_rl.py).
-- ``awm``: Advantage Weighted Matching (:func:`flowrl.algorithms.losses.awm_loss`), the pretraining
-  loss weighted by the advantage, ``a ||v - (eps - x0)||^2``, plus ``nft.awm_kl * ||v - v_old||^2``
-  toward the old adapter. Choices, after AWM's paper and repository: ``a`` is the group advantage
-  clipped to ``train.advantage_clip`` and divided by it (AWM: clip 5, ``advantage_max`` 1), so
-  ``a`` lies in [-1, 1], equals DiffusionNFT's ``2r - 1``, and at ``v = v_old`` AWM's gradient is
-  DiffusionNFT's at strength 1 without adaptive weighting. The regulariser is AWM's velocity-space
-  ``||v - v_ema||^2`` with AWM's weight 1; its EMA is stepped once per epoch with a decay ramp
-  ``min(0.001 * step, 0.3)``, as the old adapter is here. A sample with ``a + awm_kl > 0`` has the
-  bounded minimum ``v_old + a / (a + awm_kl) * (target - v_old)``; otherwise its loss falls without
-  bound as ``v`` leaves its image, the collapse unregularised AWM is prone to. ``awm_kl = 1`` covers
-  every ``a > -1``, and per-group advantages of a group of n stay within ``sqrt(n - 1)`` (16: 3.9 < 5).
-  Left out: AWM wraps the weighted loss in a PPO ratio ``exp(l_old - l)`` with clip range 1 (at the
-  first step on fresh (t, eps) the ratio is 1 and the gradient is the one used here) and reweights
-  the loss per timestep ('ghuber', ``t/p ((l + e)^p - e^p)``); AWM samples with the trained adapter,
-  while here both losses sample with the old one. ``nft.strength`` and ``nft.adaptive_weighting``
-  act on loss ``nft`` only.
+- ``awm``: Advantage Weighted Matching (:mod:`flowrl.algorithms.awm`; reference: github.com/scxue/
+  advantage_weighted_matching at be51372, ``scripts/train_sd3_awm.py``). The flow-matching error ``l`` of a
+  rollout at fresh (t, eps) is its log-probability, ``-(t / p)((l + 1e-10)^p - 1e-10^p)`` with AWM's ``ghuber``
+  weighting (``nft.awm_weighting``, ``p = 0.25``: each sample's gradient weighted by ``t l^-0.75``), under PPO's
+  clipped surrogate with the group advantage clipped to ``train.advantage_clip`` over it (AWM: 5, so in
+  [-1, 1]), clip range ``nft.awm_clip_range`` 1, plus ``nft.awm_kl * ||v - v_old||^2`` toward the old adapter
+  (AWM's EMA policy, weight 1, decay ramp ``nft.old_decay_ramp: [0.001, 0.3]``) and ``train.beta * ||v -
+  v_ref||^2`` toward the base model. With null ``nft.timestep_schedule``, ``sampler``, ``rollout_weights`` and
+  ``eval_ema_decay`` it takes AWM's: stratified timesteps without sigma 1 and the last sigmas, rollouts from
+  the trained adapter by SA-Solver (:mod:`flowrl.sampling.sa_solver`, noise 0.4 for t in [0.3, 0.9]), and a
+  separate 0.99 EMA for eval and export. Deliberate differences: the old log-prob of the ratio is the current
+  one detached, so the ratio is 1 (AWM's, at its one optimizer step per epoch; with more steps per epoch AWM
+  measures it against the policy the epoch started with); each sample draws its own stratified timesteps (AWM
+  shares one draw among a micro-batch's 3 samples). ``nft.strength`` and ``nft.adaptive_weighting`` act on
+  loss ``nft`` only.
 - ``crd``: Centered Reward Distillation (:func:`crd_weights`). KL-regularised reward maximisation makes
   ``beta log(pi / pi_ref)`` equal the reward up to a per-prompt constant; centring both within the
   prompt's group removes that constant, and the loss matches the centred implicit log-ratio (one
@@ -37,17 +36,18 @@ pulling the velocity toward good samples and away from bad ones. ``nft.loss`` pi
   epoch, never within it) and ``train.beta`` anchors to the base model; the reward-adaptive KL is left out.
 
 One epoch:
-1. ODE rollouts of ``group_size`` images per prompt, sampled with the "old" adapter: the EMA of the
-   trained one, stepped once per epoch. Its decay is ``train.ema_decay``, or DiffusionNFT's ramp
+1. ODE rollouts of ``group_size`` images per prompt, sampled with the "old" adapter (AWM: SA-Solver with the
+   trained one; ``nft.sampler``, ``nft.rollout_weights``). The old adapter is the EMA of the trained one,
+   stepped once per epoch. Its decay is ``train.ema_decay``, or DiffusionNFT's ramp
    ``min(rate * optimizer_steps, max)`` with ``nft.old_decay_ramp: [0.001, 0.5]``; 0 makes it the
    trained adapter as it was at the end of the last epoch. Only clean latents are kept.
 2. Rewards -> group advantages (the same estimators and combiners as GRPO) -> ``a = clip(A) /
    advantage_clip`` in [-1, 1]; loss ``nft`` turns it into the optimality ``r = (1 + a) / 2``
    (DiffusionNFT: clip 5, so ``r = 1/2 + A/10``), loss ``awm`` weights by ``a`` itself.
 3. For each sample and each of ``nft.timesteps_per_sample`` timesteps: a sigma of the sampling
-   schedule (``nft.timestep_schedule: sampling``, DiffusionNFT's shifted timesteps and close to AWM's
-   stratified draws from the schedule; each sample takes its own random order of them, no sigma
-   twice) or ``t ~ U(0, 1)`` (``uniform``), fresh noise, ``x_t = (1 - t) x0 + t eps``, target
+   schedule (``nft.timestep_schedule: sampling``, DiffusionNFT's shifted timesteps; each sample takes its own
+   random order of them, no sigma twice), one per stratum of the schedule (``stratified``, AWM's) or
+   ``t ~ U(0, 1)`` (``uniform``), fresh noise, ``x_t = (1 - t) x0 + t eps``, target
    ``eps - x0``; the loss compares the trained velocity and the old one (EMA weights swapped in, no
    grad). DiffusionNFT takes one optimizer step per epoch over every (sample, t) pair
    (``train.inner_epochs: 1``, ``train.optimizer_steps_per_epoch: 1``).
@@ -67,6 +67,7 @@ Run: ``flowrl train configs/toy/nft.yaml`` or ``flowrl train configs/toy/awm.yam
 
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -76,7 +77,8 @@ from tqdm.auto import tqdm
 
 from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from flowrl.algorithms.combine import reward_advantages
-from flowrl.algorithms.losses import awm_loss, nft_loss
+from flowrl.algorithms.awm import awm_loss, stratified_timesteps
+from flowrl.algorithms.losses import nft_loss
 from flowrl.algorithms.marble import balanced_backward
 from flowrl.config import Config
 from flowrl.recipes.common import (
@@ -86,6 +88,7 @@ from flowrl.recipes.common import (
 from flowrl.recipes.snapshots import start_phase
 from flowrl.rewards_api import AsyncScorer
 from flowrl.sampling import StepPlan
+from flowrl.sampling.sa_solver import sa_solver_rollout
 from flowrl.algorithms.gardo import build_features
 from flowrl.training.accumulate import micro_batch
 from flowrl.training.ema import ema_weights
@@ -101,7 +104,15 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
     s, t = cfg.sampling, cfg.train
     n = cfg.nft
     estimator = ADVANTAGE_ESTIMATORS[t.advantage]
-    schedule = policy.sigmas(s.num_steps)[:-1] if n.timestep_schedule == "sampling" else None  # [num_steps]
+    timestep_schedule = n.choice("timestep_schedule")
+    schedule = policy.sigmas(s.num_steps)[:-1] if timestep_schedule != "uniform" else None  # [num_steps]
+    # AWM samples with the trained adapter and SA-Solver (nft.sampler, nft.rollout_weights; null: the loss's own).
+    sa_solver = n.choice("sampler") == "sa_solver"
+    rollout_fn = functools.partial(sa_solver_rollout, noise_window=tuple(n.sa_noise_window)) if sa_solver else None
+    rollout_noise = n.sa_noise_level if sa_solver else 0.0  # the ODE's is 0
+    rollout_ema = ema if n.choice("rollout_weights") == "old" else None
+    loss_options = dict(weighting=n.awm_weighting, power=n.awm_ghuber_power, clip_range=n.awm_clip_range) \
+        if n.loss == "awm" else {}
     # Deterministic rollouts: noise 0 everywhere; the plan stores only the last step, the least memory.
     plan = StepPlan(s.num_steps, sde_start=s.num_steps - 1)
     scorer = AsyncScorer(run.rewards, on_error=t.reward_errors, asynchronous=t.async_rewards)
@@ -114,9 +125,10 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         epoch_start = time.perf_counter()
         phase_metrics = start_phase(run, epoch)  # HRF: a new phase re-anchors the weights
 
-        # 1. ODE rollouts with the old (EMA) adapter, scored while the next batch samples.
-        with ema_weights(ema):
-            traj, sample_done, reward_done = sample_and_score(run, scorer, epoch, plan=plan, noise_level=0.0)
+        # 1. Rollouts (ODE with the old adapter; AWM: SA-Solver with the trained one), scored while the next samples.
+        with ema_weights(rollout_ema):
+            traj, sample_done, reward_done = sample_and_score(run, scorer, epoch, plan=plan, noise_level=rollout_noise,
+                                                              rollout_fn=rollout_fn)
 
         # 2. Advantages over whole groups -> clipped, over the clip, in [-1, 1] (the loss's weight, or
         #    NFT's optimality 2r - 1); unscored (NaN) rows are left out.
@@ -127,7 +139,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         # raises the live KL beta toward the base model (run.beta) or stops the run after this epoch.
         guard_metrics = {} if run.guard is None or not run.guard.due(epoch) else run.guard.observe(
             epoch, in_group_diversity(guard_features(traj.images, traj.final_latents), traj.group_ids, accelerator),
-            reward=finite_mean(combined), weights=lambda: exported_weights(policy, ema))
+            reward=finite_mean(combined), weights=lambda: exported_weights(policy, run.exported_ema))
         # MARBLE: each weighted reward's own advantage, clipped the same way, balanced per optimizer step.
         # Advantages are per (sample, t) pair from here: pair p has sample p % N's ([pairs] = tiled [N]).
         per_reward = None if run.marble is None else {
@@ -143,8 +155,14 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         pairs = traj.num_rows * n.timesteps_per_sample
         for inner in range(t.inner_epochs):
             order = np.random.default_rng([cfg.seed, epoch, inner, rank, 0x4F7]).permutation(pairs)
-            timesteps = None if schedule is None else schedule_timesteps(
-                schedule, traj.num_rows, seed=[cfg.seed, epoch, inner, rank, 0x7153])  # [N, num_steps]
+            timestep_seed = [cfg.seed, epoch, inner, rank, 0x7153]
+            if timestep_schedule == "sampling":
+                timesteps = schedule_timesteps(schedule, traj.num_rows, seed=timestep_seed)  # [N, num_steps]
+            elif timestep_schedule == "stratified":  # AWM's: [N, timesteps_per_sample]
+                timesteps = stratified_timesteps(schedule, traj.num_rows, n.timesteps_per_sample,
+                                                 n.stratified_fraction, seed=timestep_seed)
+            else:  # uniform: t ~ U(0, 1), drawn with the noise
+                timesteps = None
             for chunk_index, chunk in enumerate(np.array_split(order, t.optimizer_steps_per_epoch)):
                 chunk = torch.as_tensor(chunk, dtype=torch.long)
                 weight = accelerator.reduce(keep[chunk % traj.num_rows].sum().float().to(accelerator.device),
@@ -169,7 +187,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                                 policy, ema, traj.final_latents[rows], traj.cond.select(traj.prompt_ids[rows]),
                                 advantage[micro], keep[rows].float(), loss=n.loss, guidance=run.guidance,
                                 strength=n.strength, adaptive=n.adaptive_weighting, awm_kl=n.awm_kl, beta=run.beta,
-                                noise_seed=noise_seed, stats=chunk_stats, sigma=sigma)
+                                noise_seed=noise_seed, stats=chunk_stats, sigma=sigma, loss_options=loss_options)
                             accelerator.backward(loss_sum * world / max(weight, 1.0))
 
                 if n.loss == "crd":  # the chunk's implicit log-ratios, centred per group and timestep slot
@@ -193,6 +211,8 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         # The old policy follows the trained one once per epoch, at DiffusionNFT's ramp when configured.
         steps_so_far = (epoch + 1) * t.inner_epochs * t.optimizer_steps_per_epoch
         ema.step(None if n.old_decay_ramp is None else min(n.old_decay_ramp[0] * steps_so_far, n.old_decay_ramp[1]))
+        if run.eval_ema is not None:  # AWM's eval EMA: min(decay, (1 + s) / (10 + s)), s the optimizer steps so far
+            run.eval_ema.scheduled_step(steps_so_far, start=0, warmup="flow_grpo")
         train_done = time.perf_counter()
 
         # 4. Log, render eval grids, checkpoint.
@@ -225,9 +245,10 @@ def nft_forward_loss(velocity, old_velocity, target, advantage, sigma, *, streng
 
 
 def awm_forward_loss(velocity, old_velocity, target, advantage, sigma, *, strength: float, adaptive: bool,
-                     awm_kl: float) -> torch.Tensor:
-    """AWM weighted by ``advantage``, with ``awm_kl * ||v - v_old||^2`` toward the old adapter."""
-    return awm_loss(velocity, old_velocity, target, advantage, kl_weight=awm_kl)
+                     awm_kl: float, **awm_options) -> torch.Tensor:
+    """AWM's clipped surrogate on its matching log-probability, with ``awm_kl * ||v - v_old||^2`` toward the old
+    adapter; ``awm_options``: weighting, power, clip_range (:func:`flowrl.algorithms.awm.awm_loss`)."""
+    return awm_loss(velocity, old_velocity, target, advantage, sigma, kl_weight=awm_kl, **awm_options)
 
 
 def crd_forward_loss(velocity, old_velocity, target, advantage, sigma, *, strength: float, adaptive: bool,
@@ -300,13 +321,14 @@ def noised_sample(x0, noise_seed: list[int], sigma: torch.Tensor | None, policy)
 
 def forward_process_loss(policy, ema, x0, cond, advantage, weights, *, guidance: float, strength: float,
                          adaptive: bool, beta: float, noise_seed: list[int], stats: StatsAccumulator,
-                         sigma: torch.Tensor | None = None, loss: str = "nft", awm_kl: float = 1.0) -> torch.Tensor:
+                         sigma: torch.Tensor | None = None, loss: str = "nft", awm_kl: float = 1.0,
+                         loss_options: dict | None = None) -> torch.Tensor:
     """Summed (not averaged) forward-process loss ``FORWARD_LOSSES[loss]`` of clean latents ``x0``
     [B, C, h, w] at (t, fresh noise), with ``advantage`` [B] the clipped advantage over the clip
     (``2r - 1`` for DiffusionNFT's optimality ``r``: 1 trains toward the samples like plain flow matching).
 
     The noise, and ``t ~ U(0, 1)`` when ``sigma`` [B] is not given, come from a generator seeded by
-    ``noise_seed`` (reproducible on any device).
+    ``noise_seed`` (reproducible on any device). ``loss_options``: further keywords of the loss (AWM's).
     """
     device = policy.device
     noised, target, sigma = noised_sample(x0, noise_seed, sigma, policy)
@@ -314,7 +336,7 @@ def forward_process_loss(policy, ema, x0, cond, advantage, weights, *, guidance:
         old_velocity = policy.velocity(noised, sigma, cond, guidance).float()
     velocity = policy.velocity(noised, sigma, cond, guidance).float()
     value = FORWARD_LOSSES[loss](velocity, old_velocity, target, advantage.to(device), sigma, strength=strength,
-                                 adaptive=adaptive, awm_kl=awm_kl)  # [B]
+                                 adaptive=adaptive, awm_kl=awm_kl, **(loss_options or {}))  # [B]
     weights = weights.to(device)
     kl = torch.zeros_like(value)
     if beta > 0:

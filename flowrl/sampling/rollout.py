@@ -201,16 +201,18 @@ def rollout(
 
 def chunked_rollout(policy: Policy, prompts: Sequence[str], *, group_size: int, seeds: Sequence[int],
                     chunk: int | None = None, plan: StepPlan | None = None, metadata: Sequence[dict] | None = None,
-                    cond: TextCond | None = None, **kwargs) -> Trajectory:
+                    cond: TextCond | None = None, rollout_fn=None, **kwargs) -> Trajectory:
     """:func:`rollout` ``chunk`` trajectories at a time (whole groups, or equal parts of each group), joined:
     the same trajectories as one call, since every row's noise comes from its own seed; only memory differs,
     and the float rounding of kernels that a backend picks by batch size (bit-identical where it does not).
 
     ``chunk`` must be a multiple or a divisor of ``group_size`` and a multiple of the tree's leaves per root;
-    None (or a chunk holding the whole batch) is one call. Tree edge ids are numbered per chunk."""
+    None (or a chunk holding the whole batch) is one call. Tree edge ids are numbered per chunk. ``rollout_fn``
+    replaces :func:`rollout` by a loop with its signature (SA-Solver's, :mod:`flowrl.sampling.sa_solver`)."""
+    rollout_fn = rollout_fn or rollout
     if not chunk or chunk >= len(prompts) * group_size:
-        return rollout(policy, prompts, group_size=group_size, seeds=seeds, plan=plan, metadata=metadata, cond=cond,
-                       **kwargs)
+        return rollout_fn(policy, prompts, group_size=group_size, seeds=seeds, plan=plan, metadata=metadata, cond=cond,
+                          **kwargs)
     leaves = plan.leaves_per_root if plan is not None else 1
     if (chunk % group_size and group_size % chunk) or chunk % leaves:
         raise ValueError(f"rollout chunk {chunk} must be a multiple or a divisor of group_size {group_size} "
@@ -224,9 +226,9 @@ def chunked_rollout(policy: Policy, prompts: Sequence[str], *, group_size: int, 
     for first in range(0, len(prompts), per_chunk):
         index = list(range(first, min(first + per_chunk, len(prompts))))
         for offset in range(0, group_roots, roots):
-            part = rollout(policy, [prompts[p] for p in index], group_size=size, plan=plan, cond=cond.select(index),
-                           seeds=[seeds[p * group_roots + offset + j] for p in index for j in range(roots)],
-                           metadata=[metadata[p] for p in index] if metadata is not None else None, **kwargs)
+            part = rollout_fn(policy, [prompts[p] for p in index], group_size=size, plan=plan, cond=cond.select(index),
+                              seeds=[seeds[p * group_roots + offset + j] for p in index for j in range(roots)],
+                              metadata=[metadata[p] for p in index] if metadata is not None else None, **kwargs)
             prompt_ids.append(part.prompt_ids + first)
             parts.append(part)
     traj = concat_trajectories(parts)
