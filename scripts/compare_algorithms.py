@@ -1,7 +1,8 @@
 """Every trajectory and forward-process method on the toy world, on the same seeds, machine and budget.
 
-Each method is a toy config plus the overrides that turn the method on: the GRPO variants start from
-``configs/toy/grpo.yaml``'s learning rate, clip, KL and batch, NFT and AWM from ``configs/toy/nft.yaml``'s.
+Each method is a toy config plus the overrides that turn the method on. A method named after a paper runs its
+toy preset (``configs/toy/<method>.yaml``), which carries its reference's settings; the other GRPO variants
+start from ``configs/toy/grpo.yaml``'s learning rate, clip, KL and batch.
 Each trains for ``--budget-s`` seconds of sampling, scoring and training time (``train.time_limit_s``),
 with the held-out task-mean strict ToyEval measured before training, every ``--test-every`` epochs and
 where the budget runs out (``log.test_prompts`` prompts taken round-robin over tasks,
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -39,20 +41,26 @@ from flowrl.config.schema import Config  # noqa: E402
 from flowrl.training.metrics import read_metrics  # noqa: E402
 
 GRPO, NFT, AWM = "configs/toy/grpo.yaml", "configs/toy/nft.yaml", "configs/toy/awm.yaml"
-TREE = ["sampling.tree.branch_steps=[1,4]", "sampling.tree.branch_factor=2"]  # 4 leaves per root, 2 roots a group
 WINDOW = ["sampling.window.size=3"]
+# MixGRPO: the window slides once over its six starts in 60 epochs, never wrapping (MixGRPO's 300 iterations
+# never do), and stays before the last two steps; no KL, as in MixGRPO's scripts.
+SLIDING = WINDOW + ["sampling.window.mode=sliding", "sampling.window.start_range=[0,5]",
+                    "sampling.window.shift_every=10", "train.beta=0"]
+# A method named after a paper runs its toy preset, which carries its reference's settings (each file's header
+# says which, and what the toy world changes); the others are toy GRPO or NFT plus the overrides naming them.
 METHODS: dict[str, tuple[str, list[str]]] = {
     "grpo_full": (GRPO, []),  # Flow-GRPO: every step stochastic and trained
-    "grpo_fast": (GRPO, WINDOW + ["sampling.window.mode=random"]),  # Flow-GRPO-Fast
-    "grpo_mix": (GRPO, WINDOW + ["sampling.window.mode=sliding"]),  # MixGRPO
+    "grpo_fast": ("configs/toy/grpo_fast.yaml", []),  # Flow-GRPO-Fast: a window drawn per rollout batch
+    "grpo_mix": (GRPO, SLIDING),  # MixGRPO
+    "grpo_mix_flash": (GRPO, SLIDING + ["sampling.ode_solver=dpmpp_2m"]),  # MixGRPO-Flash
     "grpo_early": (GRPO, WINDOW + ["sampling.window.mode=fixed", "sampling.window.start_range=[0,0]"]),
-    "grpo_tree": (GRPO, TREE),  # BranchGRPO / TreeGRPO
-    "grpo_guard": (GRPO, ["train.ratio_norm=true"]),
+    "grpo_tree": ("configs/toy/grpo_tree.yaml", []),  # BranchGRPO
+    "grpo_guard": ("configs/toy/grpo_guard.yaml", []),  # GRPO-Guard
     "dense_cosine": (GRPO, ["train.credit=dense_cosine"]),
     "dense_ode": (GRPO, ["train.credit=dense_ode"]),
     "pilot_commit": (GRPO, ["sampling.pilot.candidates=16", "sampling.pilot.group_size=4"]),
-    "tmpo": (GRPO, ["train.loss=tmpo"]),
-    "tmpo_tree": (GRPO, ["train.loss=tmpo"] + TREE),
+    "tmpo": (GRPO, ["train.loss=tmpo", "train.beta=0", "train.std_scope=group"]),  # Softmax-TB on flat groups
+    "tmpo_tree": ("configs/toy/tmpo.yaml", []),  # TMPO: 27-leaf tree, CPS at Beta-scheduled splits
     "nft": (NFT, []),
     "awm": (AWM, []),
 }
@@ -166,6 +174,14 @@ def tuning_lines(chosen: dict[str, dict], args) -> list[str]:
     return lines + [""]
 
 
+def replace_section(path: Path, text: str, section: str) -> None:
+    """``text`` in place of the section titled ``section`` (to the next ``## `` heading), or appended."""
+    old = path.read_text() if path.exists() else ""
+    pattern = re.compile(rf"^{re.escape(section)}\n.*?(?=^## |\Z)", re.S | re.M)
+    new = pattern.sub(lambda _: text, old) if pattern.search(old) else old.rstrip("\n") + "\n\n" + text
+    path.write_text(new)
+
+
 def write_results(curves: dict[str, list[dict]], args, command: str, chosen: dict[str, dict]) -> None:
     import matplotlib
 
@@ -182,9 +198,9 @@ def write_results(curves: dict[str, list[dict]], args, command: str, chosen: dic
         f"(2 CPU cores, {args.parallel} runs at a time, one torch thread each), from the same base model and seeds. "
         f"Held-out task-mean strict ToyEval on {args.test_prompts} prompts x {args.images} ODE images (base "
         f"{base:.3f}; the sampling error of one point is about 0.02). The only setting that differs between GRPO "
-        "rows is the method's own and its tuned learning rate (below); NFT and AWM share the main job's "
-        "other settings." if chosen else "rows is the method's own; NFT and AWM share the main job's settings. "
-        "No method was tuned beyond that.", "",
+        + ("rows is the method's own and its tuned learning rate (below); NFT and AWM share the main job's "
+           "other settings." if chosen else "rows is the method's own, at its config's learning rate; NFT and AWM "
+           "share the main job's settings. No method was tuned beyond that."), "",
         f"| method | epochs | rollouts | train s | best (at s) | final | change | "
         + " | ".join(TASKS) + f" | gt diversity | s to {level:.3f} | s to 0.60 |",
         "|" + "---|" * (10 + len(TASKS)),
@@ -207,9 +223,16 @@ def write_results(curves: dict[str, list[dict]], args, command: str, chosen: dic
     if chosen:
         lines += [""] + tuning_lines(chosen, args)
     results = Path("docs/results.md")
-    kept = results.read_text().partition("\n## Reading the table")[1:] if results.exists() else ()
     results.parent.mkdir(exist_ok=True)
-    results.write_text("\n".join(lines) + "\n" + "".join(kept))
+    plot = Path("docs/results_curves.png")
+    if args.section:  # a rerun of some methods: its own section, the main table and its reading kept
+        lines[0] = f"## {args.section}"
+        plot = Path(f"docs/results_curves_{re.sub(r'[^a-z0-9]+', '_', args.section.lower()).strip('_')}.png")
+        lines += ["", f"Curves: `{plot}`.", ""]
+        replace_section(results, "\n".join(lines) + "\n", lines[0])
+    else:
+        kept = results.read_text().partition("\n## Reading the table")[1:] if results.exists() else ()
+        results.write_text("\n".join(lines) + "\n" + "".join(kept))
     fig, ax = plt.subplots(figsize=(8, 5))
     colours = plt.get_cmap("tab20").colors  # 20 distinct colours: one per method
     for i, (name, points) in enumerate(curves.items()):
@@ -220,7 +243,7 @@ def write_results(curves: dict[str, list[dict]], args, command: str, chosen: dic
     ax.set_ylabel("held-out task-mean strict ToyEval")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig("docs/results_curves.png", dpi=120)
+    fig.savefig(plot, dpi=120)
     print("\n".join(lines))
 
 
@@ -243,6 +266,9 @@ def main() -> None:
                         help="report the time to reach the base task mean plus this (and to 0.6)")
     parser.add_argument("--tune-budget-s", type=float, default=120.0, help="per tuning run; 0: no tuning")
     parser.add_argument("--lr-factors", type=float, nargs="+", default=[0.3, 1.0, 3.0])
+    parser.add_argument("--section", default=None,
+                        help="write the table as this '## ' section of docs/results.md (replacing a section of that "
+                             "title, else appended) instead of replacing the main table: for reruns of some methods")
     args = parser.parse_args()
     command = "python scripts/compare_algorithms.py " + " ".join(sys.argv[1:])
     chosen = tune(args) if args.tune_budget_s > 0 else {}

@@ -30,8 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compare_algorithms import add_run_arguments, run_config  # noqa: E402
-from compare_multi_reward import replace_section  # noqa: E402
+from compare_algorithms import add_run_arguments, replace_section, run_config  # noqa: E402
 from flowrl.training.metrics import read_metrics  # noqa: E402
 
 CONFIG = "configs/toy/grpo_clip.yaml"

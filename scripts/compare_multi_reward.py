@@ -19,14 +19,13 @@ It replaces the ``## Multi-reward balancing`` section of ``docs/results.md`` (th
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compare_algorithms import NFT, add_run_arguments, run_config  # noqa: E402
+from compare_algorithms import NFT, add_run_arguments, replace_section, run_config  # noqa: E402
 from flowrl.training.metrics import read_metrics  # noqa: E402
 
 REWARDS = "rewards=[{name: toyeval}, {name: toy_proxy, weight: 1.0}]"
@@ -54,14 +53,6 @@ def summary(run_dir: Path) -> dict:
             "diversity": last.get("test/diversity/gt_mean", float("nan")),
             "negative_weighted": mean_of("marble/worst_cos_negative_weighted"),
             "negative_marble": mean_of("marble/worst_cos_negative_marble")}
-
-
-def replace_section(path: Path, text: str, section: str = SECTION) -> None:
-    """``text`` in place of the section titled ``section`` (to the next ``## `` heading), or appended."""
-    old = path.read_text() if path.exists() else ""
-    pattern = re.compile(rf"^{re.escape(section)}\n.*?(?=^## |\Z)", re.S | re.M)
-    new = pattern.sub(lambda _: text, old) if pattern.search(old) else old.rstrip("\n") + "\n\n" + text
-    path.write_text(new)
 
 
 def table(results: dict[str, dict], args, command: str) -> str:
@@ -95,7 +86,7 @@ def main() -> None:
             list(pool.map(lambda name: run_config(NFT, overrides(name), Path(args.out) / name, args.budget_s,
                                                   args.test_every, args), args.combiners))
     text = table({name: summary(Path(args.out) / name) for name in args.combiners}, args, command)
-    replace_section(Path("docs/results.md"), text)
+    replace_section(Path("docs/results.md"), text, SECTION)
     print(text)
 
 

@@ -1,5 +1,6 @@
-"""AWM (Advantage Weighted Matching, ``nft.loss=awm``): the loss against a hand computation, its gradient
-against DiffusionNFT's, the recipe end to end on the tiny SD3 model, and the config errors it adds."""
+"""AWM (Advantage Weighted Matching, ``nft.loss=awm``): the uniform-weighted loss against a hand computation, its
+gradient against DiffusionNFT's, the recipe end to end on the tiny SD3 model, and the config errors it adds
+(the reference's ghuber weighting, sampler and timesteps: tests/test_reference_awm.py)."""
 
 import dataclasses
 import math
@@ -8,7 +9,8 @@ import pytest
 import torch
 
 import flowrl.recipes.nft as nft_recipe
-from flowrl.algorithms.losses import awm_loss, nft_loss
+from flowrl.algorithms.awm import awm_loss
+from flowrl.algorithms.losses import nft_loss
 from flowrl.config import Config, ConfigError, load_config
 from flowrl.training.metrics import read_metrics
 from tests.policy_capture import capture_training_policy
@@ -23,20 +25,28 @@ def awm_config(tmp_path, *overrides, path=SMOKE):
     return load_config(Config, path, base + list(overrides))
 
 
+def uniform_awm(v, v_ref, target, advantages, *, kl_weight):
+    """AWM with the 'uniform' weighting at ratio 1 (its value is A l + kl_weight ||v - v_ref||^2; t plays no part)."""
+    return awm_loss(v, v_ref, target, advantages, torch.full((len(v),), 0.5), kl_weight=kl_weight, weighting="uniform")
+
+
 def test_awm_loss_matches_a_hand_computation():
-    # kl_weight k = 0.25; means over the two values of each sample.
+    # Uniform weighting, kl_weight k = 0.25; means over the two values of each sample. At ratio 1 the surrogate's
+    # value is -A, its gradient that of A l (l the flow-matching error).
     # Sample 1: v = (1, 2), v_ref = (0, 1), target = (1, 0), A = 0.5.
-    #   (v - target)^2 = (0, 4), mean 2;  (v - v_ref)^2 = (1, 1), mean 1  -> 0.5 * 2 + 0.25 * 1 = 1.25
+    #   (v - target)^2 = (0, 4), l = 2;  (v - v_ref)^2 = (1, 1), mean 1  -> -0.5 + 0.25 * 1 = -0.25
     # Sample 2: v = (3, 4), v_ref = (3, 2), target = (1, 4), A = -1.
-    #   (v - target)^2 = (4, 0), mean 2;  (v - v_ref)^2 = (0, 4), mean 2  -> -1 * 2 + 0.25 * 2 = -1.5
-    v = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    #   (v - target)^2 = (4, 0), l = 2;  (v - v_ref)^2 = (0, 4), mean 2  -> 1 + 0.25 * 2 = 1.5
+    v = torch.tensor([[1.0, 2.0], [3.0, 4.0]], requires_grad=True)
     v_ref = torch.tensor([[0.0, 1.0], [3.0, 2.0]])
     target = torch.tensor([[1.0, 0.0], [1.0, 4.0]])
-    loss = awm_loss(v, v_ref, target, torch.tensor([0.5, -1.0]), kl_weight=0.25)
+    loss = uniform_awm(v, v_ref, target, torch.tensor([0.5, -1.0]), kl_weight=0.25)
     assert loss.shape == (2,)
-    assert loss.tolist() == pytest.approx([1.25, -1.5])
-    # kl_weight 0 leaves the advantage-weighted flow-matching loss alone: (0.5 * 2, -1 * 2).
-    assert awm_loss(v, v_ref, target, torch.tensor([0.5, -1.0]), kl_weight=0.0).tolist() == pytest.approx([1.0, -2.0])
+    assert loss.tolist() == pytest.approx([-0.25, 1.5])
+    # Gradient of A l + k mean((v - v_ref)^2): A (v - target) + k (v - v_ref) over D = 2 dims:
+    #   sample 1: 0.5 (0, 2) + 0.25 (1, 1) = (0.25, 1.25);  sample 2: -1 (2, 0) + 0.25 (0, 2) = (-2, 0.5)
+    loss.sum().backward()
+    assert v.grad.tolist() == [pytest.approx([0.25, 1.25]), pytest.approx([-2.0, 0.5])]
 
 
 def test_awm_gradient_is_nft_at_the_old_policy_and_vanishes_at_its_minimum():
@@ -46,13 +56,13 @@ def test_awm_gradient_is_nft_at_the_old_policy_and_vanishes_at_its_minimum():
     target = torch.tensor([[1.0, 1.0, 1.0]])
     for a, k in ((1.0, 1.0), (-0.6, 1.0), (0.3, 0.5), (0.0, 2.0)):
         v = v_ref.clone().requires_grad_(True)
-        awm_loss(v, v_ref, target, torch.tensor([a]), kl_weight=k).sum().backward()
+        uniform_awm(v, v_ref, target, torch.tensor([a]), kl_weight=k).sum().backward()
         assert torch.allclose(v.grad, 2 * a * (v_ref - target) / 3, atol=1e-7), (a, k)
         v_nft = v_ref.clone().requires_grad_(True)
         nft_loss(v_nft, v_ref, target, torch.tensor([(1 + a) / 2]), strength=1.0).sum().backward()
         assert torch.allclose(v.grad, v_nft.grad, atol=1e-7), (a, k)
         v = (v_ref + a / (a + k) * (target - v_ref)).requires_grad_(True)
-        awm_loss(v, v_ref, target, torch.tensor([a]), kl_weight=k).sum().backward()
+        uniform_awm(v, v_ref, target, torch.tensor([a]), kl_weight=k).sum().backward()
         assert torch.allclose(v.grad, torch.zeros_like(v), atol=1e-6), (a, k)
 
 
@@ -61,9 +71,9 @@ def test_awm_smoke_run_trains_the_lora_through_the_awm_loss(tmp_path, monkeypatc
     calls = {"awm": [], "nft": 0}
     real_awm, real_nft = nft_recipe.awm_loss, nft_recipe.nft_loss
 
-    def spy_awm(velocity, reference_velocity, target, advantages, *, kl_weight):
+    def spy_awm(velocity, reference_velocity, target, advantages, sigma, *, kl_weight, **options):
         calls["awm"].append((advantages.detach().clone(), kl_weight))
-        return real_awm(velocity, reference_velocity, target, advantages, kl_weight=kl_weight)
+        return real_awm(velocity, reference_velocity, target, advantages, sigma, kl_weight=kl_weight, **options)
 
     def spy_nft(*args, **kwargs):
         calls["nft"] += 1
@@ -98,10 +108,18 @@ def test_awm_config_errors_name_the_key(tmp_path):
     assert Config().nft.loss == "nft"  # DiffusionNFT stays the default
 
 
-def test_toy_awm_config_is_the_toy_nft_config_with_the_awm_loss():
+def test_toy_awm_config_is_the_toy_nft_config_with_awms_settings():
     awm, nft = (dataclasses.asdict(load_config(Config, f"configs/toy/{name}.yaml")) for name in ("awm", "nft"))
-    assert awm["nft"].pop("loss") == "awm" and nft["nft"].pop("loss") == "nft"
-    assert awm["nft"].pop("awm_kl") == 1.0
-    nft["nft"].pop("awm_kl")
+    assert awm["nft"]["loss"] == "awm" and nft["nft"]["loss"] == "nft"
     assert awm.pop("run_dir") != nft.pop("run_dir")
-    assert awm == nft
+    awm_keys = {"nft": {"loss", "awm_weighting", "awm_ghuber_power", "awm_clip_range", "awm_kl", "old_decay",
+                        "timestep_schedule", "stratified_fraction", "timesteps_per_sample", "sampler", "sa_noise_level",
+                        "sa_noise_window", "rollout_weights", "eval_ema_decay"},
+                "train": {"std_scope", "beta", "weight_decay", "inner_epochs", "optimizer_steps_per_epoch"},
+                "sampling": {"num_steps"}}
+    for section, keys in awm_keys.items():
+        changed = {k for k in awm[section] if awm[section][k] != nft[section][k]}
+        assert changed <= keys, changed - keys
+        for k in keys:
+            awm[section].pop(k), nft[section].pop(k)
+    assert awm == nft  # everything else is the toy NFT run's

@@ -180,9 +180,10 @@ def test_stored_x0_predictions_equal_recomputed_ones(sd3):
     assert torch.equal(tree.x0_preds[0, :3], tree.x0_preds[1, :3])
     # The recipe's credit is the same from stored and from recomputed predictions.
     row_adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    stored = cosine_credit(sd3, traj, row_adv, [0, 1], guidance=4.5, batch_size=4)
+    trained = torch.ones(4, 2, dtype=torch.bool)  # [N, K] every row trains both stored steps
+    stored = cosine_credit(sd3, traj, row_adv, trained, guidance=4.5, batch_size=4)
     traj.x0_preds = None
-    torch.testing.assert_close(cosine_credit(sd3, traj, row_adv, [0, 1], guidance=4.5, batch_size=4), stored,
+    torch.testing.assert_close(cosine_credit(sd3, traj, row_adv, trained, guidance=4.5, batch_size=4), stored,
                                rtol=1e-4, atol=1e-4)
     assert stored.sum(1).tolist() == pytest.approx((2 * row_adv).tolist(), rel=1e-5)
 

@@ -3,9 +3,11 @@
 - Every preset config (Flow-GRPO-Fast, MixGRPO, MixGRPO-Flash, early-step focus, CPS; SD3.5-M and
   FLUX.1-dev) loads and has the window, solver and step kind its header claims.
 - ``sampling.ode_solver``: on a linear "policy" whose probability-flow ODE is solved by hand,
-  DPM-Solver++(2M) is far more accurate than Euler at the same step count and converges at second
-  order; with ``euler`` a rollout is bit-identical to the Euler loop written out by hand; a multistep
-  solver restarts after the window; stored SDE steps keep exact log-probs (the on-policy ratio).
+  DPM-Solver++(2M) (``dpmpp_2m_restart``: on every deterministic step) is far more accurate than Euler at
+  the same step count and converges at second order; with ``euler`` a rollout is bit-identical to the
+  Euler loop written out by hand; ``dpmpp_2m_restart`` restarts after the window; stored SDE steps keep
+  exact log-probs (the on-policy ratio). MixGRPO-Flash's ``dpmpp_2m`` is held to its reference in
+  tests/test_reference_windows.py.
 - A GRPO smoke run with a sliding window and the second-order solver trains on-policy.
 """
 
@@ -35,8 +37,9 @@ SMOKE = "configs/smoke/sd3_tiny.yaml"
 PRESETS = {
     # SD3.5 Medium (Flow-GRPO-Fast and MixGRPO ship as grpo_ocr_fast.yaml and grpo_mixgrpo.yaml)
     "configs/sd35_medium/grpo_ocr_fast.yaml": {
-        "sampling.kind": "sde", "sampling.ode_solver": "euler", "sampling.window.size": 2,
-        "sampling.window.mode": "random", "sampling.window.start_range": [0, 3], "train.clip_range": 1e-5},
+        "sampling.kind": "cps", "sampling.noise_level": 0.8, "sampling.ode_solver": "euler", "sampling.window.size": 3,
+        "sampling.window.mode": "random", "sampling.window.start_range": [0, 2], "train.clip_range": 1e-5,
+        "train.beta": 0.0, "train.cfg": False, "train.skip_last_step": None},
     "configs/sd35_medium/grpo_mixgrpo.yaml": {
         "sampling.kind": "sde", "sampling.ode_solver": "euler", "sampling.window.size": 3,
         "sampling.window.mode": "sliding", "sampling.window.start_range": [0, 6], "sampling.window.shift_every": 25},
@@ -52,8 +55,9 @@ PRESETS = {
         "train.beta": 0.0, "train.cfg": False, "sampling.group_size": 18},
     # FLUX.1 [dev]
     "configs/flux1_dev/grpo_pickscore_fast.yaml": {
-        "sampling.kind": "sde", "sampling.ode_solver": "euler", "sampling.window.size": 2,
-        "sampling.window.mode": "random", "sampling.window.start_range": [0, 3], "train.clip_range": 1e-5},
+        "sampling.kind": "cps", "sampling.noise_level": 0.8, "sampling.num_steps": 6, "sampling.ode_solver": "euler",
+        "sampling.window.size": 3, "sampling.window.mode": "random", "sampling.window.start_range": [0, 0],
+        "train.clip_range": 1e-5, "train.beta": 0.0, "train.std_scope": "group", "train.skip_last_step": None},
     "configs/flux1_dev/grpo_mixgrpo.yaml": {
         "sampling.kind": "sde", "sampling.ode_solver": "euler", "sampling.num_steps": 25,
         "sampling.noise_level": 0.7, "sampling.window.size": 4, "sampling.window.mode": "sliding",
@@ -171,7 +175,7 @@ def _ode_error(policy, num_steps, solver, rows=16):
 def test_second_order_solver_is_far_more_accurate_than_euler_at_equal_steps(shift, num_steps, factor):
     # Measured (float64): uniform 10 steps 0.256 vs 0.0128 (20x); SD3 shift 3, 20 steps 0.187 vs 0.0229 (8x).
     policy = GaussianFlow(shift)
-    euler, second = _ode_error(policy, num_steps, "euler"), _ode_error(policy, num_steps, "dpmpp_2m")
+    euler, second = _ode_error(policy, num_steps, "euler"), _ode_error(policy, num_steps, "dpmpp_2m_restart")
     assert second < euler / factor, (euler, second)
 
 
@@ -181,7 +185,7 @@ def test_euler_converges_at_first_order_and_dpmpp_2m_at_second():
     # steps are first order, which costs only a constant).
     policy = GaussianFlow()
     euler = _ode_error(policy, 40, "euler") / _ode_error(policy, 80, "euler")
-    second = _ode_error(policy, 40, "dpmpp_2m") / _ode_error(policy, 80, "dpmpp_2m")
+    second = _ode_error(policy, 40, "dpmpp_2m_restart") / _ode_error(policy, 80, "dpmpp_2m_restart")
     assert 1.8 < euler < 2.2 and second > 3.0, (euler, second)
 
 
@@ -243,11 +247,11 @@ def test_euler_rollout_is_bit_identical_to_the_euler_loop_written_out(sd3):
         assert torch.equal(traj.images, euler.images)
 
 
-def test_dpmpp_2m_rollout_keeps_exact_log_probs_and_restarts_after_the_window(sd3):
+def test_dpmpp_2m_restart_rollout_keeps_exact_log_probs_and_restarts_after_the_window(sd3):
     steps, seeds, prompts = 8, [1, 2], ["a red circle"]
     plan = StepPlan(steps, sde_start=4, sde_size=2)
     kwargs = dict(group_size=2, num_steps=steps, guidance_scale=4.5, noise_level=0.7, seeds=seeds, plan=plan)
-    second = rollout(sd3, prompts, ode_solver="dpmpp_2m", **kwargs)
+    second = rollout(sd3, prompts, ode_solver="dpmpp_2m_restart", **kwargs)
     euler = rollout(sd3, prompts, **kwargs)
     # Before the window steps 2 and 3 are second order: the window starts from another state than Euler's.
     assert not torch.allclose(second.latents[:, 0], euler.latents[:, 0], rtol=0, atol=1e-4)
@@ -284,7 +288,7 @@ def test_grpo_smoke_run_with_a_sliding_window_and_the_second_order_solver(tmp_pa
         return real_rollout(*args, **kwargs)
 
     monkeypatch.setattr(sampling, "rollout", recording_rollout)
-    # 6 steps, window of 2 starting at step 3 then 4: the ODE steps before it include second-order ones.
+    # 6 steps, window of 2 starting at step 3 then 4: Euler before it, DPM-Solver++(2M) after it.
     cfg = load_config(Config, REPO / SMOKE, [
         f"run_dir={tmp_path}", "train.epochs=2", "log.progress=false", "log.eval_every=0", "log.report_prompts=0",
         "train.export_lora=false", "sampling.num_steps=6", "sampling.ode_solver=dpmpp_2m", "sampling.window.size=2",

@@ -132,8 +132,8 @@ def test_decay_types_match_the_reference():
     # Flow-Factory's four-number form (start_step, start_value, slope, end_value): CRD's old adapter.
     assert [decay_schedule(s, [0, 0.25, 0.005, 0.999]) for s in (0, 100, 149, 150, 151)] == pytest.approx(
         [0.25, 0.75, 0.995, 0.999, 0.999])
-    assert NFTConfig().old_schedule() == 1 and NFTConfig(loss="awm").old_schedule() == 1
-    assert NFTConfig(loss="crd").old_schedule() == [0, 0.25, 0.005, 0.999]
+    assert NFTConfig().choice("old_decay") == 1 and NFTConfig(loss="awm").choice("old_decay") == [0, 0.0, 0.001, 0.3]
+    assert NFTConfig(loss="crd").choice("old_decay") == [0, 0.25, 0.005, 0.999]
     assert NFTConfig(loss="crd").sampler_schedule() == [75, 0.0, 0.0075, 0.999]
     assert NFTConfig().sampler_schedule() is None
 
@@ -183,7 +183,7 @@ def reference_dpm2(velocity, x, sigmas):
     return x
 
 
-def test_nft_rollout_with_dpmpp_2m_is_the_reference_dpm2_sampler():
+def test_nft_rollout_with_dpmpp_2m_restart_is_the_reference_dpm2_sampler():
     from flowrl.models import build_policy
     from flowrl.sampling import StepPlan, rollout
     from flowrl.sampling.seeding import generators
@@ -192,7 +192,7 @@ def test_nft_rollout_with_dpmpp_2m_is_the_reference_dpm2_sampler():
     steps, seeds = 6, [3, 4]
     # The nft recipe's rollout: noise 0, only the last step stored (it is the plan's one 'SDE' step, at noise 0).
     traj = rollout(policy, ["a red circle"], group_size=2, num_steps=steps, guidance_scale=1.0, noise_level=0.0,
-                   seeds=seeds, plan=StepPlan(steps, sde_start=steps - 1), ode_solver="dpmpp_2m", decode=False)
+                   seeds=seeds, plan=StepPlan(steps, sde_start=steps - 1), ode_solver="dpmpp_2m_restart", decode=False)
     cond = policy.encode(["a red circle"]).select(torch.tensor([0, 0]))
     x = policy.init_noise(2, generator=generators(seeds)).double()
     sigmas = policy.sigmas(steps).double()
@@ -273,7 +273,7 @@ SMOKE = "configs/smoke/sd3_tiny.yaml"
 def run_config(path, *overrides):
     base = [f"run_dir={path}", "recipe=nft", "log.progress=false", "log.eval_every=0", "log.report_prompts=0",
             "train.optimizer_steps_per_epoch=2", "train.learning_rate=1e-3", "nft.timesteps_per_sample=2",
-            "train.checkpoint_every=1", "train.ema_start_step=0", "train.ema_warmup=flow_grpo"]
+            "train.checkpoint_every=1"]
     return load_config(Config, SMOKE, base + list(overrides))
 
 

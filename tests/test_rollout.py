@@ -158,12 +158,10 @@ def test_chunked_rollout_equals_one_call(sd3, chunk, guidance, plan):
         assert torch.equal(getattr(chunked, name), getattr(whole, name)), name
     assert chunked.prompts == whole.prompts and chunked.num_rows == 8
     assert torch.equal(chunked.cond.prompt_embeds, whole.cond.prompt_embeds)
-    # The same noise row for row; CPU kernels picked by batch size may round differently (measured <= 3e-6
-    # on the latents, 7e-6 on the images), and with the shapes where they do not, the bits agree:
+    # The same noise row for row. CPU GEMM kernels are chosen by batch shape and differ between machines, so
+    # other shapes may round differently (measured <= 3e-6 on the latents, 7e-6 on the images): a tolerance,
+    # never bit equality, across shapes.
     for name, atol in (("latents", 1e-5), ("log_probs", 1e-5), ("final_latents", 1e-5), ("images", 3e-5)):
         torch.testing.assert_close(getattr(chunked, name), getattr(whole, name), rtol=0, atol=atol, msg=name)
-    if chunk in (2, 4) and plan.leaves_per_root == 1:  # CFG batches of 4 or 8 rows against 16: bit for bit
-        for name in ("latents", "log_probs", "images"):
-            assert torch.equal(getattr(chunked, name), getattr(whole, name)), name
     with pytest.raises(ValueError, match="multiple or a divisor"):
         chunked_rollout(sd3, PROMPTS, chunk=3, **args)

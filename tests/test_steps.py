@@ -67,7 +67,7 @@ def test_cps_hand_computed_scalar_case():
     assert out.log_prob.item() == pytest.approx(expected, abs=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["sde", "cps"])
+@pytest.mark.parametrize("kind", ["sde", "cps", "dance"])
 def test_log_prob_agrees_with_torch_distributions(kind):
     x, v = _inputs(batch=2, shape=(3, 5))
     out = sde_step(v, x, 0.7, 0.55, noise_level=0.8, kind=kind, generator=torch.Generator().manual_seed(3))
@@ -75,7 +75,7 @@ def test_log_prob_agrees_with_torch_distributions(kind):
     torch.testing.assert_close(out.log_prob, reference.mean(dim=(1, 2)), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["sde", "cps"])
+@pytest.mark.parametrize("kind", ["sde", "cps", "dance"])
 def test_draws_follow_the_stated_mean_and_std(kind):
     x, v = _inputs(batch=2, shape=(64, 64, 16))  # 65k draws per row
     out = sde_step(v, x, 0.6, 0.45, noise_level=0.7, kind=kind, generator=torch.Generator().manual_seed(4))
@@ -84,7 +84,7 @@ def test_draws_follow_the_stated_mean_and_std(kind):
     assert abs(z.var().item() - 1) < 0.02
 
 
-@pytest.mark.parametrize("kind", ["sde", "cps"])
+@pytest.mark.parametrize("kind", ["sde", "cps", "dance"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_recomputed_log_prob_equals_recorded(kind, dtype):
     x, v = _inputs(dtype=dtype)

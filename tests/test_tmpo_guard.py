@@ -1,5 +1,7 @@
-"""TMPO's Softmax Trajectory Balance targets and GRPO-Guard's ratio normalisation, held to numbers
-computed by hand, and both running in the GRPO recipe on the tiny model (full SDE, window, tree)."""
+"""TMPO's Softmax Trajectory Balance gradient targets (train.tmpo_target=gradient) and flowrl's batch_sensitivity
+ratio normalisation, held to numbers computed by hand, and both running in the GRPO recipe on the tiny model (full
+SDE, window, tree). TMPO's release behaviour is held to its reference in test_reference_tmpo.py, GRPO-Guard's in
+test_reference_guard.py."""
 
 import math
 import os
@@ -9,10 +11,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from flowrl.algorithms.advantages import tmpo_advantages
-from flowrl.algorithms.losses import guard_log_ratio
+from flowrl.algorithms.ratio_norm import batch_sensitivity_log_ratio, step_sensitivities
+from flowrl.algorithms.tmpo import softmax_tb_gradient as tmpo_advantages
 from flowrl.config import Config, ConfigError, load_config
-from flowrl.recipes.grpo import step_sensitivities, train
+from flowrl.recipes.grpo import train
 from flowrl.sampling.steps import velocity_sensitivity
 from tests.policy_capture import capture_training_policy, lora_and_base
 
@@ -55,9 +57,9 @@ def test_tmpo_groups_are_separate_nan_rows_left_out_and_matched_groups_get_nothi
     assert out[3:].tolist() == pytest.approx((t - 0.5 * t.sum()).tolist(), rel=1e-6)
 
 
-def test_guard_log_ratio_on_a_hand_made_batch():
+def test_batch_sensitivity_log_ratio_on_a_hand_made_batch():
     log_ratio = torch.tensor([0.3, -0.1, -0.5], requires_grad=True)
-    out = guard_log_ratio(log_ratio, 2.0)
+    out = batch_sensitivity_log_ratio(log_ratio, 2.0)
     # mean -0.1: (0.4, 0.0, -0.4) / 2
     assert out.tolist() == pytest.approx([0.2, 0.0, -0.2], abs=1e-7)
     out.sum().backward()
@@ -81,10 +83,9 @@ def test_velocity_sensitivity_matches_the_sde_mean_by_hand():
 
 def test_step_sensitivities_rise_toward_the_clean_end_and_average_one():
     sigmas = torch.tensor([1.0, 0.9, 0.75, 0.55, 0.3, 0.0])
-    scales = step_sensitivities(sigmas, [0, 1, 2, 3], noise_level=0.7, kind="sde", normalise=True)
+    scales = step_sensitivities(sigmas, [0, 1, 2, 3], noise_level=0.7, kind="sde")
     assert sum(scales.values()) / 4 == pytest.approx(1.0)
     assert scales[3] > scales[0]  # the low-noise steps move their log-ratio most per unit of velocity
-    assert step_sensitivities(sigmas, [0, 1], noise_level=0.7, kind="sde", normalise=False) == {}
 
 
 def smoke(tmp_path, *overrides):
@@ -94,10 +95,12 @@ def smoke(tmp_path, *overrides):
 
 
 @pytest.mark.parametrize("overrides", [
-    ["train.loss=tmpo"],
-    ["train.loss=tmpo", "sampling.tree.branch_steps=[1]", "sampling.tree.branch_factor=2"],
-    ["train.loss=tmpo", "sampling.window.size=2", "sampling.num_steps=4", "train.clip_range=1e-5"],
+    ["train.loss=tmpo", "train.beta=0"],
+    ["train.loss=tmpo", "train.beta=0", "sampling.tree.branch_steps=[1]", "sampling.tree.branch_factor=2"],
+    ["train.loss=tmpo", "train.beta=0", "sampling.window.size=2", "sampling.window.mode=random_per_epoch",
+     "sampling.num_steps=4"],
     ["train.ratio_norm=true", "train.inner_epochs=2"],
+    ["train.ratio_norm=batch_sensitivity", "train.inner_epochs=2"],
 ])
 def test_tmpo_and_guard_train_in_the_grpo_recipe(tmp_path, monkeypatch, overrides):
     captured = capture_training_policy(monkeypatch)

@@ -128,7 +128,8 @@ def test_depth_pruning_window_slides_to_the_last_branch_step_by_hand():
 
 def test_step_plan_follows_the_configured_schedule_and_defaults_stay_fixed():
     fixed = load_config(Config, SMOKE, ["sampling.tree.branch_steps=[1]"]).sampling
-    assert all(step_plan(fixed, e, 0) == StepPlan(4, branch_steps=(1,), branch_factor=2) for e in range(5))
+    assert all(step_plan(fixed, e, 0) == StepPlan(4, branch_steps=(1,), branch_factor=2, split_noise_scale=4.0)
+               for e in range(5))
     assert step_plan(load_config(Config, SMOKE).sampling, 3, 0) == StepPlan(4)
     cfg = load_config(Config, SMOKE, ["sampling.tree.branch_steps=[0]", "sampling.tree.schedule=random",
                                       "sampling.tree.branch_range=[0,2]", "sampling.tree.prune_depth=1"]).sampling
@@ -213,7 +214,7 @@ def test_good_tree_settings_load():
 
 # --- the recipe ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("extra", [[], ["train.loss=tmpo"]])
+@pytest.mark.parametrize("extra", [[], ["train.loss=tmpo", "train.beta=0"]])
 def test_grpo_trains_on_a_random_tree_schedule(tmp_path, monkeypatch, extra):
     """Two epochs whose trees branch at different steps (seed 0 draws step 2, then step 0)."""
     import sys

@@ -9,7 +9,8 @@ Every estimator is a plain function with one signature, registered by name:
 
 A NaN reward means "could not score": NaN rows are left out of every statistic and get
 advantage 0 (the recipe also masks them out of the loss). Tree rollouts then lift row (leaf)
-advantages to per-step edge advantages with :func:`edge_advantages`.
+advantages to per-step edge advantages: BranchGRPO's per-depth z-scores (:mod:`flowrl.algorithms.branch`)
+or the mean over the leaves below each edge (:func:`edge_advantages`).
 """
 
 from __future__ import annotations
@@ -79,34 +80,13 @@ def zero_std_fraction(rewards: torch.Tensor, group_ids: torch.Tensor) -> float:
     return float((group_variances(rewards, inverse, int(inverse.max()) + 1) == 0).double().mean())
 
 
-def tmpo_advantages(trajectory_log_probs: torch.Tensor, rewards: torch.Tensor, group_ids: torch.Tensor, *,
-                    beta: float = 15.0) -> torch.Tensor:
-    """TMPO's Softmax Trajectory Balance as per-trajectory advantages [N] (detached).
-
-    Within each group, the policy's distribution over its K trajectories, ``p = softmax(log P(tau))``
-    with ``log P`` summed over the trained steps (a tree leaf's path sums its ancestors' edges), is
-    matched to the reward's Boltzmann distribution ``q = softmax(beta * R)``. The squared loss
-    ``1/2 sum_i (log p_i - log q_i)^2`` has the negative gradient ``t_j - p_j sum_i t_i`` with respect
-    to ``log P(tau_j)``, where ``t = log q - log p`` is the per-trajectory target; that is the advantage
-    the clipped surrogate trains on. Unlike GRPO's it does not vanish once the group's best image
-    wins: it keeps mass on every trajectory whose reward is near the best (the mode covering of
-    forward KL), and a group whose targets agree (p = q) gets none. Rows with NaN rewards are left out
-    of their group and get 0. The log-probs use the recipe's convention (mean over latent dimensions),
-    which keeps ``p`` close to uniform, so ``beta`` sets the scale of the advantages.
-    """
-    out = torch.zeros(rewards.shape, dtype=torch.float64)
-    finite = torch.isfinite(rewards)
-    for group in torch.unique(group_ids[finite]).tolist():
-        rows = torch.nonzero(finite & (group_ids == group)).flatten()
-        log_p = torch.log_softmax(trajectory_log_probs[rows].double(), dim=0)
-        log_q = torch.log_softmax(beta * rewards[rows].double(), dim=0)
-        target = log_q - log_p  # [K]
-        out[rows] = target - log_p.exp() * target.sum()
-    return out.float()
-
-
 def edge_advantages(row_advantages: torch.Tensor, edge_ids: torch.Tensor) -> torch.Tensor:
     """[N] leaf advantages -> [N, K]: each tree edge gets the mean advantage of the leaves below it.
+
+    Tree rollouts use it under ``sampling.tree.backup: leaf_mean``; BranchGRPO's default standardises each
+    depth instead (:mod:`flowrl.algorithms.branch`), since this mean shrinks a shared edge's signal by how
+    much its subtrees' rewards cancel (16 leaves split at steps 0/3/6/9: mean |A| 0.21 on the first edge,
+    0.71 under BranchGRPO's backup).
 
     Rows sharing an edge id at step k are exactly the leaves under that edge, so averaging over them
     is the backup "an inner node's advantage is the mean of its children's" (balanced trees).

@@ -27,6 +27,17 @@ steps apart (``train.credit``, recipe grpo):
   steps, then the ``L``-th steps straight to sigma 0 (the Euler step to 0 is the prediction
   ``x - sigma v``); ``L = 1`` is the one-step look-ahead, which DenseGRPO finds worse than plain GRPO.
 
+  What of DenseGRPO this is: its first component only, the step-wise reward gain from an ODE look-ahead
+  used as each step's dense reward, derived from the paper's abstract (no code has been published to
+  compare against; the group normalisation per step and the clip are flowrl's GRPO choices). Its second
+  component is left out: the reward-aware calibration of the exploration space, which adjusts a
+  timestep-specific noise level of the SDE sampler from the estimated dense rewards. The abstract does
+  not give the rule (which statistic of the gains sets a step's noise, how it is updated), and with no
+  reference code there is nothing to hold an implementation to; ``sampling.noise_level`` stays one value
+  for every step. Rows of one epoch may hold different SDE windows (Flow-GRPO-Fast draws one per rollout
+  batch): each row's look-ahead starts at its own stored steps, and a group, sampled in one batch, shares
+  its window, so the per-step normalisation still compares the same step.
+
 Every function takes flat arguments (tensors, a policy, a reward callable), never the config.
 """
 
@@ -47,32 +58,41 @@ def check_credit(credit: str, *, recipe: str, branch_steps: Sequence[int]) -> No
     check(recipe == "grpo", "train.credit", f"{credit} credit needs per-step log-prob ratios, which recipe "
           f"{recipe} has none of; use recipe grpo or train.credit=terminal")
     check(not branch_steps, "train.credit", f"{credit} is not defined on tree rollouts (sampling.tree."
-          "branch_steps), whose edges take the mean advantage of their leaves; use train.credit=terminal")
+          "branch_steps), whose edges take their advantage from the leaves below them; use train.credit=terminal")
 
 
 # --- dense_cosine ----------------------------------------------------------------------------------------
 
-def cosine_gain_weights(x0_preds: torch.Tensor, final: torch.Tensor, columns: Sequence[int]) -> torch.Tensor:
+def cosine_gain_weights(x0_preds: torch.Tensor, final: torch.Tensor,
+                        columns: Sequence[int] | torch.Tensor) -> torch.Tensor:
     """Per-step shares [N, K] of each row's credit; 0 off ``columns``, each row sums to 1 over them.
 
     ``x0_preds`` [N, K+1, ...] are the clean-latent predictions at the stored states (the rollout's
-    ``x0_preds``), ``final`` [N, ...] the rollout's clean latent, ``columns`` the trained steps.
+    ``x0_preds``), ``final`` [N, ...] the rollout's clean latent, ``columns`` the trained steps: a list
+    shared by every row, or a [N, K] bool mask of each row's own.
     """
     n, states = x0_preds.shape[:2]
     preds = x0_preds.reshape(n, states, -1).double()
     target = final.reshape(n, 1, -1).double().to(preds.device)
     cosine = torch.nn.functional.cosine_similarity(preds, target, dim=-1)  # [N, K+1]
     gains = (cosine[:, 1:] - cosine[:, :-1]).clamp(min=0)  # [N, K]
-    keep = torch.zeros_like(gains, dtype=torch.bool)
-    keep[:, list(columns)] = True
+    if isinstance(columns, torch.Tensor):
+        keep = columns.to(device=gains.device, dtype=torch.bool)
+    else:
+        keep = torch.zeros_like(gains, dtype=torch.bool)
+        keep[:, list(columns)] = True
     gains = torch.where(keep, gains, torch.zeros_like(gains))
     total = gains.sum(1, keepdim=True)  # [N, 1]
     uniform = keep.double() / keep.sum(1, keepdim=True).clamp(min=1)
     return torch.where(total > 0, gains / total.clamp(min=1e-300), uniform).float()
 
 
-def cosine_advantages(row_advantages: torch.Tensor, weights: torch.Tensor, num_trained: int) -> torch.Tensor:
-    """``A[n, k] = A_n * K * w[n, k]`` [N, K]: the row's credit split over its ``K`` trained steps."""
+def cosine_advantages(row_advantages: torch.Tensor, weights: torch.Tensor,
+                      num_trained: int | torch.Tensor) -> torch.Tensor:
+    """``A[n, k] = A_n * K * w[n, k]`` [N, K]: the row's credit split over its ``K`` trained steps (an int, or
+    [N] per row)."""
+    if isinstance(num_trained, torch.Tensor):
+        num_trained = num_trained.to(weights)[:, None]  # [N, 1]
     return row_advantages[:, None].to(weights) * num_trained * weights
 
 
@@ -80,17 +100,23 @@ def cosine_advantages(row_advantages: torch.Tensor, weights: torch.Tensor, num_t
 def predict_x0(policy, latents: torch.Tensor, sigmas: torch.Tensor, cond, guidance: float, *,
                batch_size: int = 16) -> torch.Tensor:
     """Clean-latent predictions ``x - sigma v`` [N, K+1, ...] float32 at stored states [N, K+1, ...]
-    with noise levels ``sigmas`` [K+1] (a clean state, sigma 0, is its own prediction); ``cond`` holds
-    the N rows' conditioning. The recomputing twin of ``rollout(..., store_x0_preds=True)``."""
+    with noise levels ``sigmas`` ([N, K+1] per row, or [K+1] shared; a clean state, sigma 0, is its own
+    prediction); ``cond`` holds the N rows' conditioning. The recomputing twin of
+    ``rollout(..., store_x0_preds=True)``."""
     out = torch.empty(latents.shape, dtype=torch.float32, device=latents.device)
-    for k, sigma in enumerate(sigmas.tolist()):
-        for rows in torch.arange(latents.shape[0]).split(batch_size):
-            x = latents[rows, k].to(policy.device)
-            if sigma == 0:
-                out[rows, k] = x.float().to(out.device)
-                continue
-            velocity = policy.velocity(x, sigmas[k], cond.select(rows), guidance)
-            out[rows, k] = (x.float() - sigmas[k].to(x.device).float() * velocity.float()).to(out.device)
+    sigmas = sigmas.expand(latents.shape[0], -1)  # [N, K+1]
+    for k in range(latents.shape[1]):
+        column = sigmas[:, k].cpu()
+        for value in dict.fromkeys(column.tolist()):  # rows of different windows sit at different sigmas
+            same = (column == value).nonzero()[:, 0]
+            for rows in same.split(batch_size):
+                x = latents[rows, k].to(policy.device)
+                if value == 0:
+                    out[rows, k] = x.float().to(out.device)
+                    continue
+                sigma = sigmas[rows[0], k]
+                velocity = policy.velocity(x, sigma, cond.select(rows), guidance)
+                out[rows, k] = (x.float() - sigma.to(x.device).float() * velocity.float()).to(out.device)
     return out
 
 
@@ -136,21 +162,26 @@ def lookahead_rewards(policy, latents: torch.Tensor, schedule: torch.Tensor, ste
                       states: Sequence[int], steps: int | None = None, batch_size: int = 16,
                       decode_batch_size: int = 16) -> dict[str, torch.Tensor]:
     """Look-ahead rewards {key: [N, K]} (NaN at states not in ``states``) of stored states ``latents``
-    [N, K+1, ...], state ``k`` lying at position ``step_indices[k]`` of the full ``schedule`` [T+1].
+    [N, K+1, ...], state ``k`` of row ``n`` lying at position ``step_indices[n, k]`` of the full ``schedule``
+    [T+1] (``step_indices`` [N, K], or [K] shared by every row).
 
     ``cond`` holds the N rows' conditioning; ``reward_fn(images [N, 3, H, W]) -> {key: [N]}`` scores
     one look-ahead image per row and is called once per state, on all rows together.
     """
     n, num_stored = latents.shape[0], latents.shape[1] - 1
+    step_indices = step_indices.cpu().expand(n, -1)  # [N, K]
     out: dict[str, torch.Tensor] = {}
     for k in states:
-        start = int(step_indices[k])
-        images = []
-        for rows in torch.arange(n).split(batch_size):
-            clean = ode_lookahead(policy, latents[rows, k].to(policy.device), schedule[start:], cond.select(rows),
-                                  guidance, steps=steps)
-            images.extend(policy.decode(chunk) for chunk in clean.split(decode_batch_size))
-        for key, values in reward_fn(torch.cat(images)).items():
+        starts = step_indices[:, k]  # [N] rows of different windows run the ODE from different steps
+        order, images = [], []
+        for start in dict.fromkeys(starts.tolist()):
+            for rows in (starts == start).nonzero()[:, 0].split(batch_size):
+                clean = ode_lookahead(policy, latents[rows, k].to(policy.device), schedule[start:],
+                                      cond.select(rows), guidance, steps=steps)
+                images.extend(policy.decode(chunk) for chunk in clean.split(decode_batch_size))
+                order.append(rows)
+        images = torch.cat(images)[torch.argsort(torch.cat(order))]  # back to row order
+        for key, values in reward_fn(images).items():
             column = out.setdefault(key, torch.full((n, num_stored), float("nan")))
             column[:, k] = values.float().cpu()
     return out

@@ -35,22 +35,8 @@ def grpo_clip_loss(log_probs, old_log_probs, advantages, *, clip_low: float, cli
     return loss, stats
 
 
-def guard_log_ratio(log_ratio: torch.Tensor, sensitivity: float) -> torch.Tensor:
-    """GRPO-Guard's ratio normalisation of one denoising step's transitions [B] -> [B].
-
-    Off the first on-policy pass the log-ratio of a Gaussian transition is ``(eps . dmu) / s -
-    |dmu|^2 / (2 s^2)`` (per dimension): its mean sits below 0 and its spread scales with the step's
-    sensitivity ``|d mu / d v| / s`` (:func:`flowrl.sampling.steps.velocity_sensitivity`). Clipping
-    then binds on the low-noise steps long before the high-noise ones, and a ratio shifted below 1
-    rarely clips a positive advantage. Subtracting the (detached) mean over the step's batch and
-    dividing by the step's sensitivity, relative to the mean over trained steps, gives every step the
-    same spread, so the clip binds evenly and each step's gradient is weighted alike.
-    """
-    return (log_ratio - log_ratio.detach().mean()) / sensitivity
-
-
-# TMPO trains with the clipped surrogate too; what differs is its advantage, Softmax Trajectory Balance's
-# per-trajectory target (flowrl.algorithms.advantages.tmpo_advantages), which the recipe computes for it.
+# "tmpo" names TMPO's path-level loss (flowrl.algorithms.tmpo), which the GRPO recipe trains over whole paths
+# (flowrl.recipes.tmpo_paths) instead of per transition; the entry makes the name a valid train.loss.
 POLICY_LOSSES: dict[str, Callable] = {"grpo-clip": grpo_clip_loss, "tmpo": grpo_clip_loss}
 
 
@@ -96,25 +82,3 @@ def nft_loss(velocity: torch.Tensor, old_velocity: torch.Tensor, target: torch.T
         return sigma ** 2 * squared / scale
 
     return optimality * term(positive) + (1 - optimality) * term(negative)
-
-
-def awm_loss(velocity: torch.Tensor, reference_velocity: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
-             *, kl_weight: float) -> torch.Tensor:
-    """Advantage Weighted Matching (AWM) on noised clean samples -> [B] (means over non-batch dims).
-
-    ``A ||v - target||^2 + kl_weight ||v - v_ref||^2``: the pretraining flow-matching loss (target
-    ``eps - x0``) weighted by each sample's advantage ``A`` [B], plus a pull toward the reference
-    velocity ``v_ref`` (AWM's EMA policy, computed without grad). Positive samples are fitted
-    like data, negative ones are unlearned.
-
-    The gradient is ``2 / D * [A (v - target) + kl_weight (v - v_ref)]`` over ``D`` dims. At
-    ``v = v_ref`` it is ``2 A (v_ref - target) / D``: DiffusionNFT's gradient at strength 1 with
-    ``2r - 1 = A``. A sample whose ``A + kl_weight > 0`` has the bounded minimum
-    ``v_ref + A / (A + kl_weight) * (target - v_ref)``; with ``A + kl_weight <= 0`` a negative sample's
-    loss falls without bound as ``v`` moves away from its target, so keep ``kl_weight`` above ``-A`` of
-    the most negative sample (the nft recipe's weights lie in [-1, 1]; its default ``kl_weight`` is 1).
-    """
-    dims = tuple(range(1, velocity.ndim))
-    matching = ((velocity - target) ** 2).mean(dim=dims)  # [B]
-    regulariser = ((velocity - reference_velocity) ** 2).mean(dim=dims)  # [B]
-    return advantages * matching + kl_weight * regulariser

@@ -1,8 +1,9 @@
 """BranchGRPO's pruning of tree rollouts: which stored transitions still train.
 
 Pruning cuts gradient computation, never the rollout: every leaf is sampled, scored and kept in the
-:class:`~flowrl.sampling.Trajectory`, and its advantage still counts in the backup of the shared edges
-above it (:func:`flowrl.algorithms.advantages.edge_advantages` runs before pruning, as in BranchGRPO).
+:class:`~flowrl.sampling.Trajectory`, and its reward still counts in the backup of the shared edges
+above it (:func:`flowrl.algorithms.branch.branch_advantages`, or ``edge_advantages`` under
+``sampling.tree.backup: leaf_mean``, runs before pruning, as in BranchGRPO).
 Pruning only turns entries of the loss mask off, so it composes with the first-visit mask
 (``mask &= prune_mask(...)``).
 

@@ -15,12 +15,41 @@ from flowrl.config.loader import check
 class WindowConfig:
     size: int | None = None
     """SDE window length k; None trains a full-SDE rollout (every step stochastic and stored)."""
-    mode: Literal["random", "sliding", "fixed"] = "random"
-    """Window placement: random start per iteration (Flow-GRPO-Fast) or sliding (MixGRPO)."""
+    mode: Literal["random", "random_per_epoch", "sliding", "fixed"] = "random"
+    """Window placement. random: Flow-GRPO-Fast, a fresh start for every rollout batch on every process (rows of
+    one epoch then hold different windows; each row records its own steps); random_per_epoch: one start per epoch
+    for every batch and process (flowrl's earlier draw: N processes then reproduce one, and
+    train.ratio_norm=batch_sensitivity, which needs one window per epoch, applies); sliding: MixGRPO; fixed: start_range[0]."""
     start_range: list[int] | None = None
-    """Inclusive [low, high] range of window starts (default: every valid start)."""
+    """Inclusive [low, high] range of window starts (default: every valid start). Flow-GRPO-Fast's
+    sde_window_range (r0, r1) bounds the whole window: it is start_range [r0, r1 - size]."""
     shift_every: int = 1
     """Sliding mode: move the window one step every this many iterations."""
+
+
+@dataclass
+class BetaScheduleConfig:
+    """TMPO's reward-adaptive split scheduler (sampling.tree.schedule=beta; flowrl/sampling/split_schedule.py)."""
+
+    kappa: float = 4.0
+    """Concentration of the Beta draw of split positions (0: keep tree.branch_steps)."""
+    min_gap: int = 3
+    """Least number of steps between two splits."""
+    reward_bounds: list[float] = field(default_factory=lambda: [0.2, 0.35])
+    """Initial [r_min, r_max] of the reward bounds that normalise the mean reward into alpha."""
+    bounds_decay: float = 0.99
+    """EMA decay of the reward bounds toward each rollout's min and max reward."""
+    alpha_decay: float = 0.85
+    """EMA decay of the normalised reward level alpha."""
+    alpha_min: float = 0.1
+    """Floor of the raw alpha."""
+
+    def validate(self):
+        check(self.kappa >= 0, "kappa", "must be >= 0 (0: the splits stay at tree.branch_steps)")
+        check(self.min_gap >= 1, "min_gap", "must be >= 1 (splits are distinct steps)")
+        check(len(self.reward_bounds) == 2, "reward_bounds", "must be [r_min, r_max]")
+        for key in ("bounds_decay", "alpha_decay"):
+            check(0 <= getattr(self, key) < 1, key, "must be in [0, 1)")
 
 
 @dataclass
@@ -29,14 +58,27 @@ class TreeConfig:
     """Steps before which every trajectory splits (empty: no tree)."""
     branch_factor: int = 2
     """Children per branch point; w branch steps give branch_factor**w leaves per root."""
-    schedule: Literal["fixed", "random", "sliding"] = "fixed"
-    """Branch points per epoch (TMPO's dynamic stochastic tree): fixed at branch_steps; random, a fresh draw of
-    len(branch_steps) distinct steps from branch_range each epoch; sliding, branch_steps moved one step later
-    every shift_every epochs (spacing kept), wrapping inside branch_range."""
+    schedule: Literal["fixed", "random", "sliding", "beta"] = "fixed"
+    """Branch points per epoch: fixed at branch_steps; random, a fresh draw of len(branch_steps) distinct steps
+    from branch_range each epoch; sliding, branch_steps moved one step later every shift_every epochs (spacing
+    kept), wrapping inside branch_range; beta, TMPO's reward-adaptive Beta draw in branch_range (tree.beta),
+    starting from branch_steps, which also scales split_noise_levels (its state is saved in checkpoints)."""
     branch_range: list[int] | None = None
-    """random / sliding: inclusive [low, high] range the branch steps move in (default: every step)."""
+    """random / sliding / beta: inclusive [low, high] range the branch steps move in (default: every step)."""
+    split_noise_levels: list[float] | None = None
+    """Noise level of each branch step, in order (TMPO: [0.4, 0.7, 1.0]); with it the rollout is stochastic at
+    the branch steps only, ODE between them (null: sampling.noise_level on every step of the SDE window)."""
+    beta: BetaScheduleConfig = field(default_factory=BetaScheduleConfig)
+    """schedule=beta: the reward-adaptive split scheduler's parameters."""
     shift_every: int = 1
     """sliding: move the branch steps one step every this many epochs."""
+    split_noise_scale: float = 4.0
+    """BranchGRPO's split noise: at a branch step each child's noise is drawn this many times larger, while its
+    log-prob stays the unscaled step's (4.0 in BranchGRPO's script; 1: plain). GRPO only: train.loss=tmpo ignores it."""
+    backup: Literal["depth_standardised", "leaf_mean"] = "depth_standardised"
+    """Tree edge advantages under GRPO: depth_standardised (BranchGRPO) z-scores, per tree and per step, the mean
+    leaf reward under each edge; leaf_mean gives each edge the mean of its leaves' group-normalised advantages,
+    which keeps a shared edge's size tied to how much its subtrees differ. train.loss=tmpo ignores it."""
     prune_width: int | None = None
     """BranchGRPO width pruning: train only this many leaves per group, the highest- and lowest-reward halves;
     the others' own edges (from the last branch point on) go untrained, shared edges still train (0 or null: off)."""
@@ -49,13 +91,20 @@ class TreeConfig:
 
     def validate(self):
         check(self.shift_every >= 1, "shift_every", "must be >= 1")
+        check(self.split_noise_scale > 0, "split_noise_scale", "must be > 0 (1: the step's own noise)")
         check(self.schedule == "fixed" or bool(self.branch_steps), "schedule",
               f"{self.schedule} moves sampling.tree.branch_steps; set them (their count is the tree's depth)")
         if self.branch_range is not None:
             check(len(self.branch_range) == 2 and self.branch_range[0] <= self.branch_range[1], "branch_range",
                   "must be [low, high] with low <= high")
             check(self.schedule != "fixed", "branch_range",
-                  "only applies to schedule random or sliding; remove it or set sampling.tree.schedule")
+                  "only applies to schedule random, sliding or beta; remove it or set sampling.tree.schedule")
+        if self.split_noise_levels is not None:
+            check(len(self.split_noise_levels) == len(self.branch_steps), "split_noise_levels",
+                  f"needs one level per branch step ({len(self.branch_steps)}), got {len(self.split_noise_levels)}")
+            check(all(level > 0 for level in self.split_noise_levels), "split_noise_levels", "levels must be > 0")
+        check(self.schedule != "beta" or self.split_noise_levels is not None, "split_noise_levels",
+              "schedule beta scales each split's noise level; set sampling.tree.split_noise_levels")
         check(self.prune_width is None or self.prune_width == 0 or self.prune_width >= 2, "prune_width",
               "must be >= 2 (the best and the worst leaf), or 0 / null (off)")
         check(self.prune_depth >= 0, "prune_depth", "must be >= 0 (0: off)")
@@ -84,11 +133,14 @@ class SamplingConfig:
     """CFG scale for SD3; the distilled-guidance embedding value for FLUX."""
     noise_level: float = 0.7
     """SDE noise level a (0.7 for SD3, 0.9 for FLUX in Flow-GRPO)."""
-    kind: Literal["sde", "cps"] = "sde"
-    """Stochastic step inside the window: Flow-GRPO SDE or coefficient-preserving sampling."""
-    ode_solver: Literal["euler", "dpmpp_2m"] = "euler"
-    """Deterministic steps outside the SDE window (never stored or trained): Euler, or DPM-Solver++(2M), the
-    second-order multistep solver MixGRPO-Flash uses there (no extra model call per step)."""
+    kind: Literal["sde", "cps", "dance"] = "sde"
+    """Stochastic step inside the window: Flow-GRPO SDE, coefficient-preserving sampling, or DanceGRPO's SDE (the
+    same mean with a constant std_t = noise_level; BranchGRPO's sampler, noise_level 0.3 there)."""
+    ode_solver: Literal["euler", "dpmpp_2m", "dpmpp_2m_restart"] = "euler"
+    """Deterministic steps outside the SDE window (never stored or trained): euler; dpmpp_2m, MixGRPO-Flash's
+    sampler: Euler before and inside the window, DPM-Solver++(2M) (no extra model call per step) only after it,
+    its history seeded with the window steps' clean-latent predictions; dpmpp_2m_restart, DPM-Solver++(2M) on
+    every deterministic step, before the window too (a more accurate start state), restarting after it."""
     group_size: int = 24
     """Trajectories per prompt (the GRPO group)."""
     prompts_per_batch: int = 2
@@ -137,6 +189,8 @@ class SamplingConfig:
                   f"must be a multiple of the tree's {leaves} leaves per root")
             check(size is None or self.window.mode == "fixed", "tree.branch_steps",
                   "a tree needs a full-SDE rollout or a fixed window containing every branch step")
+            check(size is None or tree.split_noise_levels is None, "tree.split_noise_levels",
+                  "makes the SDE window span the branch steps itself; remove sampling.window.size")
             # Where branches can fall: the fixed steps, or the range a dynamic schedule moves them in.
             if tree.branch_range is not None:
                 check(0 <= tree.branch_range[0] <= tree.branch_range[1] < self.num_steps, "tree.branch_range",
@@ -147,6 +201,9 @@ class SamplingConfig:
                       f"{len(tree.branch_steps)} distinct branch steps do not fit in the range [{low}, {high}]")
             else:
                 low, high = min(tree.branch_steps), max(tree.branch_steps)
+            if tree.schedule == "beta":
+                check((len(tree.branch_steps) - 1) * tree.beta.min_gap <= high - low, "tree.beta.min_gap",
+                      f"{len(tree.branch_steps)} splits {tree.beta.min_gap} steps apart do not fit in [{low}, {high}]")
             if tree.schedule == "sliding":
                 check(all(low <= s <= high for s in tree.branch_steps), "tree.branch_steps",
                       f"sliding starts from the branch steps, so they must lie in tree.branch_range [{low}, {high}]")

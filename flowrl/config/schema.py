@@ -15,7 +15,9 @@ from typing import Any, Literal
 
 from flowrl.config.loader import check
 from flowrl.config.reporting import EvalConfig, GuardConfig, LogConfig  # noqa: F401  (re-exported)
-from flowrl.config.sampling import PilotConfig, SamplingConfig, TreeConfig, WindowConfig  # noqa: F401
+from flowrl.config.sampling import (  # noqa: F401
+    BetaScheduleConfig, PilotConfig, SamplingConfig, TreeConfig, WindowConfig,
+)
 
 
 @dataclass
@@ -160,13 +162,25 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     """Gradient clipping norm (0 disables)."""
     loss: str = "grpo-clip"
-    """Policy loss (registry name): grpo-clip, or tmpo (TMPO's Softmax Trajectory Balance targets as
-    advantages under the same clipped ratio; recipe grpo)."""
+    """Policy loss (registry name): grpo-clip, or tmpo (TMPO's Softmax Trajectory Balance over whole paths under a
+    path-level clipped ratio, as in its authors' release; recipe grpo, flowrl/algorithms/tmpo.py)."""
     tmpo_beta: float = 15.0
     """TMPO: inverse temperature of the reward's Boltzmann distribution softmax(tmpo_beta * R)."""
-    ratio_norm: bool = False
-    """GRPO-Guard: centre each step's log-ratio and divide it by the step's velocity sensitivity, so
-    the clip binds evenly across steps (recipe grpo)."""
+    tmpo_target: Literal["residual", "gradient"] = "residual"
+    """TMPO's advantage: residual, log softmax(beta R) - log softmax(log P) (the release); gradient, the exact
+    negative gradient of the squared Softmax-TB loss, residual - softmax(log P) * sum(residual)."""
+    tmpo_clip_range: float = 0.2
+    """TMPO: clip epsilon of the path-level ratio (centred by its group mean) and of the RatioNorm weights."""
+    tmpo_ref_weight: float = 0.1
+    """TMPO: weight of the reference term, the mean squared difference of length-normalised path log-probs."""
+    tmpo_reference: Literal["rollout", "base"] = "rollout"
+    """TMPO's reference path log-probs: rollout, those recorded at sampling (what the release computes); base,
+    the base model's (adapter off; one more forward per trained edge and update)."""
+    ratio_norm: Literal["none", "grpo_guard", "batch_sensitivity"] | bool = "none"
+    """Per-step log-ratio normalisation (recipe grpo, flowrl/algorithms/ratio_norm.py): grpo_guard (or true) is
+    GRPO-Guard's, s (logp - logp_old + ||mu - mu_old||^2 / (2 s^2)) = mean(eps dmu), with each step's policy loss
+    divided by |dt| (SDE steps; its clip ranges are ~1e-6); batch_sensitivity centres the log-ratio on the step's
+    batch and divides it by the step's relative velocity sensitivity; none (or false): the plain log-ratio."""
     clip_range: float = 1e-4
     """PPO ratio clip epsilon (1e-4 full SDE, 1e-5 window/CPS in Flow-GRPO)."""
     clip_range_high: float | None = None
@@ -190,8 +204,9 @@ class TrainConfig:
     step std); NFT adds beta ||v - v_ref||^2 instead. 0 disables the reference pass."""
     cfg: bool = True
     """Classifier-free guidance in sampling and training (SD3); off trains the conditional model alone."""
-    skip_last_step: bool = True
-    """Do not train the last, near-clean step."""
+    skip_last_step: bool | None = None
+    """Do not train the last, near-clean step. null: true for a full-SDE rollout (Flow-GRPO trains steps
+    0..T-2), false with an SDE window (Flow-GRPO-Fast trains every window step, the last included)."""
     timestep_fraction: float = 1.0
     """Train this fraction of the stored steps, drawn per epoch."""
     ema: bool = True
@@ -227,7 +242,8 @@ class TrainConfig:
     credit: Literal["terminal", "dense_cosine", "dense_ode"] = "terminal"
     """Per-step credit (recipe grpo, see flowrl/algorithms/dense.py): terminal gives every trained step its
     row's advantage; dense_cosine splits it by how far each step moves the predicted x0 toward the final
-    latent; dense_ode (DenseGRPO) trains each step on its group-normalised reward gain from ODE look-ahead."""
+    latent; dense_ode trains each step on its group-normalised reward gain from ODE look-ahead, DenseGRPO's
+    dense reward (its reward-aware per-timestep noise calibration is not implemented: no published code)."""
     dense_lookahead: int | None = None
     """dense_ode: model calls per look-ahead (the last one steps straight to sigma 0); null runs the full
     remaining ODE, which DenseGRPO finds better than a short look-ahead."""
@@ -240,6 +256,8 @@ class TrainConfig:
     reward_errors=nan) before the run stops with an error; such an epoch trains on nothing (loss 0)."""
 
     def validate(self):
+        if isinstance(self.ratio_norm, bool):  # true names the method the option was written for
+            self.ratio_norm = "grpo_guard" if self.ratio_norm else "none"
         for key in ("epochs", "batches_per_epoch", "inner_epochs", "optimizer_steps_per_epoch", "micro_batch_size"):
             check(getattr(self, key) >= 1, key, "must be >= 1")
         check(self.learning_rate > 0, "learning_rate", "must be > 0")
@@ -280,6 +298,8 @@ class TrainConfig:
         check(self.credit == "terminal" or self.loss != "tmpo", "credit",
               f"{self.credit} gives per-step advantages, but train.loss=tmpo trains on per-trajectory targets; "
               "use train.loss=grpo-clip or train.credit=terminal")
+        check(0 < self.tmpo_clip_range < 1, "tmpo_clip_range", "must be in (0, 1)")
+        check(self.tmpo_ref_weight >= 0, "tmpo_ref_weight", "must be >= 0")
         if self.dense_lookahead is not None:
             check(self.dense_lookahead >= 1, "dense_lookahead", "must be >= 1 model call, or null for the full ODE")
             check(self.credit == "dense_ode", "dense_lookahead",
@@ -292,10 +312,11 @@ class NFTConfig:
     with DiffusionNFT's loss, AWM's or CRD's."""
 
     loss: Literal["nft", "awm", "crd"] = "nft"
-    """'nft': DiffusionNFT's implicit positive/negative policies; 'awm': Advantage Weighted Matching, the
-    flow-matching loss weighted by the clipped advantage over train.advantage_clip, plus nft.awm_kl
-    times ||v - v_old||^2 toward the old (EMA) adapter; 'crd': Centered Reward Distillation, the implicit
-    log-ratio to the old adapter matched to the reward, both centred within the prompt's group."""
+    """'nft': DiffusionNFT's implicit positive/negative policies; 'awm': Advantage Weighted Matching, its
+    (ghuber-weighted) flow-matching log-probability under a clipped ratio times the clipped advantage over
+    train.advantage_clip, plus nft.awm_kl times ||v - v_old||^2 toward the old (EMA) adapter; 'crd': Centered
+    Reward Distillation, the implicit log-ratio to the old adapter matched to the reward, both centred within
+    the prompt's group."""
     crd_beta: float = 1.0
     """CRD: the KL temperature beta of beta (log-ratio - group mean) ~ (r - group mean), r in [0, 1]
     (Flow-Factory's crd_beta, 1 in its SD3.5 OCR example)."""
@@ -306,8 +327,9 @@ class NFTConfig:
     """CRD: weight each sample's KL by 1e-4 / train.beta + r (1 - 1e-4 / train.beta), r its optimality in
     [0, 1] (Flow-Factory's reward_adaptive_kl): the better a sample, the harder it is held to the base model."""
     awm_kl: float = 1.0
-    """AWM: weight of ||v - v_old||^2 (AWM's published value). A sample's loss is bounded below while its
-    advantage weight (in [-1, 1]) plus awm_kl is > 0, so 1 covers every weight above -1."""
+    """AWM: weight of ||v - v_old||^2 (AWM's published value). With ghuber weighting any awm_kl > 0 bounds a
+    sample's loss below (its l^p grows slower than the pull); with uniform, while its advantage weight (in
+    [-1, 1]) plus awm_kl is > 0, so 1 covers every weight above -1."""
     strength: float = 1.0
     """beta of the implicit policies v+ = beta v + (1 - beta) v_old, v- = (1 + beta) v_old - beta v (loss nft)."""
     loss_scale: float | None = None
@@ -320,17 +342,54 @@ class NFTConfig:
     """Divide each squared error by its own detached mean absolute error: loss nft measures its terms in x0-space
     (DiffusionNFT's adaptive weighting, keeps training stable); loss crd its implicit log-ratio's two terms in
     velocity space (Flow-Factory's adaptive_logp)."""
-    timestep_schedule: Literal["sampling", "uniform"] = "sampling"
+    timestep_schedule: Literal["sampling", "uniform", "stratified"] | None = None
     """Where training t comes from: 'sampling' draws, per sample and without repeats, from the sigmas of
-    the (shifted) sampling schedule, as DiffusionNFT does; 'uniform' draws t ~ U(0, 1)."""
+    the (shifted) sampling schedule, as DiffusionNFT does; 'uniform' draws t ~ U(0, 1); 'stratified' is AWM's
+    draw, one sigma per stratum of the schedule without its first (sigma 1) and last ones (see
+    nft.stratified_fraction); null: the loss's own (awm: stratified, else sampling)."""
+    stratified_fraction: float = 0.9
+    """timestep_schedule stratified: the strata cover schedule indices 1 .. int(num_steps * this) - 1 (AWM: 0.9,
+    which leaves out the last two of 14 sigmas)."""
     old_decay: int | list[float] | None = None
     """The old adapter's decay after each epoch, from the optimizer steps so far (flowrl/training/ema.py,
     decay_schedule): a DiffusionNFT decay_type (0: none; 1: min(0.001 s, 0.5); 2: 0 for 75 steps, then
     +0.0075 a step up to 0.999) or [start_step, start_value, slope, end_value]; null: the loss's reference,
-    type 1 for nft and awm, [0, 0.25, 0.005, 0.999] for crd (Flow-Factory's old_model_decay)."""
+    type 1 for nft, [0, 0, 0.001, 0.3] for awm (its kl_ema_decay), [0, 0.25, 0.005, 0.999] for crd
+    (Flow-Factory's old_model_decay)."""
     sampler_decay: int | list[float] | None = None
     """Loss crd: the rollout adapter's own schedule, same format (Flow-Factory's sampling_model_decay); null:
-    [75, 0, 0.0075, 0.999]. nft and awm sample with the old adapter: leave it null."""
+    [75, 0, 0.0075, 0.999]. nft and awm roll out with the old or the trained adapter: leave it null."""
+    awm_weighting: Literal["ghuber", "uniform"] = "ghuber"
+    """AWM's log-probability of a sample from its flow-matching error l: ghuber, -(t / p)((l + 1e-10)^p - 1e-10^p)
+    (AWM's default; each sample's gradient weighted by t l^(p - 1)), or uniform, -l (the plain advantage-weighted
+    flow-matching loss, flowrl's earlier AWM)."""
+    awm_ghuber_power: float = 0.25
+    """AWM: the power p of the ghuber weighting (AWM: 0.25)."""
+    awm_clip_range: float = 1.0
+    """AWM: clip range c of its PPO surrogate max(-A rho, -A clip(rho, 1 - c, 1 + c)) on the ratio of
+    log-probabilities (AWM: 1)."""
+    sampler: Literal["ode", "sa_solver"] | None = None
+    """Rollout sampler: ode (sampling.num_steps steps of sampling.ode_solver, no noise) or sa_solver (AWM's
+    stochastic order-2 SA-Solver, flowrl/sampling/sa_solver.py); null: the loss's own (awm: sa_solver, else ode)."""
+    sa_noise_level: float = 0.4
+    """sampler sa_solver: its SDE noise tau inside nft.sa_noise_window (AWM: 0.4; 0 is its ODE)."""
+    sa_noise_window: list[float] = field(default_factory=lambda: [0.3, 0.9])
+    """sampler sa_solver: [low, high], the t-range of the steps that get noise tau (AWM: [0.3, 0.9])."""
+    rollout_weights: Literal["old", "trained"] | None = None
+    """Which adapter samples the rollouts: old (the EMA "old" adapter, DiffusionNFT; CRD's own sampler, see
+    nft.sampler_decay) or trained (the live one, AWM); null: the loss's own (awm: trained, else old)."""
+    eval_ema_decay: float | None = None
+    """Decay of a separate EMA of the trained adapter that eval, the report, the export and checkpoints'
+    ema.safetensors hold, from the initial weights at min(decay, (1 + s) / (10 + s)), s the optimizer steps so
+    far; null: the loss's own (nft and crd: 0.9, DiffusionNFT's; awm: 0.99)."""
+    eval_ema_every: Literal["step", "epoch"] | None = None
+    """When the eval EMA folds the weights in: every optimizer step (DiffusionNFT) or once per epoch (AWM); null:
+    the loss's own."""
+
+    def choice(self, key: str):
+        """The setting ``key`` in force: its own value, or the loss's reference choice where it is null."""
+        value = getattr(self, key)
+        return value if value is not None else LOSS_CHOICES.get(self.loss, {}).get(key, NFT_CHOICES[key])
 
     def validate(self):
         check(self.strength > 0, "strength", "must be > 0")
@@ -347,16 +406,19 @@ class NFTConfig:
                   "must be a DiffusionNFT decay type (0, 1 or 2), [start_step >= 0, start_value in [0, 1], slope >= 0, "
                   "end_value in [0, 1]] or null")
         check(self.sampler_decay is None or self.loss == "crd", "sampler_decay",
-              f"loss {self.loss} samples with the old adapter (nft.old_decay): remove it, or use loss crd")
-
-    def old_schedule(self) -> int | list[float]:
-        """nft.old_decay, or the loss's reference schedule."""
-        if self.old_decay is not None:
-            return self.old_decay
-        return [0, 0.25, 0.005, 0.999] if self.loss == "crd" else 1
+              f"only loss crd keeps a sampler apart from the old adapter (loss {self.loss}): remove it")
+        check(0 < self.stratified_fraction <= 1, "stratified_fraction", "must be in (0, 1]")
+        check(self.awm_ghuber_power > 0, "awm_ghuber_power", "must be > 0")
+        check(self.awm_clip_range > 0, "awm_clip_range", "must be > 0 (the ratio is clipped to [1 - c, 1 + c])")
+        check(self.sa_noise_level >= 0, "sa_noise_level", "must be >= 0")
+        window = self.sa_noise_window
+        check(len(window) == 2 and 0 <= window[0] <= window[1] <= 1, "sa_noise_window",
+              "must be [low, high] with 0 <= low <= high <= 1")
+        check(self.eval_ema_decay is None or 0 <= self.eval_ema_decay < 1, "eval_ema_decay",
+              "must be in [0, 1), or null")
 
     def sampler_schedule(self) -> int | list[float] | None:
-        """The rollout adapter's schedule (loss crd), or None where the old adapter samples."""
+        """The rollout adapter's own schedule (loss crd), or None where the old adapter samples."""
         if self.loss != "crd":
             return None
         return self.sampler_decay if self.sampler_decay is not None else [75, 0.0, 0.0075, 0.999]
@@ -366,6 +428,14 @@ class NFTConfig:
         if self.loss_scale is not None:
             return self.loss_scale
         return {"nft": advantage_clip / self.strength, "crd": advantage_clip / self.crd_beta}.get(self.loss, 1.0)
+
+
+# The settings of NFTConfig whose null means "the loss's own": DiffusionNFT's, and AWM's and CRD's reference ones.
+NFT_CHOICES = {"timestep_schedule": "sampling", "sampler": "ode", "rollout_weights": "old", "eval_ema_decay": 0.9,
+               "eval_ema_every": "step", "old_decay": 1}
+LOSS_CHOICES = {"awm": {"timestep_schedule": "stratified", "sampler": "sa_solver", "rollout_weights": "trained",
+                        "eval_ema_decay": 0.99, "eval_ema_every": "epoch", "old_decay": [0, 0.0, 0.001, 0.3]},
+                "crd": {"old_decay": [0, 0.25, 0.005, 0.999]}}
 
 
 @dataclass
@@ -491,16 +561,55 @@ class Config:
             warnings.warn(f"train.combine=marble balances several rewards, but only {trained} trains (nonzero "
                           "weight); using train.combine=weighted", stacklevel=2)
             self.train.combine = "weighted"
-        check(self.recipe != "nft" or self.nft.timestep_schedule != "sampling"
+        t = self.train
+        check(self.recipe != "nft" or (t.ema_start_step, t.ema_every, t.ema_warmup) == (1, 1, "none"),
+              "train.ema_every",
+              "recipe nft's train.ema is its old policy, stepped once per epoch on nft.old_decay (its eval EMA is "
+              "nft.eval_ema_decay): leave train.ema_start_step, ema_every and ema_warmup at 1, 1, none")
+        check(self.recipe != "nft" or self.train.ema, "train.ema",
+              "recipe nft keeps its old adapter as train.ema: set train.ema=true")
+        check(self.recipe != "nft" or self.nft.choice("timestep_schedule") != "sampling"
               or self.nft.timesteps_per_sample <= self.sampling.num_steps, "nft.timesteps_per_sample",
               f"exceeds the {self.sampling.num_steps} sigmas of the sampling schedule; lower it or set "
               "nft.timestep_schedule=uniform")
-        check(self.recipe != "nft" or (self.train.loss == "grpo-clip" and not self.train.ratio_norm), "train.loss",
+        n = self.nft
+        check(self.recipe != "nft" or n.choice("timestep_schedule") != "stratified"
+              or int(self.sampling.num_steps * n.stratified_fraction) >= 2, "nft.stratified_fraction",
+              f"leaves no sigma between the first and the last of sampling.num_steps={self.sampling.num_steps}: "
+              "raise it or the steps")
+        check(self.recipe != "nft" or n.choice("sampler") != "sa_solver" or self.sampling.num_steps >= 2,
+              "sampling.num_steps", "SA-Solver rollouts need at least 2 steps (nft.sampler=sa_solver)")
+        check(self.recipe != "nft" or n.choice("sampler") != "sa_solver" or not self.sampling.pilot.candidates,
+              "sampling.pilot.candidates", "Pilot-Commit rolls out with the Euler/SDE loop, not SA-Solver: set it to 0 "
+              "or nft.sampler=ode")
+        check(self.recipe != "nft" or (self.train.loss == "grpo-clip" and self.train.ratio_norm == "none"),
+              "train.loss",
               "train.loss=tmpo and train.ratio_norm act on log-prob ratios, which recipe nft has none of; use "
               "recipe grpo")
+        check(self.train.ratio_norm != "grpo_guard" or self.sampling.kind == "sde", "train.ratio_norm",
+              f"grpo_guard's |dt| reweighting is defined for SDE steps, not sampling.kind={self.sampling.kind}: use "
+              "sampling.kind=sde, or train.ratio_norm=batch_sensitivity")
+        if self.train.loss == "tmpo":
+            tree = self.sampling.tree
+            check(t.beta == 0, "train.beta", "train.loss=tmpo regularises with train.tmpo_ref_weight, not the KL; "
+                  "set train.beta=0")
+            check(t.ratio_norm == "none", "train.ratio_norm", "train.loss=tmpo has its own RatioNorm weights; "
+                  "set train.ratio_norm=none")
+            check(not (tree.prune_width or tree.prune_depth), "sampling.tree.prune_width",
+                  "train.loss=tmpo trains whole paths; BranchGRPO's pruning does not apply: set it to 0")
+            check(not self.gardo.diversity, "gardo.diversity",
+                  "train.loss=tmpo has no per-row advantage to weight; set gardo.diversity=false")
         from flowrl.algorithms.dense import check_credit
 
+        window = self.sampling.window
+        batch_windows = window.size is not None and window.mode == "random"  # rows of an epoch: different windows
         check_credit(self.train.credit, recipe=self.recipe, branch_steps=self.sampling.tree.branch_steps)
+        check(not (batch_windows and self.train.ratio_norm == "batch_sensitivity"), "train.ratio_norm",
+              "batch_sensitivity scales each stored column by its step's sensitivity, but sampling.window.mode=random draws a window per "
+              "rollout batch, so a column holds different steps: use sampling.window.mode=random_per_epoch")
+        check(not (batch_windows and self.train.loss == "tmpo"), "sampling.window.mode",
+              "train.loss=tmpo scores each stored column at one step, but mode random draws a window per rollout "
+              "batch: use sampling.window.mode=random_per_epoch")
         check(self.sampling.group_size >= 2 or self.train.advantage == "mean", "sampling.group_size",
               "group advantages need at least 2 trajectories per prompt")
         check(not self.guard.enabled or self.sampling.group_size >= 2, "guard.enabled",

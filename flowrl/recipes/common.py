@@ -32,6 +32,7 @@ from flowrl.report import evaluate, render, write_report
 from flowrl.rewards_api import nan_summary
 from flowrl.sampling import StepPlan, chunked_rollout, concat_trajectories, rollout, root_seeds, window_start
 from flowrl.sampling.plan import branch_schedule, depth_pruned_steps
+from flowrl.sampling.split_schedule import BetaSplitScheduler
 from flowrl.sampling.pilot import commit_candidates, join_committed, pilot_variances, slot_seeds
 from flowrl.training.ema import LoraEMA, ema_weights
 from flowrl.training.faults import FaultCounter, TrainingAborted, checkpoint_write_failed, grad_norm as total_grad_norm
@@ -41,23 +42,49 @@ from flowrl.training.metrics import MetricsLogger
 from flowrl.training.stats import StatsAccumulator
 
 
-def step_plan(s: SamplingConfig, epoch: int, seed: int) -> StepPlan:
-    """This epoch's plan: full SDE, a (random / sliding / fixed) window, tree branch points (fixed, or
-    moving per epoch as TMPO's dynamic tree) and the steps BranchGRPO's depth pruning leaves untrained."""
+def step_plan(s: SamplingConfig, epoch: int, seed: int, split_scheduler: BetaSplitScheduler | None = None, *,
+              batch: int = 0, rank: int = 0) -> StepPlan:
+    """This epoch's plan: full SDE, a (random / sliding / fixed) window, tree branch points (fixed, moving
+    per epoch, or drawn by TMPO's reward-adaptive ``split_scheduler``, called once per epoch), BranchGRPO's
+    split noise and the steps its depth pruning leaves untrained. With per-split noise levels the SDE window
+    spans the branch steps and is deterministic between them.
+
+    ``window.mode: random`` (Flow-GRPO-Fast) draws its start per rollout ``batch`` of the epoch and per
+    process ``rank``: :func:`sample_and_score` asks for each batch's plan with ``batch_windows``."""
     tree = s.tree
-    branch_steps = branch_schedule(epoch, num_steps=s.num_steps, steps=tuple(tree.branch_steps), schedule=tree.schedule,
-                                   branch_range=tuple(tree.branch_range) if tree.branch_range else None,
-                                   shift_every=tree.shift_every, seed=seed)
+    split_levels = tuple(tree.split_noise_levels or ())
+    if split_scheduler is not None:
+        branch_steps, split_levels = split_scheduler.schedule(epoch, seed)
+    else:
+        schedule = "fixed" if tree.schedule == "beta" else tree.schedule  # beta before any reward: its first steps
+        branch_steps = branch_schedule(epoch, num_steps=s.num_steps, steps=tuple(tree.branch_steps),
+                                       schedule=schedule, shift_every=tree.shift_every, seed=seed,
+                                       branch_range=tuple(tree.branch_range) if tree.branch_range else None)
     pruned = depth_pruned_steps(epoch, num_steps=s.num_steps, last_branch=max(branch_steps), size=tree.prune_depth,
                                 shift_every=tree.prune_depth_shift_every) if branch_steps else ()
     branch = dict(branch_steps=branch_steps, branch_factor=tree.branch_factor if branch_steps else 1,
-                  pruned_steps=pruned)
+                  pruned_steps=pruned, split_noise_scale=tree.split_noise_scale if branch_steps else 1.0)
+    if split_levels and branch_steps:
+        levels = dict.fromkeys(range(branch_steps[0], branch_steps[-1] + 1), 0.0)  # ODE between the splits
+        levels.update(zip(branch_steps, split_levels))
+        return StepPlan(s.num_steps, sde_start=branch_steps[0], sde_size=branch_steps[-1] - branch_steps[0] + 1,
+                        noise_levels=tuple(levels.items()), **branch)
     if s.window.size is None:
         return StepPlan(s.num_steps, **branch)
     start_range = tuple(s.window.start_range) if s.window.start_range else None
     start = window_start(epoch, num_steps=s.num_steps, size=s.window.size, mode=s.window.mode,
-                         start_range=start_range, shift_every=s.window.shift_every, seed=seed)
+                         start_range=start_range, shift_every=s.window.shift_every, seed=seed, batch=batch,
+                         rank=rank)
     return StepPlan(s.num_steps, sde_start=start, sde_size=s.window.size, **branch)
+
+
+def batch_plan(plan: StepPlan, s: SamplingConfig, batch_windows: bool, *, seed: int, epoch: int, batch: int,
+               rank: int) -> StepPlan:
+    """The plan rollout batch ``batch`` of process ``rank`` samples with: its own draw of a random window
+    (Flow-GRPO-Fast) when ``batch_windows``, else the epoch's ``plan``."""
+    if not batch_windows or s.window.size is None or s.window.mode != "random":
+        return plan
+    return step_plan(s, epoch, seed, batch=batch, rank=rank)
 
 
 def restore_checkpoint(cfg: Config, policy, optimizer, ema, *, rank: int, snapshots: dict | None = None) -> dict:
@@ -161,7 +188,9 @@ class Run:
     guard: DiversityGuard | None = None  # guard.enabled: the diversity guard (flowrl/training/guard.py)
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None  # train.lr_scheduler, one step per optimizer step
     faults: FaultCounter | None = None  # skipped non-finite steps and unscorable epochs (flowrl/training/faults.py)
-    adapters: dict[str, LoraEMA] = field(default_factory=dict)  # copies a recipe names (nft: its old adapter)
+    split_scheduler: BetaSplitScheduler | None = None  # sampling.tree.schedule=beta: TMPO's adaptive split steps
+    eval_ema: LoraEMA | None = None  # nft.eval_ema_decay: the EMA eval and export use; ``ema`` is then the old policy
+    adapters: dict[str, LoraEMA] = field(default_factory=dict)  # further copies a recipe names (CRD: its sampler)
 
     @property
     def fault_counter(self) -> FaultCounter:
@@ -174,8 +203,15 @@ class Run:
     def snapshots(self) -> dict[str, LoraEMA]:
         """The adapter copies that checkpoints save and resume restores."""
         best = self.guard.best if self.guard is not None and self.guard.best.tensors else None
+        old = self.ema if self.eval_ema is not None else None  # the checkpoint's ema.safetensors holds eval_ema
         return {name: s for name, s in (("reference", self.reference), ("anchor", self.anchor), ("guard_best", best),
-                                        *self.adapters.items()) if s is not None}
+                                        ("old", old), *self.adapters.items()) if s is not None}
+
+    @property
+    def exported_ema(self) -> LoraEMA | None:
+        """The weights eval, the report, the export and checkpoints' ema.safetensors hold: the eval EMA where one is
+        kept, else ``ema``."""
+        return self.eval_ema if self.eval_ema is not None else self.ema
 
     @property
     def eval_guidance(self) -> float:
@@ -247,6 +283,8 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, adapters: 
     snapshot = lambda: LoraEMA(policy.named_trainable_parameters(), decay=0.0)  # noqa: E731  (copies the weights)
     reference = snapshot() if g.reset_every is not None or g.reset_kl is not None else None
     anchor = snapshot() if cfg.hrf.anchor_weight > 0 else None
+    eval_decay = cfg.nft.choice("eval_ema_decay") if cfg.recipe == "nft" else None
+    eval_ema = LoraEMA(policy.named_trainable_parameters(), decay=eval_decay) if eval_decay is not None else None
     gd = cfg.guard
     guard = DiversityGuard(every=gd.every, warmup=gd.warmup, max_drop=gd.max_drop, policy=gd.policy, beta=t.beta,
                            beta_factor=gd.beta_factor, beta_floor=gd.beta_floor, cooldown=gd.cooldown,
@@ -254,9 +292,11 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, adapters: 
                            write=tqdm.write if accelerator.is_main_process else None) if gd.enabled else None
     copies = {name: snapshot() for name in adapters}
     snapshots = {name: s for name, s in (("reference", reference), ("anchor", anchor),
-                                         ("guard_best", guard.best if guard else None), *copies.items())
+                                         ("guard_best", guard.best if guard else None),
+                                         ("old", ema if eval_ema is not None else None), *copies.items())
                  if s is not None}
-    resumed = restore_checkpoint(cfg, policy, optimizer, ema, rank=accelerator.process_index,
+    resumed = restore_checkpoint(cfg, policy, optimizer, eval_ema if eval_ema is not None else ema,
+                                 rank=accelerator.process_index,
                                  snapshots=snapshots) if t.resume else {"epoch": -1}
     if "lr_scheduler" in resumed:
         scheduler.load_state_dict(resumed["lr_scheduler"])
@@ -272,6 +312,9 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, adapters: 
                                 ema=t.marble.ema)
         if "marble" in resumed:
             marble.load_state_dict(resumed["marble"])
+    split_scheduler = beta_split_scheduler(cfg.sampling)
+    if split_scheduler is not None and "split_scheduler" in resumed:
+        split_scheduler.load_state_dict(resumed["split_scheduler"])
     return Run(
         cfg=cfg, accelerator=accelerator, run_dir=run_dir, policy=policy, params=params, optimizer=optimizer, ema=ema,
         rewards=rewards, weights=weights, train_prompts=train_prompts, test_prompts=test_prompts,
@@ -280,19 +323,38 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, adapters: 
         guidance=cfg.sampling.guidance_scale if (t.cfg or policy.guidance_in_model) else 1.0, start_epoch=start_epoch,
         counters={"rollouts": resumed.get("rollouts", 0), "train_wall_s": resumed.get("train_wall_s", 0.0)},
         marble=marble, reference=reference, reference_resets=int(resumed.get("reference_resets", 0)), anchor=anchor,
-        guard=guard, scheduler=scheduler, adapters=copies,
+        guard=guard, scheduler=scheduler, split_scheduler=split_scheduler, eval_ema=eval_ema, adapters=copies,
     )
 
 
+def beta_split_scheduler(s: SamplingConfig) -> BetaSplitScheduler | None:
+    """TMPO's reward-adaptive split scheduler for ``sampling.tree.schedule=beta``, else None."""
+    tree = s.tree
+    if tree.schedule != "beta":
+        return None
+    low, high = tree.branch_range or (0, s.num_steps - 1)
+    b = tree.beta
+    return BetaSplitScheduler(first_steps=tuple(tree.branch_steps), base_noise_levels=tuple(tree.split_noise_levels),
+                              low=low, high=high, kappa=b.kappa, min_gap=b.min_gap,
+                              reward_bounds=tuple(b.reward_bounds), bounds_decay=b.bounds_decay,
+                              alpha_decay=b.alpha_decay, alpha_min=b.alpha_min)
+
+
 def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_level: float, kind: str = "sde",
-                     same_noise_in_group: bool = False, store_x0_preds: bool = False):
+                     same_noise_in_group: bool = False, store_x0_preds: bool = False, store_means: bool = False,
+                     batch_windows: bool = False, rollout_fn=None):
     """This epoch's rollouts on this process, scored: batch b is scored in a worker while b+1 is sampled.
+
+    With ``batch_windows`` and ``sampling.window.mode: random`` each batch rolls out with its own window,
+    drawn from (seed, epoch, batch, process) (:func:`step_plan`), as Flow-GRPO-Fast draws one per sampling
+    call; otherwise every batch uses ``plan``.
 
     Prompts are sharded over processes and row seeds come from global row indices, so N processes
     reproduce one. With ``sampling.pilot.candidates`` the batches are allocated by Pilot-Commit
     (:func:`pilot_sample_and_score`). Returns (trajectory with rewards, time sampling ended, time
     scoring ended); the trajectory also carries ``rollouts_sampled`` (rollouts of every process this
     epoch, dropped pilot ones included) and ``sampling_metrics`` (``perf/*`` for ``end_epoch``'s extra).
+    ``rollout_fn`` is the loop that samples (None: :func:`rollout`; not used by Pilot-Commit).
     """
     cfg, accelerator, policy = run.cfg, run.accelerator, run.policy
     s, rank, world = cfg.sampling, accelerator.process_index, accelerator.num_processes
@@ -300,7 +362,8 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
     strata = [m[key] for m in run.train_prompts.metadata] if key else None
     if s.pilot.candidates:
         return pilot_sample_and_score(run, scorer, epoch, plan=plan, noise_level=noise_level, kind=kind,
-                                      strata=strata, store_x0_preds=store_x0_preds)
+                                      strata=strata, store_x0_preds=store_x0_preds, store_means=store_means,
+                                      batch_windows=batch_windows)
     roots_per_group = s.group_size // plan.leaves_per_root
     parts, futures = [], []
     for b in range(cfg.train.batches_per_epoch):
@@ -312,9 +375,13 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
         with policy.local_forward():
             part = chunked_rollout(policy, batch.prompts, group_size=s.group_size, chunk=s.rollout_chunk,
                                    num_steps=s.num_steps, guidance_scale=run.guidance, noise_level=noise_level,
-                                   kind=kind, plan=plan, same_noise_in_group=same_noise_in_group,
+                                   kind=kind, plan=batch_plan(plan, s, batch_windows, seed=cfg.seed, epoch=epoch,
+                                                              batch=b, rank=rank),
+                                   same_noise_in_group=same_noise_in_group,
                                    metadata=batch.metadata, store_x0_preds=store_x0_preds, ode_solver=s.ode_solver,
-                                   seeds=root_seeds(cfg.seed, first_root, len(batch) * roots_per_group))
+                                   store_means=store_means,
+                                   seeds=root_seeds(cfg.seed, first_root, len(batch) * roots_per_group),
+                                   rollout_fn=rollout_fn)
         part.group_ids = part.group_ids + (batch_index * world + rank) * s.prompts_per_batch
         futures.append(scorer.submit(part.images, part.row_prompts, part.row_metadata))
         parts.append(part)
@@ -327,7 +394,8 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
 
 
 def pilot_sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_level: float, kind: str,
-                           strata: list | None, store_x0_preds: bool = False):
+                           strata: list | None, store_x0_preds: bool = False, store_means: bool = False,
+                           batch_windows: bool = False):
     """Pilot-Commit (``flowrl.sampling.pilot``): every batch pilots ``pilot.candidates`` prompts with
     ``pilot.group_size`` rollouts each, commits the ``prompts_per_batch`` whose pilot rewards vary most
     and rolls out the rest of their groups; uncommitted pilot rollouts are dropped.
@@ -344,8 +412,10 @@ def pilot_sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, nois
     cfg, accelerator, policy = run.cfg, run.accelerator, run.policy
     s, rank, world = cfg.sampling, accelerator.process_index, accelerator.num_processes
     candidates, pilot_size, commit_size = s.pilot.candidates, s.pilot.group_size, s.group_size - s.pilot.group_size
-    steps = dict(num_steps=s.num_steps, guidance_scale=run.guidance, noise_level=noise_level, kind=kind, plan=plan,
-                 store_x0_preds=store_x0_preds, ode_solver=s.ode_solver)
+    steps = dict(num_steps=s.num_steps, guidance_scale=run.guidance, noise_level=noise_level, kind=kind,
+                 store_x0_preds=store_x0_preds, ode_solver=s.ode_solver, store_means=store_means)
+    plans = [batch_plan(plan, s, batch_windows, seed=cfg.seed, epoch=epoch, batch=b, rank=rank)
+             for b in range(cfg.train.batches_per_epoch)]  # a batch's pilot and commit share its window
 
     # 1. Pilot: a few rollouts per candidate; candidate c owns root rows first_root + c * group_size + [0, G).
     pilots = []
@@ -358,12 +428,14 @@ def pilot_sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, nois
         first_root = slot * candidates * s.group_size
         with policy.local_forward():
             pilot = rollout(policy, batch.prompts, group_size=pilot_size, metadata=batch.metadata, **steps,
+                            plan=plans[b],
                             seeds=slot_seeds(cfg.seed, first_root, range(len(batch)), s.group_size, 0, pilot_size))
-        pilots.append((slot, first_root, pilot, scorer.submit(pilot.images, pilot.row_prompts, pilot.row_metadata)))
+        pilots.append((slot, first_root, pilot, scorer.submit(pilot.images, pilot.row_prompts, pilot.row_metadata),
+                       plans[b]))
 
     # 2. Commit the candidates whose combined pilot reward varies most; roll out the rest of their groups.
     commits, skipped, flat = [], 0, 0
-    for slot, first_root, pilot, future in pilots:
+    for slot, first_root, pilot, future, pilot_plan in pilots:
         pilot.rewards = future.result()
         n = pilot.num_rows
         signal = {k: pilot.rewards.get(k, torch.full((n,), math.nan)) for k in run.weights}  # a failed reward: NaN
@@ -374,7 +446,8 @@ def pilot_sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, nois
         flat += int((variances == 0).sum())
         chosen = committed.tolist()
         with policy.local_forward():
-            commit = rollout(policy, [pilot.prompts[c] for c in chosen], group_size=commit_size, **steps,
+            commit = rollout(policy, [pilot.prompts[c] for c in chosen], group_size=commit_size, plan=pilot_plan,
+                             **steps,
                              metadata=[pilot.metadata[c] for c in chosen] if pilot.metadata else None,
                              cond=pilot.cond.select(committed),
                              seeds=slot_seeds(cfg.seed, first_root, chosen, s.group_size, pilot_size, s.group_size))
@@ -417,8 +490,8 @@ def group_advantages(run: Run, traj, estimator):
 def log_base_model(run: Run) -> None:
     """With ``log.test_every``, the held-out score of the base model: the curve's starting point."""
     if run.cfg.log.test_every and run.start_epoch == 0:
-        run.logger.log({"epoch": -1, **held_out_metrics(run.policy, run.ema, run.rewards, run.test_set, run.cfg,
-                                                        run.eval_guidance, run.accelerator),
+        run.logger.log({"epoch": -1, **held_out_metrics(run.policy, run.exported_ema, run.rewards, run.test_set,
+                                                        run.cfg, run.eval_guidance, run.accelerator),
                         **{f"perf/{k}": v for k, v in run.counters.items()}}, step=-1)
 
 
@@ -485,10 +558,10 @@ def end_epoch(run: Run, epoch: int, *, gathered: dict[str, torch.Tensor], combin
         raise aborted
     last = out_of_time(run) or run.guard_stopped  # the run ends after this epoch, before train.epochs
     if cfg.log.test_every and ((epoch + 1) % cfg.log.test_every == 0 or last):  # the curve's last point
-        metrics.update(held_out_metrics(run.policy, run.ema, run.rewards, run.test_set, cfg, run.eval_guidance,
+        metrics.update(held_out_metrics(run.policy, run.exported_ema, run.rewards, run.test_set, cfg, run.eval_guidance,
                                         accelerator))
     if cfg.log.eval_every and (epoch + 1) % cfg.log.eval_every == 0:  # every rank samples (sharded models)
-        eval_grid(run.policy, run.ema, run.eval_prompts, cfg, run.eval_guidance,
+        eval_grid(run.policy, run.exported_ema, run.eval_prompts, cfg, run.eval_guidance,
                   run.run_dir / "grids" / f"epoch_{epoch:05d}.png", save=accelerator.is_main_process)
     metrics["perf/epoch_s"] = time.perf_counter() - epoch_start
     run.logger.log(metrics, step=epoch)  # before the checkpoint: a resumed run redoes later epochs only
@@ -500,8 +573,10 @@ def end_epoch(run: Run, epoch: int, *, gathered: dict[str, torch.Tensor], combin
             extra["reference_resets"] = run.reference_resets
         if run.guard is not None:
             extra["guard"] = run.guard.state_dict()
+        if run.split_scheduler is not None:
+            extra["split_scheduler"] = run.split_scheduler.state_dict()
         try:
-            save_run_checkpoint(cfg, run.policy, run.optimizer, run.ema, accelerator, epoch=epoch,
+            save_run_checkpoint(cfg, run.policy, run.optimizer, run.exported_ema, accelerator, epoch=epoch,
                                 counters=run.counters, extra=extra, snapshots=run.snapshots)
         except OSError as error:  # a full disk: the save is atomic, so the previous checkpoint is still the latest
             raise checkpoint_write_failed(run.run_dir, epoch, error, clean=accelerator.is_main_process) from error
@@ -520,13 +595,13 @@ def finish_run(run: Run, metrics: dict) -> dict[str, float]:
     """Export the final adapter (EMA weights when kept) and report before/after on held-out prompts."""
     cfg, accelerator = run.cfg, run.accelerator
     if run.guard_stopped and run.guard.best.tensors:  # export and report the best reward-diversity weights
-        restore_weights(run.policy, run.ema, run.guard.best.tensors)
+        restore_weights(run.policy, run.exported_ema, run.guard.best.tensors)
     if cfg.train.export_lora:  # every rank gathers (FSDP2), the main one writes
-        export_final_lora(run.policy, run.ema, run.run_dir / "lora", write=accelerator.is_main_process)
+        export_final_lora(run.policy, run.exported_ema, run.run_dir / "lora", write=accelerator.is_main_process)
     if cfg.log.report_prompts:
         prompts = stratified_prefix(run.test_prompts, cfg.log.report_prompts)  # equal share per task
-        report = write_report(run.run_dir, policy=run.policy, ema=run.ema, rewards=run.rewards, prompts=prompts,
-                              images_per_prompt=cfg.log.eval_images_per_prompt,
+        report = write_report(run.run_dir, policy=run.policy, ema=run.exported_ema, rewards=run.rewards,
+                              prompts=prompts, images_per_prompt=cfg.log.eval_images_per_prompt,
                               num_steps=cfg.log.eval_num_steps or cfg.sampling.num_steps, guidance=run.eval_guidance,
                               seed=cfg.seed + 2, diversity=cfg.log.report_diversity,
                               save=accelerator.is_main_process,

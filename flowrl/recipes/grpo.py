@@ -6,14 +6,18 @@ Choices, all set in the config (``flowrl/config/schema.py``):
   dynamic tree, ``sampling.tree.schedule``), with BranchGRPO's width and depth pruning acting on the
   loss mask; only stochastic steps are stored;
 - advantages: per-prompt group mean, batch (global) or per-group std, clipped to +-advantage_clip;
-  tree edges get the mean advantage of the leaves below them and are trained once; ``loss: tmpo``
-  takes TMPO's Softmax Trajectory Balance target on each path's log-prob instead;
+  tree edges are trained once, on BranchGRPO's per-tree, per-step z-score of the mean leaf reward below
+  them (``flowrl/algorithms/branch.py``; ``sampling.tree.backup: leaf_mean``: the mean leaf advantage), and
+  branch steps draw BranchGRPO's scaled split noise; ``loss: tmpo`` trains TMPO's Softmax Trajectory Balance
+  over whole paths instead (``flowrl/recipes/tmpo_paths.py``), its tree's split steps optionally drawn by
+  TMPO's reward-adaptive scheduler (``sampling.tree.schedule: beta``);
 - credit (``train.credit``): every trained step gets its row's advantage (terminal), a share of it by
   how far the step moves the predicted clean latent toward the final one (dense_cosine), or its own
   group-normalised reward gain measured by ODE look-ahead from the states around it (dense_ode,
   DenseGRPO); see ``flowrl/algorithms/dense.py``;
-- loss: PPO-clipped ratio with separate lower/upper ranges (optionally GRPO-Guard's per-step
-  normalisation of the log-ratio, ``train.ratio_norm``), plus beta * KL to the reference
+- loss: PPO-clipped ratio with separate lower/upper ranges (``train.ratio_norm: grpo_guard`` takes
+  GRPO-Guard's unbiased per-step log-ratio and divides each step's policy loss by ``|dt|``; see
+  ``flowrl/algorithms/ratio_norm.py``), plus beta * KL to the reference
   (the same transformer with the LoRA switched off), CFG inside the trained velocity. The KL is
   Flow-GRPO's, so its published beta carries over: per step ``||mu - mu_ref||^2 / (2 std_t^2)``
   (mean over non-batch dims) with ``std_t = a * sqrt(sigma / (1 - sigma))`` for SDE steps, i.e.
@@ -33,6 +37,7 @@ Run: ``flowrl train configs/smoke/sd3_tiny.yaml`` (CPU, seconds) or
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from functools import partial
 
 import numpy as np
@@ -40,7 +45,8 @@ import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS, edge_advantages, tmpo_advantages
+from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS, edge_advantages
+from flowrl.algorithms.branch import branch_advantages
 from flowrl.algorithms.combine import COMBINERS, reward_advantages
 from flowrl.algorithms.gardo import (
     build_features, diversity_weighted, gated_rows, nearest_neighbour_distances, uncertainty,
@@ -51,16 +57,20 @@ from flowrl.algorithms.dense import (
     reward_gains, stepwise_advantages, top_step_share,
 )
 from flowrl.algorithms.tree import prune_mask
-from flowrl.algorithms.losses import POLICY_LOSSES, gaussian_mean_kl, guard_log_ratio
+from flowrl.algorithms.losses import POLICY_LOSSES, gaussian_mean_kl
+from flowrl.algorithms.ratio_norm import (
+    batch_sensitivity_log_ratio, grpo_guard_log_ratio, grpo_guard_loss_scale, step_sensitivities,
+)
 from flowrl.config import Config
 from flowrl.recipes.common import (  # noqa: F401  (re-exported for callers of this module)
     StatsAccumulator, end_epoch, finish_run, group_advantages, log_base_model, make_accelerator, optimizer_step,
     out_of_time, sample_and_score, start_run, step_plan,
 )
 from flowrl.recipes.snapshots import maybe_reset_reference, reference_weights, start_phase
+from flowrl.recipes.tmpo_paths import TmpoPaths
 from flowrl.rewards_api import AsyncScorer
 from flowrl.sampling import sde_step, transition
-from flowrl.sampling.steps import kl_std, velocity_sensitivity
+from flowrl.sampling.steps import kl_std
 from flowrl.training.accumulate import micro_batch
 from flowrl.training.guard import exported_weights, finite_mean, in_group_diversity
 
@@ -86,25 +96,35 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
     log_base_model(run)
     for epoch in bar:
         epoch_start = time.perf_counter()
-        plan = step_plan(s, epoch, cfg.seed)
+        plan = step_plan(s, epoch, cfg.seed, run.split_scheduler)
+        if t.loss == "tmpo":  # BranchGRPO's split noise is GRPO's; TMPO's splits draw the step's own noise
+            plan = replace(plan, split_noise_scale=1.0)
+        depth_backup = bool(plan.branch_steps) and t.loss != "tmpo" and s.tree.backup == "depth_standardised"
         phase_metrics = start_phase(run, epoch)  # HRF: a new phase re-anchors the weights
 
         # 1-3. Sample prompts, roll out groups, score batch b while batch b+1 is sampled.
         traj, sample_done, reward_done = sample_and_score(
             run, scorer, epoch, plan=plan, noise_level=s.noise_level, kind=s.kind,
-            same_noise_in_group=s.same_noise_in_group, store_x0_preds=t.credit == "dense_cosine")
+            same_noise_in_group=s.same_noise_in_group, store_x0_preds=t.credit == "dense_cosine",
+            store_means=t.ratio_norm == "grpo_guard" or t.loss == "tmpo", batch_windows=True)
 
         # 4. Advantages over whole groups: gather every process's rewards, keep this process's slice.
-        #    TMPO replaces the group-normalised reward by Softmax-TB's target on each path's log-prob.
+        #    TMPO takes that (unclipped) as its reward R and trains whole paths (TmpoPaths) on Softmax-TB.
         gathered, combined_adv, combined, local, all_groups = group_advantages(run, traj, estimator)
-        trained_cols = trained_columns(traj.step_indices, s.num_steps, t.skip_last_step, t.timestep_fraction,
-                                       seed=cfg.seed, epoch=epoch)
-        if t.loss == "tmpo":
-            path_log_probs = accelerator.gather(traj.log_probs[:, trained_cols].sum(1).to(accelerator.device)).cpu()
-            combined_adv = tmpo_advantages(path_log_probs, combined, all_groups, beta=t.tmpo_beta)
-            row_adv = combined_adv[local]
-        else:
-            row_adv = combined_adv[local].clamp(-t.advantage_clip, t.advantage_clip)
+        # Each row's own window (Flow-GRPO-Fast draws one per batch): which of its stored steps train [N, K].
+        skip_last = t.skip_last_step if t.skip_last_step is not None else s.window.size is None
+        trained = trained_mask(traj.row_step_indices, s.num_steps, skip_last, t.timestep_fraction, seed=cfg.seed,
+                               epoch=epoch)
+        # Per-step noise levels come with per-split levels only, where every row stores the same steps.
+        noise_at = lambda k: plan.noise_level_at(int(traj.row_step_indices[0, k]), s.noise_level)  # noqa: E731
+        trained[:, [k for k in range(traj.num_stored_steps) if noise_at(k) == 0]] = False  # ODE steps between splits
+        trained_cols = [k for k in range(traj.num_stored_steps) if trained[:, k].any()]
+        scored_adv = combined_adv.where(torch.isfinite(combined), torch.tensor(float("nan")))  # [N_all] NaN: unscored
+        if run.split_scheduler is not None:
+            run.split_scheduler.observe(scored_adv)  # TMPO's split scheduler follows R
+        paths = TmpoPaths(run, traj, trained_cols, [noise_at(k) for k in trained_cols],
+                          scored_adv[local]) if t.loss == "tmpo" else None
+        row_adv = combined_adv[local].clamp(-t.advantage_clip, t.advantage_clip)
         # GARDO: positive advantages times the nearest-neighbour distance in the group; the KL gate.
         distances = None if features is None else nearest_neighbour_distances(
             features(traj.images, traj.final_latents), traj.group_ids)  # [N]
@@ -114,25 +134,31 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
             scores = uncertainty(combined, {key: gathered[key] for key in auxiliary}, all_groups)  # [N_all]
             kl_gate = gated_rows(scores, cfg.gardo.kl_fraction)[local]  # [N]
         traj.advantages = edge_advantages(row_adv, traj.edge_ids)  # [N, K]
+        scored = torch.isfinite(combined[local])  # [N]
+        if depth_backup:  # BranchGRPO: per tree and step, z-scores of the edges' mean leaf rewards, then the clip
+            traj.advantages = branch_advantages(gardo_weighted(combined_adv[local], distances), scored, traj.edge_ids,
+                                                traj.parent, clip=t.advantage_clip)
         # Diversity guard: these rollouts' in-group diversity against its start; past guard.max_drop it warns,
         # raises the live KL beta (run.beta, this epoch's update on) or stops the run after this epoch.
         guard_metrics = {} if run.guard is None or not run.guard.due(epoch) else run.guard.observe(
             epoch, in_group_diversity(guard_features(traj.images, traj.final_latents), traj.group_ids, accelerator),
             reward=finite_mean(combined), weights=lambda: exported_weights(policy, ema))
-        # GRPO-Guard: each trained step's velocity sensitivity over their mean (1 everywhere without it).
-        sensitivity = step_sensitivities(traj.sigmas, trained_cols, noise_level=s.noise_level, kind=s.kind,
-                                         normalise=t.ratio_norm)
-        mask = traj.first_visit_mask() & torch.isfinite(combined[local])[:, None]  # [N, K]
-        mask &= prune_mask(combined[local], traj.group_ids, traj.edge_ids, traj.step_indices,
+        # ratio_norm batch_sensitivity: each trained step's velocity sensitivity over their mean. ratio_norm runs
+        # only where every row shares one window (Config.validate), so row 0's sigmas are all of them.
+        sensitivity = step_sensitivities(traj.row_sigmas[0], trained_cols, noise_level=s.noise_level, kind=s.kind) \
+            if t.ratio_norm == "batch_sensitivity" else {}
+        mask = traj.first_visit_mask() & scored[:, None]  # [N, K]
+        # Trees need a fixed window or a full-SDE rollout (SamplingConfig.validate): row 0's steps are every row's.
+        mask &= prune_mask(combined[local], traj.group_ids, traj.edge_ids, traj.row_step_indices[0],
                            keep_width=s.tree.prune_width, pruned_steps=plan.pruned_steps)  # BranchGRPO pruning
-        mask[:, [k for k in range(traj.num_stored_steps) if k not in trained_cols]] = False
+        mask &= trained
         trained_fraction = float(mask.float().mean())  # stored transitions that train (first visit, scored, unpruned)
 
         # 5. Dense credit (train.credit): per-step advantages in place of the row's one on every trained step.
         stats = StatsAccumulator()
         dense_start = time.perf_counter()
         if t.credit == "dense_cosine":
-            traj.advantages = cosine_credit(policy, traj, row_adv, trained_cols, guidance=guidance,
+            traj.advantages = cosine_credit(policy, traj, row_adv, trained, guidance=guidance,
                                             batch_size=rollout_batch)
         elif t.credit == "dense_ode":
             traj.advantages, gains = ode_credit(
@@ -150,18 +176,23 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
 
         # MARBLE: each weighted reward's own clipped advantage on every edge, balanced per optimizer step.
         per_reward = None if run.marble is None else {
-            name: edge_advantages(gardo_weighted(adv[local].clamp(-t.advantage_clip, t.advantage_clip), distances),
-                                  traj.edge_ids)  # [N, K]
+            name: branch_advantages(gardo_weighted(adv[local], distances), scored, traj.edge_ids, traj.parent,
+                                    clip=t.advantage_clip) if depth_backup else
+            edge_advantages(gardo_weighted(adv[local].clamp(-t.advantage_clip, t.advantage_clip), distances),
+                            traj.edge_ids)  # [N, K]
             for name, adv in reward_advantages({key: gathered[key] for key in run.weights}, run.weights, all_groups,
                                                partial(estimator, std_scope=t.std_scope)).items()}
 
         # 6-7. Inner passes: shuffled chunks -> micro-batches x trained steps -> one optimizer step per chunk.
         for inner in range(t.inner_epochs):
             order = np.random.default_rng([cfg.seed, epoch, inner, rank, 0x7EA1]).permutation(traj.num_rows)
-            for chunk_index, chunk in enumerate(np.array_split(order, t.optimizer_steps_per_epoch)):
+            chunks = np.array_split(order, t.optimizer_steps_per_epoch) if paths is None else \
+                paths.chunks(order, t.optimizer_steps_per_epoch)  # TMPO: whole groups
+            for chunk_index, chunk in enumerate(chunks):
                 chunk = torch.as_tensor(chunk, dtype=torch.long)
                 weight = accelerator.reduce(mask[chunk].sum().float().to(accelerator.device), "sum").item()
-                work = [(rows, k) for rows in chunk.split(t.micro_batch_size) for k in trained_cols]
+                work = [(part, k) for rows in chunk.split(t.micro_batch_size) for k in trained_cols
+                        for part in same_step_rows(traj.row_step_indices, rows, k)]
 
                 def chunk_backward(advantages: torch.Tensor, chunk_stats: StatsAccumulator) -> None:
                     traj.advantages = advantages  # [N, K]
@@ -169,15 +200,18 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                         sync = i == len(work) - 1
                         with micro_batch(accelerator, policy.forward_module, last=sync):
                             loss_sum = transition_loss(policy, traj, rows, k, mask, accelerator=accelerator,
-                                                       guidance=guidance, noise_level=s.noise_level, kind=s.kind,
+                                                       guidance=guidance, noise_level=noise_at(k), kind=s.kind,
                                                        beta=run.beta, policy_loss=policy_loss, clip_low=t.clip_range,
                                                        clip_high=clip_high, stats=chunk_stats,
                                                        on_policy=inner == 0 and chunk_index == 0,
-                                                       ratio_scale=sensitivity.get(k), kl_gate=kl_gate,
+                                                       ratio_norm=t.ratio_norm, sensitivity=sensitivity.get(k),
+                                                       kl_gate=kl_gate,
                                                        reference=lambda: reference_weights(run))
                             accelerator.backward(loss_sum * world / max(weight, 1.0))
 
-                if per_reward is None:
+                if paths is not None:
+                    paths.backward(chunk, stats, on_policy=inner == 0 and chunk_index == 0)
+                elif per_reward is None:
                     chunk_backward(traj.advantages, stats)
                 else:
                     step = (epoch * t.inner_epochs + inner) * t.optimizer_steps_per_epoch + chunk_index
@@ -191,12 +225,13 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         train_done = time.perf_counter()
 
         # 8. Log, render eval grids, checkpoint.
-        advantage_size = float(combined_adv.abs().mean() if t.loss == "tmpo"
-                               else combined_adv.clamp(-t.advantage_clip, t.advantage_clip).abs().mean())
+        advantage_size = paths.advantage_abs_mean if paths is not None else \
+            float(combined_adv.clamp(-t.advantage_clip, t.advantage_clip).abs().mean())
         metrics = end_epoch(run, epoch, gathered=gathered, combined=combined, group_ids=all_groups, stats=stats,
                             extra={"advantages/abs_mean": advantage_size, "policy/trained_fraction": trained_fraction,
                                    **gardo_metrics(distances, kl_gate), **reference_metrics, **phase_metrics,
-                                   **guard_metrics, **traj.sampling_metrics},
+                                   **guard_metrics, **traj.sampling_metrics,
+                                   **(run.split_scheduler.metrics() if run.split_scheduler else {})},
                             rollouts=traj.rollouts_sampled,
                             times=(epoch_start, sample_done, reward_done, train_done), bar=bar)
         if out_of_time(run) or run.guard_stopped:
@@ -218,9 +253,29 @@ def gardo_metrics(distances: torch.Tensor | None, kl_gate: torch.Tensor | None) 
     return out
 
 
+def trained_mask(row_step_indices: torch.Tensor, num_steps: int, skip_last_step: bool, fraction: float, *,
+                 seed: int, epoch: int) -> torch.Tensor:
+    """[N, K] bool: the stored steps each row trains, by :func:`trained_columns` applied to each distinct window
+    (rows of one epoch hold different windows when they are drawn per batch)."""
+    mask = torch.zeros(row_step_indices.shape, dtype=torch.bool)
+    for window in torch.unique(row_step_indices.cpu(), dim=0):
+        rows = (row_step_indices.cpu() == window).all(1)  # [N]
+        columns = trained_columns(window, num_steps, skip_last_step, fraction, seed=seed, epoch=epoch)
+        mask[rows.nonzero()[:, 0, None], torch.tensor(columns)] = True
+    return mask
+
+
+def same_step_rows(row_step_indices: torch.Tensor, rows: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """``rows`` split by the schedule step their stored column ``k`` holds (one part when they share a window),
+    so each model call runs at one sigma; parts in order of first appearance, rows in their order."""
+    steps = row_step_indices[rows, k]
+    return [rows[steps == step] for step in dict.fromkeys(steps.tolist())]
+
+
 def trained_columns(step_indices: torch.Tensor, num_steps: int, skip_last_step: bool, fraction: float, *,
                     seed: int, epoch: int) -> list[int]:
-    """Stored-step columns to train: drop the final near-clean step, then keep a per-epoch fraction."""
+    """Stored-step columns of one window [K] to train: drop the final near-clean step (``skip_last_step``), then
+    keep a per-epoch fraction."""
     columns = [k for k, step in enumerate(step_indices.tolist()) if not (skip_last_step and step == num_steps - 1)]
     if not columns:
         raise ValueError("no trainable steps: the SDE window holds only the last step; widen it or set "
@@ -232,16 +287,17 @@ def trained_columns(step_indices: torch.Tensor, num_steps: int, skip_last_step: 
     return columns
 
 
-def cosine_credit(policy, traj, row_advantages, columns, *, guidance, batch_size) -> torch.Tensor:
-    """dense_cosine advantages [N, K]: the row's clipped advantage split over its trained steps by their
-    x0-prediction gains, from the rollout's stored predictions or, when it kept none, recomputed."""
+def cosine_credit(policy, traj, row_advantages, trained, *, guidance, batch_size) -> torch.Tensor:
+    """dense_cosine advantages [N, K]: the row's clipped advantage split over its trained steps (``trained``
+    [N, K] bool) by their x0-prediction gains, from the rollout's stored predictions or, when it kept none,
+    recomputed."""
     x0_preds = traj.x0_preds
     if x0_preds is None:
         with policy.local_forward():
-            x0_preds = predict_x0(policy, traj.latents, traj.sigmas, traj.cond.select(traj.prompt_ids), guidance,
+            x0_preds = predict_x0(policy, traj.latents, traj.row_sigmas, traj.cond.select(traj.prompt_ids), guidance,
                                   batch_size=batch_size)
-    weights = cosine_gain_weights(x0_preds, traj.final_latents, columns)  # [N, K]
-    return cosine_advantages(row_advantages.cpu(), weights.cpu(), len(columns))
+    weights = cosine_gain_weights(x0_preds, traj.final_latents, trained)  # [N, K]
+    return cosine_advantages(row_advantages.cpu(), weights.cpu(), trained.sum(1))
 
 
 def ode_credit(policy, traj, scorer, columns, all_groups, local, *, accelerator, schedule, guidance, weights, combine,
@@ -253,7 +309,7 @@ def ode_credit(policy, traj, scorer, columns, all_groups, local, *, accelerator,
         return scorer.submit(images, traj.row_prompts, traj.row_metadata).result()
 
     with policy.local_forward():  # gradient-free passes need no distributed syncing
-        step_rewards = lookahead_rewards(policy, traj.latents, schedule, traj.step_indices,
+        step_rewards = lookahead_rewards(policy, traj.latents, schedule, traj.row_step_indices,
                                          traj.cond.select(traj.prompt_ids), guidance, score,
                                          states=lookahead_states(columns, traj.num_stored_steps), steps=steps,
                                          batch_size=batch_size)
@@ -264,29 +320,18 @@ def ode_credit(policy, traj, scorer, columns, all_groups, local, *, accelerator,
     return advantages[local], combined[local]
 
 
-def step_sensitivities(sigmas: torch.Tensor, columns: list[int], *, noise_level: float, kind: str,
-                       normalise: bool) -> dict[int, float]:
-    """{stored column: its step's velocity sensitivity over the mean of the trained ones} for GRPO-Guard
-    (:func:`flowrl.algorithms.losses.guard_log_ratio`); empty without ``normalise``."""
-    if not normalise:
-        return {}
-    raw = {k: velocity_sensitivity(float(sigmas[k]), float(sigmas[k + 1]), noise_level=noise_level, kind=kind)
-           for k in columns}
-    mean = sum(raw.values()) / len(raw)
-    return {k: value / mean for k, value in raw.items()}
-
-
 def transition_loss(policy, traj, rows, k, mask, *, accelerator, guidance, noise_level, kind, beta, policy_loss,
-                    clip_low, clip_high, stats, on_policy, ratio_scale: float | None = None,
+                    clip_low, clip_high, stats, on_policy, ratio_norm: str = "none", sensitivity: float | None = None,
                     kl_gate: torch.Tensor | None = None, reference=None) -> torch.Tensor:
-    """Summed (not averaged) loss of stored transitions ``rows`` at stored step ``k``; with
-    ``ratio_scale`` the log-ratio is GRPO-Guard-normalised by it first; with ``kl_gate`` [N] (bool)
+    """Summed (not averaged) loss of stored transitions ``rows`` at stored step ``k``; ``ratio_norm``
+    grpo_guard uses GRPO-Guard's log-ratio (from ``traj.means``) and divides the policy loss by ``|dt|``,
+    batch_sensitivity centres the log-ratio and divides it by ``sensitivity``; with ``kl_gate`` [N] (bool)
     the KL acts on the gated rows only (GARDO); ``reference()`` gives the KL reference's weights as a
     context (default: the base model, adapter off)."""
     device = accelerator.device
     x = traj.latents[rows, k].to(device)  # [B, C, h, w]
     x_next = traj.latents[rows, k + 1].to(device)
-    sigma, sigma_next = traj.sigmas[k].item(), traj.sigmas[k + 1].item()
+    sigma, sigma_next = traj.row_sigmas[rows[0], k].item(), traj.row_sigmas[rows[0], k + 1].item()  # rows share step k
     cond = traj.cond.select(traj.prompt_ids[rows])
     with accelerator.autocast():
         velocity = policy.velocity(x, sigma, cond, guidance)
@@ -294,9 +339,13 @@ def transition_loss(policy, traj, rows, k, mask, *, accelerator, guidance, noise
     old_log_probs = traj.log_probs[rows, k].to(device)
     advantages = traj.advantages[rows, k].to(device)
     log_probs = step.log_prob
-    if ratio_scale is not None:
-        log_probs = old_log_probs + guard_log_ratio(log_probs - old_log_probs, ratio_scale)
+    if ratio_norm != "none":  # the normalised log-ratio against a zero baseline (flowrl/algorithms/ratio_norm.py)
+        log_probs = grpo_guard_log_ratio(step.mean, traj.means[rows, k].to(device), x_next, step.std) \
+            if ratio_norm == "grpo_guard" else batch_sensitivity_log_ratio(log_probs - old_log_probs, sensitivity)
+        old_log_probs = torch.zeros_like(log_probs)
     loss, loss_stats = policy_loss(log_probs, old_log_probs, advantages, clip_low=clip_low, clip_high=clip_high)
+    if ratio_norm == "grpo_guard":
+        loss = loss * grpo_guard_loss_scale(sigma, sigma_next)
     weights = mask[rows, k].to(device).float()  # [B]
     kl = torch.zeros_like(loss)
     if beta > 0:

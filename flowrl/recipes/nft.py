@@ -10,28 +10,27 @@ pulling the velocity toward good samples and away from bad ones. ``nft.loss`` pi
   (:func:`flowrl.algorithms.losses.nft_loss`), times its ``advantage_clip / strength``
   (``nft.loss_scale``), the scale its published KL betas and ``max_grad_norm`` assume. Reference:
   NVlabs/DiffusionNFT ``scripts/train_nft_sd3.py`` and ``config/nft.py`` at 24af555 (its rollouts are
-  DPM-Solver 2nd order: ``sampling.ode_solver: dpmpp_2m``, the same steps). Its gradient is a supervised one:
-  on the toy world, 12 epochs on four training prompts take strict ToyEval from 0.31 to 0.51 where full-SDE GRPO
+  DPM-Solver 2nd order: ``sampling.ode_solver: dpmpp_2m_restart``, the same steps). Its gradient is a
+  supervised one: on the toy world, 12 epochs on four training prompts take strict ToyEval from 0.31 to 0.51 where full-SDE GRPO
   reaches 0.41, and on the whole prompt set it raises the held-out task mean while GRPO stays flat
   (assets/toy/README.md, tests/test_toy_rl.py). Remaining differences: the reference feeds its sampler's
   transformer the timestep truncated to an integer (``long(1000 sigma)``) and trains ``int(0.99 K)`` of the K
   sigmas per sample per epoch (``nft.timesteps_per_sample`` sets the count here).
-- ``awm``: Advantage Weighted Matching (:func:`flowrl.algorithms.losses.awm_loss`), the pretraining
-  loss weighted by the advantage, ``a ||v - (eps - x0)||^2``, plus ``nft.awm_kl * ||v - v_old||^2``
-  toward the old adapter. Choices, after AWM's paper and repository: ``a`` is the group advantage
-  clipped to ``train.advantage_clip`` and divided by it (AWM: clip 5, ``advantage_max`` 1), so
-  ``a`` lies in [-1, 1], equals DiffusionNFT's ``2r - 1``, and at ``v = v_old`` AWM's gradient is
-  DiffusionNFT's at strength 1 without adaptive weighting. The regulariser is AWM's velocity-space
-  ``||v - v_ema||^2`` with AWM's weight 1; its EMA is stepped once per epoch with a decay ramp
-  ``min(0.001 * step, 0.3)``, as the old adapter is here. A sample with ``a + awm_kl > 0`` has the
-  bounded minimum ``v_old + a / (a + awm_kl) * (target - v_old)``; otherwise its loss falls without
-  bound as ``v`` leaves its image, the collapse unregularised AWM is prone to. ``awm_kl = 1`` covers
-  every ``a > -1``, and per-group advantages of a group of n stay within ``sqrt(n - 1)`` (16: 3.9 < 5).
-  Left out: AWM wraps the weighted loss in a PPO ratio ``exp(l_old - l)`` with clip range 1 (at the
-  first step on fresh (t, eps) the ratio is 1 and the gradient is the one used here) and reweights
-  the loss per timestep ('ghuber', ``t/p ((l + e)^p - e^p)``); AWM samples with the trained adapter,
-  while here both losses sample with the old one. ``nft.strength`` and ``nft.adaptive_weighting``
-  do not act on loss ``awm``.
+- ``awm``: Advantage Weighted Matching (:mod:`flowrl.algorithms.awm`; reference: github.com/scxue/
+  advantage_weighted_matching at be51372, ``scripts/train_sd3_awm.py``). The flow-matching error ``l`` of a
+  rollout at fresh (t, eps) is its log-probability, ``-(t / p)((l + 1e-10)^p - 1e-10^p)`` with AWM's ``ghuber``
+  weighting (``nft.awm_weighting``, ``p = 0.25``: each sample's gradient weighted by ``t l^-0.75``), under PPO's
+  clipped surrogate with the group advantage clipped to ``train.advantage_clip`` over it (AWM: 5, so in
+  [-1, 1]), clip range ``nft.awm_clip_range`` 1, plus ``nft.awm_kl * ||v - v_old||^2`` toward the old adapter
+  (AWM's EMA policy, weight 1, decay ramp ``min(0.001 s, 0.3)``, ``nft.old_decay``) and ``train.beta * ||v -
+  v_ref||^2`` toward the base model. With null ``nft.timestep_schedule``, ``sampler``, ``rollout_weights`` and
+  ``eval_ema_decay`` it takes AWM's: stratified timesteps without sigma 1 and the last sigmas, rollouts from
+  the trained adapter by SA-Solver (:mod:`flowrl.sampling.sa_solver`, noise 0.4 for t in [0.3, 0.9]), and a
+  separate 0.99 EMA for eval and export. Deliberate differences: the old log-prob of the ratio is the current
+  one detached, so the ratio is 1 (AWM's, at its one optimizer step per epoch; with more steps per epoch AWM
+  measures it against the policy the epoch started with); each sample draws its own stratified timesteps (AWM
+  shares one draw among a micro-batch's 3 samples). ``nft.strength`` and ``nft.adaptive_weighting`` do not
+  act on loss ``awm``.
 - ``crd``: Centered Reward Distillation (:mod:`flowrl.algorithms.crd`, after Flow-Factory's port, which follows
   the paper's Table 3). KL-regularised reward maximisation makes ``beta log(pi / pi_old)`` equal the reward up
   to a per-prompt constant; centring both within the prompt's group removes that constant, and the loss
@@ -45,20 +44,21 @@ pulling the velocity toward good samples and away from bad ones. ``nft.loss`` pi
   weighted by its reward (``nft.crd_reward_adaptive_kl``).
 
 One epoch:
-1. ODE rollouts of ``group_size`` images per prompt, sampled with the "old" adapter (CRD: its sampler), a
+1. ODE rollouts of ``group_size`` images per prompt, sampled with the "old" adapter (AWM: SA-Solver with the
+   trained one, ``nft.sampler``, ``nft.rollout_weights``; CRD: its own sampler adapter). The old adapter is a
    copy of the trained one that follows it once per epoch: ``old = d old + (1 - d) theta`` with ``d`` from
    ``nft.old_decay`` on the optimizer steps so far (DiffusionNFT's decay types; type 2 holds ``d = 0`` for 75
-   steps, then adds 0.0075 a step up to 0.999). Only clean latents are kept. ``train.ema`` keeps a separate
-   eval/export average of the trained adapter, stepped every optimizer step (DiffusionNFT: 0.9 with its ramp
-   ``min(0.9, (1 + s) / (10 + s))``: ``train.ema_start_step: 0``, ``ema_warmup: flow_grpo``); eval grids,
-   held-out scores, the report, the exported LoRA and ``export-lora --ema`` use it.
+   steps, then adds 0.0075 a step up to 0.999). Only clean latents are kept. A separate eval/export EMA of the
+   trained adapter (``nft.eval_ema_decay``, DiffusionNFT: 0.9 every optimizer step with its ramp
+   ``min(0.9, (1 + s) / (10 + s))``) is what eval grids, held-out scores, the report, the exported LoRA and
+   ``export-lora --ema`` use.
 2. Rewards -> group advantages (the same estimators and combiners as GRPO) -> ``a = clip(A) /
    advantage_clip`` in [-1, 1]; loss ``nft`` turns it into the optimality ``r = (1 + a) / 2``
    (DiffusionNFT: clip 5, so ``r = 1/2 + A/10``), loss ``awm`` weights by ``a`` itself.
 3. For each sample and each of ``nft.timesteps_per_sample`` timesteps: a sigma of the sampling
-   schedule (``nft.timestep_schedule: sampling``, DiffusionNFT's shifted timesteps and close to AWM's
-   stratified draws from the schedule; each sample takes its own random order of them, no sigma
-   twice) or ``t ~ U(0, 1)`` (``uniform``), fresh noise, ``x_t = (1 - t) x0 + t eps``, target
+   schedule (``nft.timestep_schedule: sampling``, DiffusionNFT's shifted timesteps; each sample takes its own
+   random order of them, no sigma twice), one per stratum of the schedule (``stratified``, AWM's) or
+   ``t ~ U(0, 1)`` (``uniform``), fresh noise, ``x_t = (1 - t) x0 + t eps``, target
    ``eps - x0``; the loss compares the trained velocity and the old one (old weights swapped in, no
    grad). DiffusionNFT takes one or two optimizer steps per epoch over every (sample, t) pair
    (``train.inner_epochs: 1``, ``train.optimizer_steps_per_epoch``: 1, 2 for OCR).
@@ -78,6 +78,7 @@ Run: ``flowrl train configs/toy/nft.yaml``, ``configs/toy/awm.yaml`` or ``config
 
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -87,8 +88,9 @@ from tqdm.auto import tqdm
 
 from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from flowrl.algorithms.combine import reward_advantages
+from flowrl.algorithms.awm import awm_loss, stratified_timesteps
 from flowrl.algorithms.crd import crd_surrogate, crd_weights, implicit_reward, reward_adaptive_kl_weights
-from flowrl.algorithms.losses import awm_loss, nft_loss
+from flowrl.algorithms.losses import nft_loss
 from flowrl.algorithms.marble import balanced_backward
 from flowrl.config import Config
 from flowrl.recipes.common import (
@@ -98,6 +100,7 @@ from flowrl.recipes.common import (
 from flowrl.recipes.snapshots import start_phase
 from flowrl.rewards_api import AsyncScorer
 from flowrl.sampling import StepPlan
+from flowrl.sampling.sa_solver import sa_solver_rollout
 from flowrl.algorithms.gardo import build_features
 from flowrl.training.accumulate import micro_batch
 from flowrl.training.ema import decay_schedule, ema_weights
@@ -108,17 +111,24 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
     """Run the forward-process loop (DiffusionNFT, AWM or CRD) described by ``cfg``; returns the last epoch's
     metrics as a flat dict."""
     n = cfg.nft
-    run = start_run(cfg, accelerator, adapters=("old",) if n.sampler_schedule() is None else ("old", "sampler"))
-    accelerator, policy, ema = run.accelerator, run.policy, run.ema  # ema: the eval/export average, or None
-    old = run.adapters["old"]  # the loss's old policy; it also samples unless CRD keeps a sampler of its own
-    sampler = run.adapters.get("sampler", old)
+    run = start_run(cfg, accelerator, adapters=() if n.sampler_schedule() is None else ("sampler",))
+    accelerator, policy, ema = run.accelerator, run.policy, run.ema  # ema: the old adapter (run.eval_ema: eval's)
     rank, world = accelerator.process_index, accelerator.num_processes
     s, t = cfg.sampling, cfg.train
     scale = n.policy_loss_scale(t.advantage_clip)  # DiffusionNFT's and CRD's advantage_clip / beta
     kl_guidance = run.guidance if n.loss != "crd" else (
         n.crd_kl_guidance if n.crd_kl_guidance is not None else s.guidance_scale)  # CRD: a guided anchor
     estimator = ADVANTAGE_ESTIMATORS[t.advantage]
-    schedule = policy.sigmas(s.num_steps)[:-1] if n.timestep_schedule == "sampling" else None  # [num_steps]
+    timestep_schedule = n.choice("timestep_schedule")
+    schedule = policy.sigmas(s.num_steps)[:-1] if timestep_schedule != "uniform" else None  # [num_steps]
+    # AWM samples with the trained adapter and SA-Solver (nft.sampler, nft.rollout_weights; null: the loss's own).
+    sa_solver = n.choice("sampler") == "sa_solver"
+    rollout_fn = functools.partial(sa_solver_rollout, noise_window=tuple(n.sa_noise_window)) if sa_solver else None
+    rollout_noise = n.sa_noise_level if sa_solver else 0.0  # the ODE's is 0
+    rollout_ema = run.adapters.get("sampler", ema) if n.choice("rollout_weights") == "old" else None  # CRD: its own
+    eval_every_step = n.choice("eval_ema_every") == "step"  # DiffusionNFT's; AWM folds once per epoch
+    loss_options = dict(weighting=n.awm_weighting, power=n.awm_ghuber_power, clip_range=n.awm_clip_range) \
+        if n.loss == "awm" else {}
     # Deterministic rollouts: noise 0 everywhere; the plan stores only the last step, the least memory.
     plan = StepPlan(s.num_steps, sde_start=s.num_steps - 1)
     scorer = AsyncScorer(run.rewards, on_error=t.reward_errors, asynchronous=t.async_rewards)
@@ -131,9 +141,11 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         epoch_start = time.perf_counter()
         phase_metrics = start_phase(run, epoch)  # HRF: a new phase re-anchors the weights
 
-        # 1. ODE rollouts with the old adapter (CRD: its sampler), scored while the next batch samples.
-        with ema_weights(sampler):
-            traj, sample_done, reward_done = sample_and_score(run, scorer, epoch, plan=plan, noise_level=0.0)
+        # 1. Rollouts (ODE with the old adapter or CRD's sampler; AWM: SA-Solver with the trained one), scored
+        #    while the next batch samples.
+        with ema_weights(rollout_ema):
+            traj, sample_done, reward_done = sample_and_score(run, scorer, epoch, plan=plan, noise_level=rollout_noise,
+                                                              rollout_fn=rollout_fn)
 
         # 2. Advantages over whole groups -> clipped, over the clip, in [-1, 1] (the loss's weight, or
         #    NFT's optimality 2r - 1); unscored (NaN) rows are left out.
@@ -144,7 +156,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         # raises the live KL beta toward the base model (run.beta) or stops the run after this epoch.
         guard_metrics = {} if run.guard is None or not run.guard.due(epoch) else run.guard.observe(
             epoch, in_group_diversity(guard_features(traj.images, traj.final_latents), traj.group_ids, accelerator),
-            reward=finite_mean(combined), weights=lambda: exported_weights(policy, ema))
+            reward=finite_mean(combined), weights=lambda: exported_weights(policy, run.exported_ema))
         # MARBLE: each weighted reward's own advantage, clipped the same way, balanced per optimizer step.
         # Advantages are per (sample, t) pair from here: pair p has sample p % N's ([pairs] = tiled [N]).
         per_reward = None if run.marble is None else {
@@ -160,8 +172,14 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         pairs = traj.num_rows * n.timesteps_per_sample
         for inner in range(t.inner_epochs):
             order = np.random.default_rng([cfg.seed, epoch, inner, rank, 0x4F7]).permutation(pairs)
-            timesteps = None if schedule is None else schedule_timesteps(
-                schedule, traj.num_rows, seed=[cfg.seed, epoch, inner, rank, 0x7153])  # [N, num_steps]
+            timestep_seed = [cfg.seed, epoch, inner, rank, 0x7153]
+            if timestep_schedule == "sampling":
+                timesteps = schedule_timesteps(schedule, traj.num_rows, seed=timestep_seed)  # [N, num_steps]
+            elif timestep_schedule == "stratified":  # AWM's: [N, timesteps_per_sample]
+                timesteps = stratified_timesteps(schedule, traj.num_rows, n.timesteps_per_sample,
+                                                 n.stratified_fraction, seed=timestep_seed)
+            else:  # uniform: t ~ U(0, 1), drawn with the noise
+                timesteps = None
             for chunk_index, chunk in enumerate(np.array_split(order, t.optimizer_steps_per_epoch)):
                 chunk = torch.as_tensor(chunk, dtype=torch.long)
                 weight = accelerator.reduce(keep[chunk % traj.num_rows].sum().float().to(accelerator.device),
@@ -185,18 +203,18 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                             kl_weights = reward_adaptive_kl_weights(clipped[rows], run.beta) if (
                                 n.loss == "crd" and n.crd_reward_adaptive_kl) else None
                             loss_sum = forward_process_loss(
-                                policy, old, traj.final_latents[rows], traj.cond.select(traj.prompt_ids[rows]),
+                                policy, ema, traj.final_latents[rows], traj.cond.select(traj.prompt_ids[rows]),
                                 advantage[micro], keep[rows].float(), loss=n.loss, guidance=run.guidance,
                                 strength=n.strength, adaptive=n.adaptive_weighting, awm_kl=n.awm_kl, beta=run.beta,
-                                noise_seed=noise_seed, stats=chunk_stats, sigma=sigma, scale=scale,
-                                kl_guidance=kl_guidance, kl_weights=kl_weights)
+                                noise_seed=noise_seed, stats=chunk_stats, sigma=sigma, loss_options=loss_options,
+                                scale=scale, kl_guidance=kl_guidance, kl_weights=kl_weights)
                             accelerator.backward(loss_sum * world / max(weight, 1.0))
 
                 if n.loss == "crd":  # the chunk's implicit log-ratios, centred per group and timestep slot
                     ratios = torch.zeros(pairs)
                     for i, micro in enumerate(micro_batches):
                         rows, sigma, noise_seed = micro_inputs(i, micro)
-                        ratios[micro] = implicit_log_ratio(policy, old, traj.final_latents[rows],
+                        ratios[micro] = implicit_log_ratio(policy, ema, traj.final_latents[rows],
                                                            traj.cond.select(traj.prompt_ids[rows]), guidance=run.guidance,
                                                            noise_seed=noise_seed, sigma=sigma,
                                                            adaptive=n.adaptive_weighting).cpu()
@@ -211,15 +229,17 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                     balanced_backward(run.marble, run.params, step, per_reward, chunk_backward, stats,
                                       StatsAccumulator)
                 optimizer_step(run, stats)
-                if ema is not None:  # the eval/export EMA averages every optimizer step (DiffusionNFT: 0.9)
+                if run.eval_ema is not None and eval_every_step:  # DiffusionNFT's eval EMA: every optimizer step
                     done = (epoch * t.inner_epochs + inner) * t.optimizer_steps_per_epoch + chunk_index + 1
-                    ema.scheduled_step(done, start=t.ema_start_step, every=t.ema_every, warmup=t.ema_warmup)
+                    run.eval_ema.scheduled_step(done, start=0, warmup="flow_grpo")
         # The old adapter (and CRD's sampler) follows the trained one once per epoch, on its decay schedule
         # of the optimizer steps so far.
         steps_so_far = (epoch + 1) * t.inner_epochs * t.optimizer_steps_per_epoch
-        old.blend(decay_schedule(steps_so_far, n.old_schedule()))
-        if sampler is not old:
-            sampler.blend(decay_schedule(steps_so_far, n.sampler_schedule()))
+        ema.blend(decay_schedule(steps_so_far, n.choice("old_decay")))
+        if "sampler" in run.adapters:
+            run.adapters["sampler"].blend(decay_schedule(steps_so_far, n.sampler_schedule()))
+        if run.eval_ema is not None and not eval_every_step:  # AWM's: min(decay, (1 + s) / (10 + s)), once an epoch
+            run.eval_ema.scheduled_step(steps_so_far, start=0, warmup="flow_grpo")
         train_done = time.perf_counter()
 
         # 4. Log, render eval grids, checkpoint.
@@ -252,9 +272,10 @@ def nft_forward_loss(velocity, old_velocity, target, advantage, sigma, *, streng
 
 
 def awm_forward_loss(velocity, old_velocity, target, advantage, sigma, *, strength: float, adaptive: bool,
-                     awm_kl: float) -> torch.Tensor:
-    """AWM weighted by ``advantage``, with ``awm_kl * ||v - v_old||^2`` toward the old adapter."""
-    return awm_loss(velocity, old_velocity, target, advantage, kl_weight=awm_kl)
+                     awm_kl: float, **awm_options) -> torch.Tensor:
+    """AWM's clipped surrogate on its matching log-probability, with ``awm_kl * ||v - v_old||^2`` toward the old
+    adapter; ``awm_options``: weighting, power, clip_range (:func:`flowrl.algorithms.awm.awm_loss`)."""
+    return awm_loss(velocity, old_velocity, target, advantage, sigma, kl_weight=awm_kl, **awm_options)
 
 
 def crd_forward_loss(velocity, old_velocity, target, advantage, sigma, *, strength: float, adaptive: bool,
@@ -299,12 +320,14 @@ def noised_sample(x0, noise_seed: list[int], sigma: torch.Tensor | None, policy)
 
 def forward_process_loss(policy, old, x0, cond, advantage, weights, *, guidance: float, strength: float,
                          adaptive: bool, beta: float, noise_seed: list[int], stats: StatsAccumulator,
-                         sigma: torch.Tensor | None = None, loss: str = "nft", awm_kl: float = 1.0, scale: float = 1.0,
-                         kl_guidance: float | None = None, kl_weights: torch.Tensor | None = None) -> torch.Tensor:
+                         sigma: torch.Tensor | None = None, loss: str = "nft", awm_kl: float = 1.0,
+                         loss_options: dict | None = None, scale: float = 1.0, kl_guidance: float | None = None,
+                         kl_weights: torch.Tensor | None = None) -> torch.Tensor:
     """Summed (not averaged) forward-process loss ``scale * FORWARD_LOSSES[loss] + beta * KL`` of clean latents
     ``x0`` [B, C, h, w] at (t, fresh noise), with ``advantage`` [B] the clipped advantage over the clip
     (``2r - 1`` for DiffusionNFT's optimality ``r``: 1 trains toward the samples like plain flow matching)
-    and ``old`` the old adapter (a :class:`~flowrl.training.ema.LoraEMA`).
+    and ``old`` the old adapter (a :class:`~flowrl.training.ema.LoraEMA`). ``loss_options``: further keywords
+    of the loss (AWM's).
 
     The KL is ``||v - v_ref||^2`` to the base model (adapter off) at guidance ``kl_guidance`` (default: the
     policy's ``guidance``), times ``kl_weights`` [B] when given; ``scale`` does not act on it, as in
@@ -317,7 +340,7 @@ def forward_process_loss(policy, old, x0, cond, advantage, weights, *, guidance:
         old_velocity = policy.velocity(noised, sigma, cond, guidance).float()
     velocity = policy.velocity(noised, sigma, cond, guidance).float()
     value = FORWARD_LOSSES[loss](velocity, old_velocity, target, advantage.to(device), sigma, strength=strength,
-                                 adaptive=adaptive, awm_kl=awm_kl)  # [B]
+                                 adaptive=adaptive, awm_kl=awm_kl, **(loss_options or {}))  # [B]
     weights = weights.to(device)
     kl = torch.zeros_like(value)
     if beta > 0:

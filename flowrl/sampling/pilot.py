@@ -85,13 +85,13 @@ def join_committed(pilot: Trajectory, commit: Trajectory, committed: torch.Tenso
     rewards = {k: take(pilot.rewards.get(k, nan(pilot)).float().cpu(), commit.rewards.get(k, nan(commit)).float())
                for k in keys}
     optional = {name: None if getattr(pilot, name) is None or getattr(commit, name) is None
-                else take(getattr(pilot, name), getattr(commit, name)) for name in ("images", "x0_preds")}
+                else take(getattr(pilot, name), getattr(commit, name)) for name in ("images", "x0_preds", "means")}
     return Trajectory(
         latents=take(pilot.latents, commit.latents),
         log_probs=take(pilot.log_probs, commit.log_probs),
-        sigmas=commit.sigmas,
-        timesteps=commit.timesteps,
-        step_indices=commit.step_indices,
+        row_sigmas=take(pilot.row_sigmas, commit.row_sigmas),
+        row_timesteps=take(pilot.row_timesteps, commit.row_timesteps),
+        row_step_indices=take(pilot.row_step_indices, commit.row_step_indices),
         final_latents=take(pilot.final_latents, commit.final_latents),
         prompt_ids=prompt_ids.to(commit.prompt_ids.device),
         group_ids=group_ids.to(commit.group_ids.device)[prompt_ids.to(commit.group_ids.device)],

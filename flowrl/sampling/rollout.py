@@ -1,11 +1,13 @@
 """The denoising loop, written out: N = prompts x group_size trajectories -> :class:`Trajectory`.
 
-Steps inside the plan's SDE window are stochastic (``kind``: sde or cps) and stored with their
-log-probabilities; every other step is a deterministic ODE step of ``ode_solver`` (Euler, or
-DPM-Solver++(2M) as in MixGRPO-Flash; see ``flowrl.sampling.steps.ODE_SOLVERS``). Tree rollouts
-split each row into ``branch_factor`` children right before every branch step: children share the parent's
-computed prefix (computed once) and differ from that step on because each child draws its own
-noise.
+Steps inside the plan's SDE window are stochastic (``kind``: sde or cps, at ``noise_level`` or the plan's
+per-step level) and stored with their log-probabilities; every other step is a deterministic ODE step of
+``ode_solver`` (Euler; or MixGRPO-Flash's ``dpmpp_2m``: Euler up to the end of the window, DPM-Solver++(2M)
+after it, its history holding the window's clean-latent predictions; see ``flowrl.sampling.steps.ODE_SOLVERS``).
+Tree rollouts split each row into ``branch_factor`` children right before every branch step: children share
+the parent's computed prefix (computed once) and differ from that step on because each child draws its own
+noise (times ``plan.split_noise_scale`` at the branch step itself, BranchGRPO's split noise; the
+recorded log-probability is that of the unscaled step).
 
 Randomness is per row: the initial noise of a row comes from a generator seeded with the row's
 seed, exactly as diffusers draws it from a list of generators, so an ODE rollout reproduces the
@@ -22,7 +24,7 @@ import torch
 from flowrl.models.base import Policy, TextCond
 from flowrl.sampling.plan import StepPlan
 from flowrl.sampling.seeding import derive_seed, generators
-from flowrl.sampling.steps import ODE_SOLVERS, ScheduleSteps, StepKind
+from flowrl.sampling.steps import ODE_SOLVERS, ScheduleSteps, StepKind, clean_prediction, euler_ode_step
 from flowrl.sampling.trajectory import Trajectory, concat_trajectories
 
 
@@ -50,20 +52,24 @@ def rollout(
     decode_batch_size: int = 16,
     store_x0_preds: bool = False,
     ode_solver: str = "euler",
+    store_means: bool = False,
 ) -> Trajectory:
     """Sample ``len(prompts) * group_size`` trajectories; only the plan's SDE steps are stored.
 
     ``seeds`` holds one seed per root row (``len(prompts) * group_size // plan.leaves_per_root``).
     With ``same_noise_in_group`` every row of a group starts from the first row's initial noise.
     With ``store_x0_preds`` the trajectory also keeps the clean-latent prediction ``x - sigma v`` at
-    every stored state from the velocities the loop computes anyway (no extra model call).
-    ``ode_solver`` names the solver of the unstored deterministic steps; a multistep one restarts after
-    every SDE step, since the noise moves the state off the ODE path its history lies on.
+    every stored state from the velocities the loop computes anyway (no extra model call). With
+    ``store_means`` it keeps the float32 mean of every stored step (GRPO-Guard's ratio needs the sampling
+    policy's mean).
+    ``ode_solver`` names the solver of the unstored deterministic steps (:data:`ODE_SOLVERS`): where it
+    acts (after the window only, or on every deterministic step) and whether its history carries the
+    window's clean-latent predictions or restarts after every SDE step.
     """
     plan = plan or StepPlan(num_steps)
     if ode_solver not in ODE_SOLVERS:
         raise ValueError(f"unknown ode_solver {ode_solver!r}; choose one of {sorted(ODE_SOLVERS)}")
-    ode_step, ode_history = ODE_SOLVERS[ode_solver], None
+    solver, ode_history = ODE_SOLVERS[ode_solver], None
     if plan.num_steps != num_steps:
         raise ValueError(f"plan has {plan.num_steps} steps but num_steps={num_steps}")
     if group_size % plan.leaves_per_root:
@@ -90,7 +96,13 @@ def rollout(
     # host-to-device copy of a sigma (each one a blocking sync on a GPU) and no per-step coefficient math.
     step_sigmas = sigmas.to(x.device)
     sde_steps, branch_steps = plan.sde_steps, set(plan.branch_steps)
-    schedule = ScheduleSteps(sigmas, noise_level=noise_level, kind=kind, dtype=x.dtype, device=x.device)
+    schedules: dict[float, ScheduleSteps] = {}  # one per noise level in use (plan.noise_levels may vary it)
+
+    def schedule_at(step: int) -> ScheduleSteps:
+        level = plan.noise_level_at(step, noise_level)
+        if level not in schedules:
+            schedules[level] = ScheduleSteps(sigmas, noise_level=level, kind=kind, dtype=x.dtype, device=x.device)
+        return schedules[level]
 
     lineage = torch.arange(len(row_seeds))  # [rows] id of the tree edge each row is on
     next_lineage = len(row_seeds)
@@ -99,6 +111,7 @@ def rollout(
     stored_log_probs: list[torch.Tensor] = []  # K x [rows]
     stored_edges: list[torch.Tensor] = []  # K x [rows]
     stored_x0: list[torch.Tensor] = []  # K+1 x [rows, C, h, w] float32, with store_x0_preds
+    stored_means: list[torch.Tensor] = []  # K x [rows, C, (F,) h, w] float32, with store_means
     # Per-row state that only changes at a branch step: conditioning rows, seeds, noise generators
     # (re-seeded every step; manual_seed resets a generator completely, so this equals a fresh one).
     row_cond = cond.select(prompt_ids)
@@ -119,6 +132,7 @@ def rollout(
             stored_log_probs = [t.repeat_interleave(k) for t in stored_log_probs]
             stored_edges = [t.repeat_interleave(k) for t in stored_edges]
             stored_x0 = [t.repeat_interleave(k, dim=0) for t in stored_x0]
+            stored_means = [t.repeat_interleave(k, dim=0) for t in stored_means]
             parent = torch.where(parent >= 0, parent * k, parent).repeat_interleave(k)
             first_child = torch.arange(rows) * k
             parent = torch.where(child > 0, first_child.repeat_interleave(k), parent)
@@ -136,13 +150,22 @@ def rollout(
                 stored_latents.append(x)
             for generator, row_seed in zip(step_generators, seed_list):
                 generator.manual_seed(derive_seed(row_seed, i + 1))
-            out = schedule.step(i, velocity, x, generator=step_generators)
+            out = schedule_at(i).step(i, velocity, x, generator=step_generators,
+                                      noise_scale=plan.split_noise_scale if i in branch_steps else 1.0)
             stored_latents.append(out.prev_sample)
             stored_log_probs.append(out.log_prob)
             stored_edges.append(lineage)  # never modified in place: a branch rebinds it
-            x, ode_history = out.prev_sample, None
+            if store_means:
+                stored_means.append(out.mean)
+            # MixGRPO-Flash seeds the solver after the window with the window steps' x0 predictions (from the
+            # states before their noise); a restarting solver drops its history: the noise left the ODE path.
+            ode_history = (clean_prediction(velocity, x, step_sigmas[i]), step_sigmas[i]) if solver.after_window \
+                else None
+            x = out.prev_sample
+        elif solver.after_window and i < sde_steps.stop:  # MixGRPO-Flash: Euler up to the window's end
+            x, _ = euler_ode_step(velocity, x, step_sigmas[i], step_sigmas[i + 1])
         else:
-            x, ode_history = ode_step(velocity, x, step_sigmas[i], step_sigmas[i + 1], ode_history)
+            x, ode_history = solver.step(velocity, x, step_sigmas[i], step_sigmas[i + 1], ode_history)
 
     if store_x0_preds and sde_steps.stop == num_steps:  # the window reaches the end: x_K is clean
         stored_x0.append(x.float())
@@ -152,14 +175,15 @@ def rollout(
     if decode:
         images = torch.cat([policy.decode(chunk) for chunk in x.split(decode_batch_size)])
 
-    window = torch.tensor(list(plan.sde_steps), dtype=torch.long)
-    window_sigmas = sigmas[plan.sde_steps.start: plan.sde_steps.stop + 1]
+    rows = len(row_seeds)
+    window = torch.tensor(list(plan.sde_steps), dtype=torch.long).repeat(rows, 1)  # [N, K]
+    window_sigmas = sigmas[plan.sde_steps.start: plan.sde_steps.stop + 1].repeat(rows, 1)  # [N, K+1]
     return Trajectory(
         latents=torch.stack(stored_latents, dim=1),
         log_probs=torch.stack(stored_log_probs, dim=1).float(),
-        sigmas=window_sigmas,
-        timesteps=window_sigmas[:-1] * 1000,
-        step_indices=window,
+        row_sigmas=window_sigmas,
+        row_timesteps=window_sigmas[:, :-1] * 1000,
+        row_step_indices=window,
         final_latents=x,
         prompt_ids=prompt_ids.to(device),
         group_ids=prompt_ids.to(device).clone(),
@@ -171,21 +195,24 @@ def rollout(
         images=images,
         cond=cond,
         x0_preds=torch.stack(stored_x0, dim=1) if store_x0_preds else None,
+        means=torch.stack(stored_means, dim=1) if store_means else None,
     )
 
 
 def chunked_rollout(policy: Policy, prompts: Sequence[str], *, group_size: int, seeds: Sequence[int],
                     chunk: int | None = None, plan: StepPlan | None = None, metadata: Sequence[dict] | None = None,
-                    cond: TextCond | None = None, **kwargs) -> Trajectory:
+                    cond: TextCond | None = None, rollout_fn=None, **kwargs) -> Trajectory:
     """:func:`rollout` ``chunk`` trajectories at a time (whole groups, or equal parts of each group), joined:
     the same trajectories as one call, since every row's noise comes from its own seed; only memory differs,
     and the float rounding of kernels that a backend picks by batch size (bit-identical where it does not).
 
     ``chunk`` must be a multiple or a divisor of ``group_size`` and a multiple of the tree's leaves per root;
-    None (or a chunk holding the whole batch) is one call. Tree edge ids are numbered per chunk."""
+    None (or a chunk holding the whole batch) is one call. Tree edge ids are numbered per chunk. ``rollout_fn``
+    replaces :func:`rollout` by a loop with its signature (SA-Solver's, :mod:`flowrl.sampling.sa_solver`)."""
+    rollout_fn = rollout_fn or rollout
     if not chunk or chunk >= len(prompts) * group_size:
-        return rollout(policy, prompts, group_size=group_size, seeds=seeds, plan=plan, metadata=metadata, cond=cond,
-                       **kwargs)
+        return rollout_fn(policy, prompts, group_size=group_size, seeds=seeds, plan=plan, metadata=metadata, cond=cond,
+                          **kwargs)
     leaves = plan.leaves_per_root if plan is not None else 1
     if (chunk % group_size and group_size % chunk) or chunk % leaves:
         raise ValueError(f"rollout chunk {chunk} must be a multiple or a divisor of group_size {group_size} "
@@ -199,9 +226,9 @@ def chunked_rollout(policy: Policy, prompts: Sequence[str], *, group_size: int, 
     for first in range(0, len(prompts), per_chunk):
         index = list(range(first, min(first + per_chunk, len(prompts))))
         for offset in range(0, group_roots, roots):
-            part = rollout(policy, [prompts[p] for p in index], group_size=size, plan=plan, cond=cond.select(index),
-                           seeds=[seeds[p * group_roots + offset + j] for p in index for j in range(roots)],
-                           metadata=[metadata[p] for p in index] if metadata is not None else None, **kwargs)
+            part = rollout_fn(policy, [prompts[p] for p in index], group_size=size, plan=plan, cond=cond.select(index),
+                              seeds=[seeds[p * group_roots + offset + j] for p in index for j in range(roots)],
+                              metadata=[metadata[p] for p in index] if metadata is not None else None, **kwargs)
             prompt_ids.append(part.prompt_ids + first)
             parts.append(part)
     traj = concat_trajectories(parts)

@@ -4,13 +4,18 @@ Convention (rectified flow): ``x_sigma = (1 - sigma) * x0 + sigma * eps`` and th
 predicts ``v ~= eps - x0``; sampling walks sigma from 1 down to 0, so ``dt = sigma_next - sigma``
 is negative.
 
-Three kinds of step share one signature so the rollout can mix them freely:
+Four kinds of step share one signature so the rollout can mix them freely:
 
 - ``"ode"``: the Euler step ``x' = x + dt * v``. Deterministic.
 - ``"sde"``: Flow-GRPO's reverse SDE. ``std_t = a * sqrt(sigma / (1 - sigma))`` and
   ``mu = x + [v + std_t^2 / (2 sigma) * (x + (1 - sigma) v)] * dt``,
   ``x' = mu + std_t * sqrt(-dt) * eps``. At sigma = 1 the ratio blows up; like Flow-GRPO we
   evaluate the denominator at the next sigma of the schedule (``sigma_next``).
+- ``"dance"``: DanceGRPO's reverse SDE, the sampler BranchGRPO's script runs (``flux_step_with_split`` in
+  ``Fredreic1849/BranchGRPO`` ``fastvideo/train_branchgrpo_flux.py``): the same mean with a constant
+  ``std_t = a`` (its ``eta``, 0.3 there), so ``x' = mu + a * sqrt(-dt) * eps``. Its noise does not grow
+  near sigma = 1 as Flow-GRPO's does (there ``std_t`` is several times ``a``), which is what lets
+  BranchGRPO draw 4x noise at its split steps.
 - ``"cps"``: coefficient-preserving sampling. ``std = sigma_next * sin(a * pi / 2)``,
   ``mu = (1 - sigma_next) * x0_hat + sqrt(sigma_next^2 - std^2) * x1_hat`` with
   ``x0_hat = x - sigma v`` and ``x1_hat = x + (1 - sigma) v``.
@@ -32,22 +37,32 @@ sigma-only arithmetic is done once for every step, with bit-identical results.
 for ``"sde"``, the step std for ``"cps"`` (see its docstring).
 
 :data:`ODE_SOLVERS` are the deterministic steps a rollout takes outside its SDE window (``sampling.ode_solver``):
-Euler (the ``"ode"`` kind above) or DPM-Solver++(2M), the second-order multistep solver MixGRPO-Flash uses
-there (``dpmsolver++``, order 2, midpoint form). Those steps are never stored or trained, so the solver changes
-which states the window starts from and how the clean sample is reached, never a log-probability.
+Euler (the ``"ode"`` kind above), MixGRPO-Flash's ``dpmpp_2m`` (Euler before and inside the window,
+DPM-Solver++(2M) -- ``dpmsolver++``, order 2, midpoint form -- only after it, its history seeded with the window
+steps' clean-latent predictions), or ``dpmpp_2m_restart`` (DPM-Solver++(2M) on every deterministic step, before
+the window too, restarting after it). Those steps are never stored or trained, so the solver changes which states
+the window starts from and how the clean sample is reached, never a log-probability.
+
+MixGRPO-Flash's reference is Tencent-Hunyuan/MixGRPO @ e5cdd6a, ``fastvideo/utils/sampling_utils.py``
+(``run_sample_step`` with ``dpm_apply_strategy="post"`` and ``flow_grpo_sampling``, ``dpm_step``,
+``multistep_dpm_solver_second_order_update``) as its ``finetune_flux_grpo_MixGRPO_Flash.sh`` runs it: up to the
+window's last step every step pushes ``x - sigma v`` into a ``DPMState`` of order 2 and takes the Euler (or SDE)
+step; after it ``dpm_step`` runs DPM-Solver++ (midpoint), second order wherever a previous prediction exists,
+first order on the final step. Left out: its ``dpm_post_compress_ratio``, which re-spaces the steps after the
+window onto fewer of them (flowrl keeps the schedule's steps, which the trained policy's sigmas come from).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-StepKind = Literal["sde", "cps", "ode"]
-STEP_KINDS: tuple[str, ...] = ("sde", "cps", "ode")
+StepKind = Literal["sde", "cps", "ode", "dance"]
+STEP_KINDS: tuple[str, ...] = ("sde", "cps", "ode", "dance")
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
@@ -85,6 +100,11 @@ def _mean_log_density(sample, mean, deterministic, neg_two_var, log_std) -> torc
     return log_density.mean(dim=tuple(range(1, sample.ndim)))
 
 
+def _scaled(noise: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale * noise``; at 1 the noise itself, one full-size multiply fewer on every plain step."""
+    return noise if scale == 1 else noise * scale
+
+
 def _sde_std_t(s: torch.Tensor, s_next: torch.Tensor, noise_level: float) -> torch.Tensor:
     """Flow-GRPO's ``std_t = a * sqrt(sigma / (1 - sigma))``, the SDE's diffusion coefficient before ``sqrt(-dt)``.
 
@@ -110,8 +130,8 @@ def _coefficients(s: torch.Tensor, s_next: torch.Tensor, noise_level: float, kin
     dt = s_next - s
     if kind == "ode":
         return (dt,), torch.zeros_like(s)
-    if kind == "sde":
-        std_t = _sde_std_t(s, s_next, noise_level)
+    if kind in ("sde", "dance"):
+        std_t = _sde_std_t(s, s_next, noise_level) if kind == "sde" else torch.full_like(s, noise_level)
         return (dt, std_t**2 / (2 * s), 1 - s), std_t * torch.sqrt(-dt)
     # cps
     std = _cps_std(s_next, noise_level)
@@ -123,7 +143,7 @@ def _mean(x: torch.Tensor, v: torch.Tensor, coefficients, kind: StepKind) -> tor
     if kind == "ode":
         (dt,) = coefficients
         return x + dt * v
-    if kind == "sde":
+    if kind in ("sde", "dance"):
         dt, drift, one_minus_s = coefficients
         return x + (v + drift * (x + one_minus_s * v)) * dt
     s, one_minus_s, one_minus_s_next, root = coefficients  # cps: x0_hat = x - s v, x1_hat = x + (1 - s) v
@@ -168,6 +188,8 @@ def kl_std(sample, sigma, sigma_next, *, noise_level: float, kind: StepKind) -> 
       its ``beta`` carries over.
     - ``"cps"``: Flow-GRPO's CPS variant returns its step std ``sigma_next * sin(a * pi / 2)`` and
       divides by it, so here ``s`` is the transition std itself and the KL is the true Gaussian KL.
+    - ``"dance"``: ``s = a``, its ``std_t`` without ``sqrt(-dt)``, as for ``"sde"`` (DanceGRPO and
+      BranchGRPO train without a KL, so there is no published scale to follow).
     - ``"ode"``: zero, like the step's std (a deterministic step has no KL; it is never trained).
 
     ``sample`` [B, ...] fixes the batch shape, device and dtype; ``sigma``/``sigma_next`` are floats
@@ -182,6 +204,8 @@ def kl_std(sample, sigma, sigma_next, *, noise_level: float, kind: StepKind) -> 
         return _sde_std_t(s, s_next, noise_level)
     if kind == "cps":
         return _cps_std(s_next, noise_level)
+    if kind == "dance":
+        return torch.full_like(s, noise_level)
     return torch.zeros_like(s)
 
 
@@ -195,18 +219,22 @@ def sde_step(
     kind: StepKind = "sde",
     prev_sample: torch.Tensor | None = None,
     generator: torch.Generator | Sequence[torch.Generator] | None = None,
+    noise_scale: float = 1.0,
 ) -> StepOutput:
     """Take one step (or, given ``prev_sample``, score it) and return its exact log-density.
 
     ``velocity`` and ``sample`` are [B, ...]; ``sigma``/``sigma_next`` are floats or [B] tensors.
     ``generator`` may be one generator or one per batch row (per-sample determinism).
+    ``noise_scale`` multiplies the drawn noise only (BranchGRPO's split steps draw 4x): the sample is
+    ``mean + noise_scale * std * eps`` while ``log_prob`` and ``std`` stay those of the unscaled Gaussian,
+    the one the loss recomputes, so a recomputed log-prob equals the recorded one.
     """
     mean, std = transition(velocity, sample, sigma, sigma_next, noise_level=noise_level, kind=kind)
     if prev_sample is None and (kind == "ode" or noise_level == 0):
         prev_sample = mean.to(sample.dtype)  # deterministic: draw no noise, leave every RNG untouched
     elif prev_sample is None:
         noise = randn_tensor(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
-        prev_sample = (mean + std * noise).to(sample.dtype)
+        prev_sample = (mean + std * _scaled(noise, noise_scale)).to(sample.dtype)
     log_prob = gaussian_log_prob(prev_sample.to(mean.dtype), mean, std)
     return StepOutput(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std)
 
@@ -238,7 +266,8 @@ class ScheduleSteps:
         self._steps = [tuple(step) for step in per_step]
 
     def step(self, i: int, velocity: torch.Tensor, sample: torch.Tensor, *,
-             generator: torch.Generator | Sequence[torch.Generator] | None = None) -> StepOutput:
+             generator: torch.Generator | Sequence[torch.Generator] | None = None,
+             noise_scale: float = 1.0) -> StepOutput:
         """Step ``i`` of the schedule (``sigmas[i] -> sigmas[i + 1]``) from ``sample``; see :func:`sde_step`."""
         if torch.promote_types(sample.dtype, torch.float32) != self.dtype:
             raise ValueError(f"sample dtype {sample.dtype} needs a {torch.promote_types(sample.dtype, torch.float32)}"
@@ -251,7 +280,7 @@ class ScheduleSteps:
         # The log sees the same contiguous [B, 1, ...] input as in gaussian_log_prob, so it rounds the same way.
         log_std = torch.log(safe_std.expand(column).contiguous())
         noise = randn_tensor(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
-        prev_sample = (mean + std * noise).to(sample.dtype)
+        prev_sample = (mean + std * _scaled(noise, noise_scale)).to(sample.dtype)
         log_prob = _mean_log_density(prev_sample.to(mean.dtype), mean, deterministic, neg_two_var, log_std)
         return StepOutput(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std)
 
@@ -260,10 +289,16 @@ class ScheduleSteps:
 # -- deterministic steps outside the SDE window ---------------------------------------------------------------
 #
 # The steps a rollout takes outside its SDE window are neither stored nor trained, so any accurate solver of the
-# probability-flow ODE may take them (MixGRPO-Flash's observation). Each solver is a plain function
+# probability-flow ODE may take them (MixGRPO-Flash's observation). Each solver step is a plain function
 #   (velocity, sample, sigma, sigma_next, history) -> (prev_sample, history)
-# where ``history`` is whatever the solver carries from one ODE step to the next (None for the first one; the
-# rollout resets it to None after every SDE step, because a noisy step leaves the ODE path the history lies on).
+# where ``history`` is whatever the solver carries from one step to the next (None for the first one).
+
+
+def clean_prediction(velocity, sample, sigma) -> torch.Tensor:
+    """The data prediction ``x0 = x - sigma v`` [B, ...] in compute precision (float32 or higher)."""
+    dtype = torch.promote_types(sample.dtype, torch.float32)
+    x = sample.to(dtype)
+    return x - _as_batch_column(sigma, x, dtype) * velocity.to(dtype)
 
 
 def euler_ode_step(velocity, sample, sigma, sigma_next, history=None):
@@ -286,13 +321,13 @@ def dpmpp_2m_ode_step(velocity, sample, sigma, sigma_next, history=None):
     step is first order: after a step from sigma = 1 (``lambda_prev = -inf``) and on the last step to
     sigma' = 0 (``lambda' = +inf``, where the step returns ``D``; DPM-Solver++ lowers its order there too).
 
-    ``history`` is ``(x0_prev [B, ...] compute dtype, sigma_prev)`` of the previous ODE step, or None.
+    ``history`` is ``(x0_prev [B, ...] compute dtype, sigma_prev)`` of the previous step, or None.
     """
     dtype = torch.promote_types(sample.dtype, torch.float32)
     x = sample.to(dtype)
     s = _as_batch_column(sigma, x, dtype)  # [B, 1, ...]
     s_next = _as_batch_column(sigma_next, x, dtype)
-    x0 = x - s * velocity.to(dtype)  # [B, ...] data prediction
+    x0 = clean_prediction(velocity, sample, sigma)  # [B, ...] data prediction
     ratio = s_next / s
     data_weight = (1 - s_next) - ratio * (1 - s)  # alpha' (1 - e^-h)
     target = x0
@@ -307,8 +342,24 @@ def dpmpp_2m_ode_step(velocity, sample, sigma, sigma_next, history=None):
     return prev_sample, (x0, sigma)
 
 
-# Solver name -> step; ``sampling.ode_solver`` names one. Closed set: add a solver here and in the schema's Literal.
+@dataclass(frozen=True)
+class OdeSolver:
+    """How a rollout takes its deterministic (unstored) steps."""
+
+    step: Callable  # (velocity, sample, sigma, sigma_next, history) -> (prev_sample, history)
+    after_window: bool = False
+    """True: Euler before and inside the SDE window, ``step`` only after it, its history starting from the window
+    steps' clean-latent predictions (MixGRPO-Flash's "post" placement). False: ``step`` on every deterministic
+    step, its history dropped after every SDE step."""
+
+
+# Solver name -> how the rollout solves its deterministic steps; ``sampling.ode_solver`` names one. Closed set:
+# add a solver here and in the schema's Literal.
 ODE_SOLVERS = {
-    "euler": euler_ode_step,
-    "dpmpp_2m": dpmpp_2m_ode_step,
+    "euler": OdeSolver(euler_ode_step),
+    # MixGRPO-Flash (Tencent-Hunyuan/MixGRPO, fastvideo/utils/sampling_utils.py, dpm_apply_strategy "post").
+    "dpmpp_2m": OdeSolver(dpmpp_2m_ode_step, after_window=True),
+    # flowrl's earlier variant: second order before the window as well, so the window starts from a more
+    # accurate ODE state; it matches no reference.
+    "dpmpp_2m_restart": OdeSolver(dpmpp_2m_ode_step),
 }

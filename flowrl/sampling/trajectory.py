@@ -4,6 +4,13 @@ Rows are trajectories. Groups are explicit ids (never implicit reshapes), and th
 are used from sampler to loss. Only the stochastic (SDE) steps are stored: ``K`` below is the
 number of stored steps, ``latents[:, k]`` is the input of stored step ``k`` and
 ``latents[:, k + 1]`` its output.
+
+Every row records which steps it stored (``row_step_indices``) and their noise levels (``row_sigmas``):
+Flow-GRPO-Fast draws its SDE window per rollout batch, so the rows of one epoch may hold different
+windows and stored column ``k`` is a different step, at a different sigma, from batch to batch. Where
+every row shares one window (every single rollout call, full-SDE, fixed and sliding windows),
+``sigmas``, ``timesteps`` and ``step_indices`` give the shared [K+1] / [K] vectors; on mixed rows they
+raise instead of answering for row 0.
 """
 
 from __future__ import annotations
@@ -18,9 +25,9 @@ import torch
 class Trajectory:
     latents: torch.Tensor  # [N, K+1, C, H, W] states around the stored steps (video: [N, K+1, C, F, H, W])
     log_probs: torch.Tensor  # [N, K] float32 log-density of each stored transition
-    sigmas: torch.Tensor  # [K+1] float32 noise levels of the stored states
-    timesteps: torch.Tensor  # [K] float32 model timesteps (sigma * 1000) of the stored steps
-    step_indices: torch.Tensor  # [K] long, position of each stored step in the full schedule
+    row_sigmas: torch.Tensor  # [N, K+1] float32 noise levels of each row's stored states
+    row_timesteps: torch.Tensor  # [N, K] float32 model timesteps (sigma * 1000) of each row's stored steps
+    row_step_indices: torch.Tensor  # [N, K] long, position of each row's stored steps in the full schedule
     final_latents: torch.Tensor  # [N, C, H, W] the clean latent x0 at the end of the rollout ([N, C, F, H, W])
     prompt_ids: torch.Tensor  # [N] long, index into ``prompts``
     group_ids: torch.Tensor  # [N] long, rows with equal id are compared against each other
@@ -36,8 +43,30 @@ class Trajectory:
     x0_preds: torch.Tensor | None = None  # [N, K+1, C, H, W] float32 x_k - sigma_k v_k at each stored state
     # (the last: x_K itself when clean, else from the next ODE step's velocity); filled only by
     # ``rollout(..., store_x0_preds=True)`` for dense_cosine credit, None otherwise to save memory.
+    means: torch.Tensor | None = None  # [N, K, C, H, W] float32 mean of each stored transition under the sampling
+    # policy; filled only by ``rollout(..., store_means=True)`` for GRPO-Guard's ratio, None otherwise.
     rollouts_sampled: int = 0  # rollouts of every process behind this set, dropped Pilot-Commit pilots included
     sampling_metrics: dict[str, float] = field(default_factory=dict)  # perf/* of the allocation (Pilot-Commit)
+
+    @property
+    def sigmas(self) -> torch.Tensor:
+        """[K+1] noise levels of the stored states, when every row stored the same steps."""
+        return _shared(self.row_sigmas, "sigmas")
+
+    @property
+    def timesteps(self) -> torch.Tensor:
+        """[K] model timesteps of the stored steps, when every row stored the same steps."""
+        return _shared(self.row_timesteps, "timesteps")
+
+    @property
+    def step_indices(self) -> torch.Tensor:
+        """[K] schedule positions of the stored steps, when every row stored the same steps."""
+        return _shared(self.row_step_indices, "step_indices")
+
+    @property
+    def shares_window(self) -> bool:
+        """True when every row stored the same steps of the schedule."""
+        return bool((self.row_step_indices == self.row_step_indices[:1]).all())
 
     @property
     def num_rows(self) -> int:
@@ -98,12 +127,13 @@ def concat_trajectories(parts: list[Trajectory]) -> Trajectory:
     first = parts[0]
     images = None if first.images is None else torch.cat([p.images for p in parts])
     x0_preds = None if first.x0_preds is None else torch.cat([p.x0_preds for p in parts])
+    means = None if first.means is None else torch.cat([p.means for p in parts])
     return Trajectory(
         latents=torch.cat([p.latents for p in parts]),
         log_probs=torch.cat([p.log_probs for p in parts]),
-        sigmas=first.sigmas,
-        timesteps=first.timesteps,
-        step_indices=first.step_indices,
+        row_sigmas=torch.cat([p.row_sigmas for p in parts]),
+        row_timesteps=torch.cat([p.row_timesteps for p in parts]),
+        row_step_indices=torch.cat([p.row_step_indices for p in parts]),
         final_latents=torch.cat([p.final_latents for p in parts]),
         prompt_ids=torch.cat(prompt_ids),
         group_ids=torch.cat([p.group_ids for p in parts]),
@@ -116,6 +146,7 @@ def concat_trajectories(parts: list[Trajectory]) -> Trajectory:
         cond=TextCond.cat([p.cond for p in parts]) if first.cond is not None else None,
         rewards=_concat_rewards(parts),
         x0_preds=x0_preds,
+        means=means,
     )
 
 
@@ -124,3 +155,11 @@ def _concat_rewards(parts: list[Trajectory]) -> dict[str, torch.Tensor]:
     keys = list(dict.fromkeys(k for p in parts for k in p.rewards))
     nan = lambda p: torch.full((p.num_rows,), float("nan"))  # noqa: E731
     return {k: torch.cat([p.rewards[k].float() if k in p.rewards else nan(p) for p in parts]) for k in keys}
+
+
+def _shared(per_row: torch.Tensor, name: str) -> torch.Tensor:
+    """Row 0 of ``per_row`` [N, ...] when every row equals it; else a ValueError naming the per-row field."""
+    if not (per_row == per_row[:1]).all():
+        raise ValueError(f"the rows of this trajectory stored different steps (an SDE window drawn per rollout "
+                         f"batch): read row_{name} [N, ...] instead of the shared {name}")
+    return per_row[0]
