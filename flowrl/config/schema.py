@@ -215,13 +215,12 @@ class TrainConfig:
     """EMA decay per optimizer step."""
     ema_start_step: int = 1
     """Optimizer steps through which the EMA copies the live weights, averaging from the next on (1: it starts
-    from the first step's weights, diffusers' EMAModel rule; 0: from the initial weights, as Flow-GRPO and
-    DiffusionNFT)."""
+    from the first step's weights, diffusers' EMAModel rule; 0: from the initial weights, as Flow-GRPO; recipe grpo)."""
     ema_every: int = 1
-    """Fold the weights into the EMA every this many optimizer steps (Flow-GRPO: 8 on its SD3.5 runs)."""
+    """Fold the weights into the EMA every this many optimizer steps (Flow-GRPO: 8 on its SD3.5 runs; recipe grpo)."""
     ema_warmup: Literal["none", "flow_grpo"] = "none"
     """none: the decay is ema_decay from the start; flow_grpo: Flow-GRPO's ramp min(ema_decay, (1 + s) / (10 + s)),
-    s the optimizer steps since ema_start_step, so early updates average over fewer steps (DiffusionNFT's too)."""
+    s the optimizer steps since ema_start_step, so early updates average over fewer steps (recipe grpo)."""
     mixed_precision: Literal["no", "fp16", "bf16"] = "bf16"
     """Autocast precision on GPU (CPU always runs float32)."""
     async_rewards: bool = True
