@@ -45,7 +45,7 @@ METHODS: dict[str, list[str]] = {
     "tmpo": ["train.loss=tmpo"],
     "crd": ["recipe=nft", "nft.loss=crd", "sampling.group_size=16", "train.micro_batch_size=64",
             "train.inner_epochs=2", "train.advantage_clip=5.0", "train.std_scope=group", "nft.timesteps_per_sample=2",
-            "nft.old_decay_ramp=[0.001,0.5]", "train.optimizer_steps_per_epoch=1"],  # nft.yaml's loop
+            "train.optimizer_steps_per_epoch=1"],  # nft.yaml's loop, CRD's own decays and loss scale
 }
 SECTION = "## Preference mode collapse"
 

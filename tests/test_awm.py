@@ -112,7 +112,7 @@ def test_toy_awm_config_is_the_toy_nft_config_with_awms_settings():
     awm, nft = (dataclasses.asdict(load_config(Config, f"configs/toy/{name}.yaml")) for name in ("awm", "nft"))
     assert awm["nft"]["loss"] == "awm" and nft["nft"]["loss"] == "nft"
     assert awm.pop("run_dir") != nft.pop("run_dir")
-    awm_keys = {"nft": {"loss", "awm_weighting", "awm_ghuber_power", "awm_clip_range", "awm_kl", "old_decay_ramp",
+    awm_keys = {"nft": {"loss", "awm_weighting", "awm_ghuber_power", "awm_clip_range", "awm_kl", "old_decay",
                         "timestep_schedule", "stratified_fraction", "timesteps_per_sample", "sampler", "sa_noise_level",
                         "sa_noise_window", "rollout_weights", "eval_ema_decay"},
                 "train": {"std_scope", "beta", "weight_decay", "inner_epochs", "optimizer_steps_per_epoch"},

@@ -296,7 +296,7 @@ def test_missing_checkpoint_is_one_line_through_the_real_cli(world):
 
 @pytest.fixture(scope="module")
 def no_ema_run(world):
-    """A toy GRPO run trained with train.ema=false (nft cannot: it samples with its EMA adapter)."""
+    """A toy GRPO run trained with train.ema=false."""
     from flowrl.commands.train import run_train
 
     run = world.root / "no_ema"

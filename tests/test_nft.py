@@ -76,7 +76,7 @@ def test_nft_smoke_run_trains_the_lora_and_writes_the_run(tmp_path, monkeypatch,
 
 def test_nft_runs_are_reproducible_and_resume_exactly(tmp_path):
     # The old policy's decay ramp depends on the step count that a resume must restore.
-    common = ["log.eval_every=0", "log.report_prompts=0", "nft.timesteps_per_sample=2", "nft.old_decay_ramp=[0.3,0.5]"]
+    common = ["log.eval_every=0", "log.report_prompts=0", "nft.timesteps_per_sample=2", "nft.old_decay=[0,0,0.3,0.5]"]
     full = train(nft_config(tmp_path / "full", *common, "train.epochs=3"))
     again = train(nft_config(tmp_path / "again", *common, "train.epochs=3"))
     strip = lambda m: {k: v for k, v in m.items() if not k.startswith("perf/")}  # noqa: E731
@@ -87,16 +87,18 @@ def test_nft_runs_are_reproducible_and_resume_exactly(tmp_path):
 
 
 def test_nft_config_errors_name_the_key(tmp_path):
-    with pytest.raises(ConfigError, match="train.ema"):
-        nft_config(tmp_path, "train.ema=false")
+    with pytest.raises(ConfigError, match="nft.sampler_decay"):  # only CRD keeps a sampler apart from the old adapter
+        nft_config(tmp_path, "nft.sampler_decay=2")
     with pytest.raises(ConfigError, match="nft.strength"):
         nft_config(tmp_path, "nft.strength=0")
     with pytest.raises(ConfigError, match="nft"):
         nft_config(tmp_path, "nft.unknown_key=1")
     with pytest.raises(ConfigError, match="nft.timesteps_per_sample"):  # the smoke schedule has 4 sigmas
         nft_config(tmp_path, "sampling.num_steps=4", "nft.timesteps_per_sample=5")
-    with pytest.raises(ConfigError, match="nft.old_decay_ramp"):
-        nft_config(tmp_path, "nft.old_decay_ramp=[0.001,1.0]")
+    with pytest.raises(ConfigError, match="nft.old_decay"):
+        nft_config(tmp_path, "nft.old_decay=[0,0,0.001,1.5]")
+    with pytest.raises(ConfigError, match="nft.old_decay"):
+        nft_config(tmp_path, "nft.old_decay=3")
 
 
 def test_schedule_timesteps_give_each_sample_its_own_order_of_the_schedule():
@@ -123,8 +125,8 @@ def test_old_policy_decay_can_be_set_per_step():
 
 
 def test_crd_weights_match_the_reward_matching_loss_gradient_by_hand():
+    from flowrl.algorithms.crd import crd_weights
     from flowrl.recipes.common import StatsAccumulator
-    from flowrl.recipes.nft import crd_weights
 
     # Two groups of two rows, one timestep slot; row 3 has no reward.
     ratios = torch.tensor([0.3, 0.1, -0.2, 0.5])
@@ -132,16 +134,17 @@ def test_crd_weights_match_the_reward_matching_loss_gradient_by_hand():
     groups, keep = torch.tensor([0, 0, 1, 1]), torch.tensor([True, True, True, False])
     weights = crd_weights(ratios, advantages, torch.arange(4), groups, keep, num_rows=4, beta=2.0,
                           stats=StatsAccumulator())
-    # Group 0: centred log-ratios +-0.1, residuals e = 2 * 0.1 - 1 = -0.8 and -0.2 + 1 = 0.8; weights -2 e.
-    torch.testing.assert_close(weights, torch.tensor([1.6, -1.6, 0.0, 0.0]))
-    # The weight multiplies ||v - target||^2 = -l + const, so it is -dL/dl: check with autograd on
-    # L = 1/2 sum (beta (l - lbar) - (a - abar))^2, with advantages off-centre as a clip leaves them.
+    # Group 0: r = (1, 0), centred +-0.5; centred log-ratios +-0.1, residuals e = 2 * 0.1 - 0.5 = -0.3 and +0.3;
+    # weights -2 beta e = (1.2, -1.2).
+    torch.testing.assert_close(weights, torch.tensor([1.2, -1.2, 0.0, 0.0]))
+    # The weight multiplies err(v_theta) = -l + const, so it is -dL/dl: check with autograd on
+    # L = sum (beta (l - lbar) - (r - rbar))^2, with advantages off-centre as a clip leaves them.
     off_centre = torch.tensor([1.0, -0.4, 0.5, -0.5])
     weights = crd_weights(ratios, off_centre, torch.arange(4), groups, keep, num_rows=4, beta=2.0,
                           stats=StatsAccumulator())
     l = ratios[:2].clone().requires_grad_(True)
-    a = off_centre[:2]
-    loss = 0.5 * ((2.0 * (l - l.mean()) - (a - a.mean())) ** 2).sum()
+    r = 0.5 + 0.5 * off_centre[:2]
+    loss = ((2.0 * (l - l.mean()) - (r - r.mean())) ** 2).sum()
     loss.backward()
     torch.testing.assert_close(weights[:2], -l.grad)
 

@@ -251,8 +251,8 @@ def test_awm_rolls_out_the_trained_adapter_with_sa_solver_and_exports_the_eval_e
     real_start, real_rollout, real_export = nft_recipe.start_run, nft_recipe.sa_solver_rollout, common.export_final_lora
     real_loss = nft_recipe.awm_loss
 
-    def start(cfg, accelerator=None):
-        runs.append(real_start(cfg, accelerator))
+    def start(cfg, accelerator=None, **kwargs):
+        runs.append(real_start(cfg, accelerator, **kwargs))
         restored.append({"ema": runs[-1].eval_ema.state_tensors(), "old": runs[-1].ema.state_tensors()})
         return runs[-1]
 
@@ -302,7 +302,7 @@ def test_nft_keeps_ode_rollouts_from_the_old_adapter(tmp_path, monkeypatch):
     monkeypatch.setattr(nft_recipe, "sa_solver_rollout", lambda *a, **k: rollouts.append(1))
     cfg = awm_config(tmp_path, "nft.loss=nft", "train.epochs=1")
     assert (cfg.nft.choice("sampler"), cfg.nft.choice("rollout_weights"), cfg.nft.choice("eval_ema_decay")) == \
-        ("ode", "old", None)
+        ("ode", "old", 0.9)  # DiffusionNFT's own eval EMA
     nft_recipe.train(cfg)
     assert not rollouts
 
@@ -331,7 +331,7 @@ def test_awm_presets_carry_the_reference_settings(path):
     assert n.loss == "awm" and n.awm_weighting == "ghuber" and n.awm_ghuber_power == 0.25 and n.awm_clip_range == 1
     assert [n.choice(k) for k in ("timestep_schedule", "sampler", "rollout_weights", "eval_ema_decay")] == \
         ["stratified", "sa_solver", "trained", 0.99]
-    assert n.old_decay_ramp == [0.001, 0.3] and n.awm_kl == 1.0 and n.timesteps_per_sample == 6
+    assert n.old_decay == [0, 0.0, 0.001, 0.3] and n.awm_kl == 1.0 and n.timesteps_per_sample == 6
     assert (n.sa_noise_level, n.sa_noise_window, n.stratified_fraction) == (0.4, [0.3, 0.9], 0.9)
     assert (t.inner_epochs, t.optimizer_steps_per_epoch, t.advantage_clip, t.std_scope) == (1, 1, 5.0, "global")
     if "sd35" in path:

@@ -202,7 +202,7 @@ def test_missing_wandb_is_a_one_line_error_naming_the_extra(tmp_path):
     (["train.lr_scheduler=step"], "train.lr_scheduler"),
     (["train.ema_every=0"], "train.ema_every"),
     (["train.ema_warmup=karras"], "train.ema_warmup"),
-    (["recipe=nft", "train.ema_every=2"], "train.ema_every"),
+    (["recipe=nft", "nft.old_decay=[0,0,0.1]"], "nft.old_decay"),  # four numbers: start_step, start_value, slope, end
 ])
 def test_bad_option_values_are_one_line_errors(tmp_path, overrides, key):
     with pytest.raises(ConfigError) as error:

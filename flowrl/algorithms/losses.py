@@ -66,6 +66,9 @@ def nft_loss(velocity: torch.Tensor, old_velocity: torch.Tensor, target: torch.T
     divided by its own detached mean absolute error (DiffusionNFT's adaptive weighting): with
     ``x0_hat - x0 = sigma (v - target)`` a term becomes ``sigma ||e||^2 / mean|e|``. Its gradient
     no longer grows with the error, so pushing away from bad samples cannot run away.
+
+    DiffusionNFT (NVlabs/DiffusionNFT ``scripts/train_nft_sd3.py`` at 24af555) multiplies this loss by
+    ``adv_clip_max / strength``; the nft recipe applies that factor (``nft.loss_scale``), outside this function.
     """
     dims = tuple(range(1, velocity.ndim))
     positive = strength * velocity + (1 - strength) * old_velocity - target  # [B, ...] errors
@@ -75,7 +78,7 @@ def nft_loss(velocity: torch.Tensor, old_velocity: torch.Tensor, target: torch.T
         squared = (error ** 2).mean(dim=dims)
         if sigma is None:
             return squared
-        scale = error.detach().abs().mean(dim=dims).clamp(min=1e-5)
-        return sigma * squared / scale
+        scale = (sigma * error.detach().abs().mean(dim=dims)).clamp(min=1e-5)  # mean |x0_hat - x0|, clipped there
+        return sigma ** 2 * squared / scale
 
     return optimality * term(positive) + (1 - optimality) * term(negative)

@@ -190,6 +190,7 @@ class Run:
     faults: FaultCounter | None = None  # skipped non-finite steps and unscorable epochs (flowrl/training/faults.py)
     split_scheduler: BetaSplitScheduler | None = None  # sampling.tree.schedule=beta: TMPO's adaptive split steps
     eval_ema: LoraEMA | None = None  # nft.eval_ema_decay: the EMA eval and export use; ``ema`` is then the old policy
+    adapters: dict[str, LoraEMA] = field(default_factory=dict)  # further copies a recipe names (CRD: its sampler)
 
     @property
     def fault_counter(self) -> FaultCounter:
@@ -204,7 +205,7 @@ class Run:
         best = self.guard.best if self.guard is not None and self.guard.best.tensors else None
         old = self.ema if self.eval_ema is not None else None  # the checkpoint's ema.safetensors holds eval_ema
         return {name: s for name, s in (("reference", self.reference), ("anchor", self.anchor), ("guard_best", best),
-                                        ("old", old)) if s is not None}
+                                        ("old", old), *self.adapters.items()) if s is not None}
 
     @property
     def exported_ema(self) -> LoraEMA | None:
@@ -229,9 +230,12 @@ class Run:
         return self.guard is not None and self.guard.stopped
 
 
-def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
+def start_run(cfg: Config, accelerator: Accelerator | None = None, *, adapters: tuple[str, ...] = ()) -> Run:
     """Set up a run: processes, run directory and saved config, model + LoRA, optimizer, EMA, rewards,
-    prompt splits, metrics logger and trackers, and the state of ``train.resume``."""
+    prompt splits, metrics logger and trackers, and the state of ``train.resume``.
+
+    ``adapters``: names of adapter copies the recipe keeps (``run.adapters``), each starting as the initial
+    weights, saved by checkpoints as ``<name>.safetensors`` and restored on resume."""
     accelerator = accelerator or make_accelerator(cfg)
     run_dir = Path(cfg.run_dir)
     sampling = cfg.sampling
@@ -286,9 +290,11 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
                            beta_factor=gd.beta_factor, beta_floor=gd.beta_floor, cooldown=gd.cooldown,
                            diversity_weight=gd.diversity_weight,
                            write=tqdm.write if accelerator.is_main_process else None) if gd.enabled else None
+    copies = {name: snapshot() for name in adapters}
     snapshots = {name: s for name, s in (("reference", reference), ("anchor", anchor),
                                          ("guard_best", guard.best if guard else None),
-                                         ("old", ema if eval_ema is not None else None)) if s is not None}
+                                         ("old", ema if eval_ema is not None else None), *copies.items())
+                 if s is not None}
     resumed = restore_checkpoint(cfg, policy, optimizer, eval_ema if eval_ema is not None else ema,
                                  rank=accelerator.process_index,
                                  snapshots=snapshots) if t.resume else {"epoch": -1}
@@ -317,7 +323,7 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None) -> Run:
         guidance=cfg.sampling.guidance_scale if (t.cfg or policy.guidance_in_model) else 1.0, start_epoch=start_epoch,
         counters={"rollouts": resumed.get("rollouts", 0), "train_wall_s": resumed.get("train_wall_s", 0.0)},
         marble=marble, reference=reference, reference_resets=int(resumed.get("reference_resets", 0)), anchor=anchor,
-        guard=guard, scheduler=scheduler, split_scheduler=split_scheduler, eval_ema=eval_ema,
+        guard=guard, scheduler=scheduler, split_scheduler=split_scheduler, eval_ema=eval_ema, adapters=copies,
     )
 
 

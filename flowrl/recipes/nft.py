@@ -1,4 +1,4 @@
-"""Forward-process RL on a flow model: DiffusionNFT and AWM (Advantage Weighted Matching).
+"""Forward-process RL on a flow model: DiffusionNFT, AWM (Advantage Weighted Matching) and CRD.
 
 GRPO needs stochastic rollouts and per-step log-probabilities, and its gradient is a noisy score
 function. The forward-process losses need neither: they sample clean images with the plain ODE,
@@ -7,40 +7,51 @@ pulling the velocity toward good samples and away from bad ones. ``nft.loss`` pi
 (:data:`FORWARD_LOSSES`); everything else in this file is shared.
 
 - ``nft`` (default): DiffusionNFT's implicit positive and negative policies
-  (:func:`flowrl.algorithms.losses.nft_loss`). Its gradient is a supervised one: on the toy world,
-  12 epochs on four training prompts take strict ToyEval from 0.31 to 0.51 where full-SDE GRPO
+  (:func:`flowrl.algorithms.losses.nft_loss`), times its ``advantage_clip / strength``
+  (``nft.loss_scale``), the scale its published KL betas and ``max_grad_norm`` assume. Reference:
+  NVlabs/DiffusionNFT ``scripts/train_nft_sd3.py`` and ``config/nft.py`` at 24af555 (its rollouts are
+  DPM-Solver 2nd order: ``sampling.ode_solver: dpmpp_2m_restart``, the same steps). Its gradient is a
+  supervised one: on the toy world, 12 epochs on four training prompts take strict ToyEval from 0.31 to 0.51 where full-SDE GRPO
   reaches 0.41, and on the whole prompt set it raises the held-out task mean while GRPO stays flat
-  (assets/toy/README.md, tests/test_toy_rl.py).
+  (assets/toy/README.md, tests/test_toy_rl.py). Remaining differences: the reference feeds its sampler's
+  transformer the timestep truncated to an integer (``long(1000 sigma)``) and trains ``int(0.99 K)`` of the K
+  sigmas per sample per epoch (``nft.timesteps_per_sample`` sets the count here).
 - ``awm``: Advantage Weighted Matching (:mod:`flowrl.algorithms.awm`; reference: github.com/scxue/
   advantage_weighted_matching at be51372, ``scripts/train_sd3_awm.py``). The flow-matching error ``l`` of a
   rollout at fresh (t, eps) is its log-probability, ``-(t / p)((l + 1e-10)^p - 1e-10^p)`` with AWM's ``ghuber``
   weighting (``nft.awm_weighting``, ``p = 0.25``: each sample's gradient weighted by ``t l^-0.75``), under PPO's
   clipped surrogate with the group advantage clipped to ``train.advantage_clip`` over it (AWM: 5, so in
   [-1, 1]), clip range ``nft.awm_clip_range`` 1, plus ``nft.awm_kl * ||v - v_old||^2`` toward the old adapter
-  (AWM's EMA policy, weight 1, decay ramp ``nft.old_decay_ramp: [0.001, 0.3]``) and ``train.beta * ||v -
+  (AWM's EMA policy, weight 1, decay ramp ``min(0.001 s, 0.3)``, ``nft.old_decay``) and ``train.beta * ||v -
   v_ref||^2`` toward the base model. With null ``nft.timestep_schedule``, ``sampler``, ``rollout_weights`` and
   ``eval_ema_decay`` it takes AWM's: stratified timesteps without sigma 1 and the last sigmas, rollouts from
   the trained adapter by SA-Solver (:mod:`flowrl.sampling.sa_solver`, noise 0.4 for t in [0.3, 0.9]), and a
   separate 0.99 EMA for eval and export. Deliberate differences: the old log-prob of the ratio is the current
   one detached, so the ratio is 1 (AWM's, at its one optimizer step per epoch; with more steps per epoch AWM
   measures it against the policy the epoch started with); each sample draws its own stratified timesteps (AWM
-  shares one draw among a micro-batch's 3 samples). ``nft.strength`` and ``nft.adaptive_weighting`` act on
-  loss ``nft`` only.
-- ``crd``: Centered Reward Distillation (:func:`crd_weights`). KL-regularised reward maximisation makes
-  ``beta log(pi / pi_ref)`` equal the reward up to a per-prompt constant; centring both within the
-  prompt's group removes that constant, and the loss matches the centred implicit log-ratio (one
-  (t, noise) estimate from the flow-matching errors of the trained and the old adapter) to the centred,
-  clipped advantage. Each chunk first measures the log-ratios without gradients (at the noise its
-  update then uses), so every optimizer step costs one more forward pair. Of CRD's drift controls,
-  the sampler stays decoupled from the moving reference (both are the old adapter, stepped once per
-  epoch, never within it) and ``train.beta`` anchors to the base model; the reward-adaptive KL is left out.
+  shares one draw among a micro-batch's 3 samples). ``nft.strength`` and ``nft.adaptive_weighting`` do not
+  act on loss ``awm``.
+- ``crd``: Centered Reward Distillation (:mod:`flowrl.algorithms.crd`, after Flow-Factory's port, which follows
+  the paper's Table 3). KL-regularised reward maximisation makes ``beta log(pi / pi_old)`` equal the reward up
+  to a per-prompt constant; centring both within the prompt's group removes that constant, and the loss
+  ``mean (beta (l - lbar) - (r - rbar))^2`` matches the centred implicit log-ratio ``l`` (one (t, noise)
+  estimate from the flow-matching errors of the trained and the old adapter, each over its own mean absolute
+  error: ``nft.adaptive_weighting``) to the centred optimality ``r`` in [0, 1], times ``advantage_clip /
+  crd_beta``. Each chunk first measures the log-ratios without gradients (at the noise its update then uses),
+  so every optimizer step costs one more forward pair. Rollouts come from a sampler adapter with its own decay
+  schedule (``nft.sampler_decay``), decoupled from the old one (``nft.old_decay``); ``train.beta``'s KL anchors
+  to the base model with CFG (``nft.crd_kl_guidance``, default ``sampling.guidance_scale``), each sample's KL
+  weighted by its reward (``nft.crd_reward_adaptive_kl``).
 
 One epoch:
 1. ODE rollouts of ``group_size`` images per prompt, sampled with the "old" adapter (AWM: SA-Solver with the
-   trained one; ``nft.sampler``, ``nft.rollout_weights``). The old adapter is the EMA of the trained one,
-   stepped once per epoch. Its decay is ``train.ema_decay``, or DiffusionNFT's ramp
-   ``min(rate * optimizer_steps, max)`` with ``nft.old_decay_ramp: [0.001, 0.5]``; 0 makes it the
-   trained adapter as it was at the end of the last epoch. Only clean latents are kept.
+   trained one, ``nft.sampler``, ``nft.rollout_weights``; CRD: its own sampler adapter). The old adapter is a
+   copy of the trained one that follows it once per epoch: ``old = d old + (1 - d) theta`` with ``d`` from
+   ``nft.old_decay`` on the optimizer steps so far (DiffusionNFT's decay types; type 2 holds ``d = 0`` for 75
+   steps, then adds 0.0075 a step up to 0.999). Only clean latents are kept. A separate eval/export EMA of the
+   trained adapter (``nft.eval_ema_decay``, DiffusionNFT: 0.9 every optimizer step with its ramp
+   ``min(0.9, (1 + s) / (10 + s))``) is what eval grids, held-out scores, the report, the exported LoRA and
+   ``export-lora --ema`` use.
 2. Rewards -> group advantages (the same estimators and combiners as GRPO) -> ``a = clip(A) /
    advantage_clip`` in [-1, 1]; loss ``nft`` turns it into the optimality ``r = (1 + a) / 2``
    (DiffusionNFT: clip 5, so ``r = 1/2 + A/10``), loss ``awm`` weights by ``a`` itself.
@@ -48,9 +59,9 @@ One epoch:
    schedule (``nft.timestep_schedule: sampling``, DiffusionNFT's shifted timesteps; each sample takes its own
    random order of them, no sigma twice), one per stratum of the schedule (``stratified``, AWM's) or
    ``t ~ U(0, 1)`` (``uniform``), fresh noise, ``x_t = (1 - t) x0 + t eps``, target
-   ``eps - x0``; the loss compares the trained velocity and the old one (EMA weights swapped in, no
-   grad). DiffusionNFT takes one optimizer step per epoch over every (sample, t) pair
-   (``train.inner_epochs: 1``, ``train.optimizer_steps_per_epoch: 1``).
+   ``eps - x0``; the loss compares the trained velocity and the old one (old weights swapped in, no
+   grad). DiffusionNFT takes one or two optimizer steps per epoch over every (sample, t) pair
+   (``train.inner_epochs: 1``, ``train.optimizer_steps_per_epoch``: 1, 2 for OCR).
    The old adapter stays fixed within the epoch: then each sample's loss has a bounded minimum
    (for ``nft``: ``v = v_old + (2r - 1) / strength * (target - v_old)``). An old adapter that trailed
    every optimizer step would move that minimum with the weights, and the toy model drifts off and
@@ -62,7 +73,7 @@ One epoch:
 With ``train.cfg`` the policy is the guided velocity (rollouts and loss alike); without it the
 conditional model is trained alone (DiffusionNFT's guidance-free setting; AWM's too).
 
-Run: ``flowrl train configs/toy/nft.yaml`` or ``flowrl train configs/toy/awm.yaml`` (CPU, minutes).
+Run: ``flowrl train configs/toy/nft.yaml``, ``configs/toy/awm.yaml`` or ``configs/toy/crd.yaml`` (CPU, minutes).
 """
 
 from __future__ import annotations
@@ -78,6 +89,7 @@ from tqdm.auto import tqdm
 from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from flowrl.algorithms.combine import reward_advantages
 from flowrl.algorithms.awm import awm_loss, stratified_timesteps
+from flowrl.algorithms.crd import crd_surrogate, crd_weights, implicit_reward, reward_adaptive_kl_weights
 from flowrl.algorithms.losses import nft_loss
 from flowrl.algorithms.marble import balanced_backward
 from flowrl.config import Config
@@ -91,18 +103,21 @@ from flowrl.sampling import StepPlan
 from flowrl.sampling.sa_solver import sa_solver_rollout
 from flowrl.algorithms.gardo import build_features
 from flowrl.training.accumulate import micro_batch
-from flowrl.training.ema import ema_weights
+from flowrl.training.ema import decay_schedule, ema_weights
 from flowrl.training.guard import exported_weights, finite_mean, in_group_diversity
 
 
 def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, float]:
-    """Run the forward-process loop (DiffusionNFT or AWM) described by ``cfg``; returns the last epoch's
+    """Run the forward-process loop (DiffusionNFT, AWM or CRD) described by ``cfg``; returns the last epoch's
     metrics as a flat dict."""
-    run = start_run(cfg, accelerator)
-    accelerator, policy, ema = run.accelerator, run.policy, run.ema
+    n = cfg.nft
+    run = start_run(cfg, accelerator, adapters=() if n.sampler_schedule() is None else ("sampler",))
+    accelerator, policy, ema = run.accelerator, run.policy, run.ema  # ema: the old adapter (run.eval_ema: eval's)
     rank, world = accelerator.process_index, accelerator.num_processes
     s, t = cfg.sampling, cfg.train
-    n = cfg.nft
+    scale = n.policy_loss_scale(t.advantage_clip)  # DiffusionNFT's and CRD's advantage_clip / beta
+    kl_guidance = run.guidance if n.loss != "crd" else (
+        n.crd_kl_guidance if n.crd_kl_guidance is not None else s.guidance_scale)  # CRD: a guided anchor
     estimator = ADVANTAGE_ESTIMATORS[t.advantage]
     timestep_schedule = n.choice("timestep_schedule")
     schedule = policy.sigmas(s.num_steps)[:-1] if timestep_schedule != "uniform" else None  # [num_steps]
@@ -110,7 +125,8 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
     sa_solver = n.choice("sampler") == "sa_solver"
     rollout_fn = functools.partial(sa_solver_rollout, noise_window=tuple(n.sa_noise_window)) if sa_solver else None
     rollout_noise = n.sa_noise_level if sa_solver else 0.0  # the ODE's is 0
-    rollout_ema = ema if n.choice("rollout_weights") == "old" else None
+    rollout_ema = run.adapters.get("sampler", ema) if n.choice("rollout_weights") == "old" else None  # CRD: its own
+    eval_every_step = n.choice("eval_ema_every") == "step"  # DiffusionNFT's; AWM folds once per epoch
     loss_options = dict(weighting=n.awm_weighting, power=n.awm_ghuber_power, clip_range=n.awm_clip_range) \
         if n.loss == "awm" else {}
     # Deterministic rollouts: noise 0 everywhere; the plan stores only the last step, the least memory.
@@ -125,7 +141,8 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         epoch_start = time.perf_counter()
         phase_metrics = start_phase(run, epoch)  # HRF: a new phase re-anchors the weights
 
-        # 1. Rollouts (ODE with the old adapter; AWM: SA-Solver with the trained one), scored while the next samples.
+        # 1. Rollouts (ODE with the old adapter or CRD's sampler; AWM: SA-Solver with the trained one), scored
+        #    while the next batch samples.
         with ema_weights(rollout_ema):
             traj, sample_done, reward_done = sample_and_score(run, scorer, epoch, plan=plan, noise_level=rollout_noise,
                                                               rollout_fn=rollout_fn)
@@ -183,11 +200,14 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                     for i, micro in enumerate(micro_batches):
                         rows, sigma, noise_seed = micro_inputs(i, micro)
                         with micro_batch(accelerator, policy.forward_module, last=i == len(micro_batches) - 1):
+                            kl_weights = reward_adaptive_kl_weights(clipped[rows], run.beta) if (
+                                n.loss == "crd" and n.crd_reward_adaptive_kl) else None
                             loss_sum = forward_process_loss(
                                 policy, ema, traj.final_latents[rows], traj.cond.select(traj.prompt_ids[rows]),
                                 advantage[micro], keep[rows].float(), loss=n.loss, guidance=run.guidance,
                                 strength=n.strength, adaptive=n.adaptive_weighting, awm_kl=n.awm_kl, beta=run.beta,
-                                noise_seed=noise_seed, stats=chunk_stats, sigma=sigma, loss_options=loss_options)
+                                noise_seed=noise_seed, stats=chunk_stats, sigma=sigma, loss_options=loss_options,
+                                scale=scale, kl_guidance=kl_guidance, kl_weights=kl_weights)
                             accelerator.backward(loss_sum * world / max(weight, 1.0))
 
                 if n.loss == "crd":  # the chunk's implicit log-ratios, centred per group and timestep slot
@@ -196,7 +216,8 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                         rows, sigma, noise_seed = micro_inputs(i, micro)
                         ratios[micro] = implicit_log_ratio(policy, ema, traj.final_latents[rows],
                                                            traj.cond.select(traj.prompt_ids[rows]), guidance=run.guidance,
-                                                           noise_seed=noise_seed, sigma=sigma).cpu()
+                                                           noise_seed=noise_seed, sigma=sigma,
+                                                           adaptive=n.adaptive_weighting).cpu()
                     crd = crd_weights(ratios, clipped.repeat(n.timesteps_per_sample), chunk,
                                       traj.group_ids.repeat(n.timesteps_per_sample), keep.repeat(n.timesteps_per_sample),
                                       num_rows=traj.num_rows, beta=n.crd_beta, stats=stats)
@@ -208,10 +229,16 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                     balanced_backward(run.marble, run.params, step, per_reward, chunk_backward, stats,
                                       StatsAccumulator)
                 optimizer_step(run, stats)
-        # The old policy follows the trained one once per epoch, at DiffusionNFT's ramp when configured.
+                if run.eval_ema is not None and eval_every_step:  # DiffusionNFT's eval EMA: every optimizer step
+                    done = (epoch * t.inner_epochs + inner) * t.optimizer_steps_per_epoch + chunk_index + 1
+                    run.eval_ema.scheduled_step(done, start=0, warmup="flow_grpo")
+        # The old adapter (and CRD's sampler) follows the trained one once per epoch, on its decay schedule
+        # of the optimizer steps so far.
         steps_so_far = (epoch + 1) * t.inner_epochs * t.optimizer_steps_per_epoch
-        ema.step(None if n.old_decay_ramp is None else min(n.old_decay_ramp[0] * steps_so_far, n.old_decay_ramp[1]))
-        if run.eval_ema is not None:  # AWM's eval EMA: min(decay, (1 + s) / (10 + s)), s the optimizer steps so far
+        ema.blend(decay_schedule(steps_so_far, n.choice("old_decay")))
+        if "sampler" in run.adapters:
+            run.adapters["sampler"].blend(decay_schedule(steps_so_far, n.sampler_schedule()))
+        if run.eval_ema is not None and not eval_every_step:  # AWM's: min(decay, (1 + s) / (10 + s)), once an epoch
             run.eval_ema.scheduled_step(steps_so_far, start=0, warmup="flow_grpo")
         train_done = time.perf_counter()
 
@@ -253,54 +280,26 @@ def awm_forward_loss(velocity, old_velocity, target, advantage, sigma, *, streng
 
 def crd_forward_loss(velocity, old_velocity, target, advantage, sigma, *, strength: float, adaptive: bool,
                      awm_kl: float) -> torch.Tensor:
-    """CRD's surrogate ``c ||v - target||^2`` with ``advantage`` the detached weight ``c = -beta e``
-    (:func:`crd_weights`): its gradient is the reward-matching loss's."""
-    return advantage * ((velocity - target) ** 2).mean(dim=tuple(range(1, velocity.ndim)))
+    """CRD's surrogate ``c err(v)`` with ``advantage`` the detached weight ``c`` of
+    :func:`flowrl.algorithms.crd.crd_weights`: its gradient is the reward-matching loss's."""
+    return crd_surrogate(velocity, target, advantage, adaptive=adaptive)
 
 
 FORWARD_LOSSES = {"nft": nft_forward_loss, "awm": awm_forward_loss, "crd": crd_forward_loss}
 
 
-def crd_weights(ratios: torch.Tensor, advantages: torch.Tensor, chunk: torch.Tensor, group_ids: torch.Tensor,
-                keep: torch.Tensor, *, num_rows: int, beta: float, stats: StatsAccumulator) -> torch.Tensor:
-    """[pairs] CRD's per-pair weights ``c = -beta e`` for the pairs in ``chunk`` (0 elsewhere).
-
-    KL-regularised reward maximisation has the optimum ``beta log(pi / pi_ref) = r - beta log Z(prompt)``;
-    centring within a prompt's group cancels ``log Z``, leaving the reward-matching loss
-    ``1/2 sum_i (beta (l_i - lbar) - (a_i - abar))^2`` with ``l`` the implicit log-ratio (one (t, noise)
-    estimate, :func:`implicit_log_ratio`) and ``a`` the clipped group advantage (the clip can leave it
-    off-centre, so it is centred again over the members present). The residual
-    ``e_i = beta (l_i - lbar) - (a_i - abar)`` sums to 0 over a group, so the loss's gradient is
-    ``sum_i beta e_i grad l_i = sum_i -beta e_i grad ||v_theta - target||^2``. Groups are those of the
-    same timestep slot (pair p // num_rows) within the chunk; rows without a reward stay out.
-    """
-    out = torch.zeros(ratios.shape)
-    slots = torch.arange(len(ratios)) // num_rows
-    for key in torch.unique(group_ids[chunk] * (int(slots.max()) + 1) + slots[chunk]).tolist():
-        members = chunk[(group_ids[chunk] * (int(slots.max()) + 1) + slots[chunk] == key) & keep[chunk]]
-        if len(members) < 2:
-            continue
-        centred = advantages[members] - advantages[members].mean()
-        residual = beta * (ratios[members] - ratios[members].mean()) - centred
-        out[members] = -beta * residual
-        stats.add("crd/residual_abs", residual.abs(), torch.ones_like(residual))
-        stats.add("crd/log_ratio_abs", (ratios[members] - ratios[members].mean()).abs(), torch.ones_like(residual))
-    return out
-
-
 @torch.no_grad()
-def implicit_log_ratio(policy, ema, x0, cond, *, guidance: float, noise_seed: list[int],
-                       sigma: torch.Tensor | None) -> torch.Tensor:
-    """[B] one (t, noise) estimate of log pi_theta(x0) - log pi_old(x0) from the flow-matching losses,
-    ``||v_old - target||^2 - ||v_theta - target||^2`` (mean over dims; the old adapter is the reference,
-    as in NFT), at the same noise :func:`forward_process_loss` draws for ``noise_seed``."""
+def implicit_log_ratio(policy, old, x0, cond, *, guidance: float, noise_seed: list[int],
+                       sigma: torch.Tensor | None, adaptive: bool) -> torch.Tensor:
+    """[B] one (t, noise) estimate of log pi_theta(x0) - log pi_old(x0) from the flow-matching errors of the
+    trained and the ``old`` adapter (:func:`flowrl.algorithms.crd.implicit_reward`), at the same noise
+    :func:`forward_process_loss` draws for ``noise_seed``."""
     noised, target, sigma = noised_sample(x0, noise_seed, sigma, policy)
     with policy.local_forward():
         velocity = policy.velocity(noised, sigma, cond, guidance).float()
-        with ema_weights(ema):
+        with ema_weights(old):
             old_velocity = policy.velocity(noised, sigma, cond, guidance).float()
-    dims = tuple(range(1, velocity.ndim))
-    return ((old_velocity - target) ** 2).mean(dim=dims) - ((velocity - target) ** 2).mean(dim=dims)
+    return implicit_reward(velocity, old_velocity, target, adaptive=adaptive)
 
 
 def noised_sample(x0, noise_seed: list[int], sigma: torch.Tensor | None, policy):
@@ -319,20 +318,25 @@ def noised_sample(x0, noise_seed: list[int], sigma: torch.Tensor | None, policy)
     return noised, noise - x0, sigma
 
 
-def forward_process_loss(policy, ema, x0, cond, advantage, weights, *, guidance: float, strength: float,
+def forward_process_loss(policy, old, x0, cond, advantage, weights, *, guidance: float, strength: float,
                          adaptive: bool, beta: float, noise_seed: list[int], stats: StatsAccumulator,
                          sigma: torch.Tensor | None = None, loss: str = "nft", awm_kl: float = 1.0,
-                         loss_options: dict | None = None) -> torch.Tensor:
-    """Summed (not averaged) forward-process loss ``FORWARD_LOSSES[loss]`` of clean latents ``x0``
-    [B, C, h, w] at (t, fresh noise), with ``advantage`` [B] the clipped advantage over the clip
-    (``2r - 1`` for DiffusionNFT's optimality ``r``: 1 trains toward the samples like plain flow matching).
+                         loss_options: dict | None = None, scale: float = 1.0, kl_guidance: float | None = None,
+                         kl_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Summed (not averaged) forward-process loss ``scale * FORWARD_LOSSES[loss] + beta * KL`` of clean latents
+    ``x0`` [B, C, h, w] at (t, fresh noise), with ``advantage`` [B] the clipped advantage over the clip
+    (``2r - 1`` for DiffusionNFT's optimality ``r``: 1 trains toward the samples like plain flow matching)
+    and ``old`` the old adapter (a :class:`~flowrl.training.ema.LoraEMA`). ``loss_options``: further keywords
+    of the loss (AWM's).
 
-    The noise, and ``t ~ U(0, 1)`` when ``sigma`` [B] is not given, come from a generator seeded by
-    ``noise_seed`` (reproducible on any device). ``loss_options``: further keywords of the loss (AWM's).
+    The KL is ``||v - v_ref||^2`` to the base model (adapter off) at guidance ``kl_guidance`` (default: the
+    policy's ``guidance``), times ``kl_weights`` [B] when given; ``scale`` does not act on it, as in
+    DiffusionNFT and Flow-Factory's CRD. The noise, and ``t ~ U(0, 1)`` when ``sigma`` [B] is not given, come
+    from a generator seeded by ``noise_seed`` (reproducible on any device).
     """
     device = policy.device
     noised, target, sigma = noised_sample(x0, noise_seed, sigma, policy)
-    with torch.no_grad(), ema_weights(ema), policy.local_forward():
+    with torch.no_grad(), ema_weights(old), policy.local_forward():
         old_velocity = policy.velocity(noised, sigma, cond, guidance).float()
     velocity = policy.velocity(noised, sigma, cond, guidance).float()
     value = FORWARD_LOSSES[loss](velocity, old_velocity, target, advantage.to(device), sigma, strength=strength,
@@ -341,9 +345,11 @@ def forward_process_loss(policy, ema, x0, cond, advantage, weights, *, guidance:
     kl = torch.zeros_like(value)
     if beta > 0:
         with torch.no_grad(), policy.reference():
-            ref_velocity = policy.velocity(noised, sigma, cond, guidance).float()
+            anchor_guidance = guidance if kl_guidance is None else kl_guidance
+            ref_velocity = policy.velocity(noised, sigma, cond, anchor_guidance).float()
         kl = ((velocity - ref_velocity) ** 2).mean(dim=tuple(range(1, velocity.ndim)))
-    total = value + beta * kl
+    kl_factor = 1.0 if kl_weights is None else kl_weights.to(device)
+    total = scale * value + beta * kl_factor * kl
     stats.add(f"loss/{loss}", value, weights)
     stats.add("loss/kl", kl, weights)
     # How far the trained velocity is from the old adapter's (AWM's regulariser, before its weight).

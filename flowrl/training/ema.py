@@ -63,8 +63,9 @@ class LoraEMA:
     def step(self, decay: float | None = None) -> None:
         """Fold the current weights into the average (after ``optimizer.step()``).
 
-        ``decay`` pins this step's decay (a schedule the caller computes, e.g. DiffusionNFT's ramp for
-        its old policy); None uses the decay the EMA was built with."""
+        ``decay`` pins this step's decay from the second call on (a schedule the caller computes; the
+        first call copies, diffusers' rule; :meth:`blend` applies it on every call); None uses the decay
+        the EMA was built with."""
         if decay is not None:
             self.model.decay = self.model.min_decay = float(decay)
         self.model.step(self.parameters)
@@ -81,6 +82,12 @@ class LoraEMA:
         decay = 0.0 if since <= 0 else self.decay
         if since > 0 and warmup == "flow_grpo":
             decay = min(decay, (1 + since) / (10 + since))
+        self.blend(decay)
+
+    def blend(self, decay: float) -> None:
+        """``shadow = decay * shadow + (1 - decay) * weights``, exactly this decay on every call, the first
+        included (where :meth:`step` copies, diffusers' rule): the update of an adapter snapshot that follows
+        the trained one on a schedule of its own (:func:`decay_schedule`)."""
         self.model.get_decay = lambda _: decay  # noqa: E731  diffusers' own update, at this decay
         try:
             self.model.step(self.parameters)
@@ -136,6 +143,29 @@ class LoraEMA:
         finally:
             self.model.restore(self.parameters)
             self.model.foreach = foreach
+
+
+# DiffusionNFT's old-policy schedules by their ``decay_type`` number (scripts/train_nft_sd3.py, ``return_decay``),
+# as ``(start_step, start_value, slope, end_value)``: 0 keeps no memory (the old adapter is the trained one as
+# it ended the last epoch), 1 is its default ramp, 2 its OCR config's, which holds 0 for 75 steps.
+NFT_DECAY_TYPES: dict[int, tuple[float, float, float, float]] = {
+    0: (0, 0.0, 0.0, 0.0),
+    1: (0, 0.0, 0.001, 0.5),
+    2: (75, 0.0, 0.0075, 0.999),
+}
+
+
+def decay_schedule(step: int, schedule: int | Sequence[float]) -> float:
+    """The decay of an adapter snapshot after ``step`` optimizer steps (the count after the epoch's last one).
+
+    ``schedule`` is a :data:`NFT_DECAY_TYPES` number or ``[start_step, start_value, slope, end_value]``:
+    ``start_value`` before ``start_step``, then ``min(start_value + slope * (step - start_step), end_value)``
+    (Flow-Factory's ``compute_decay`` format, of which DiffusionNFT's types are the ``start_value = 0`` cases)."""
+    start_step, start_value, slope, end_value = (NFT_DECAY_TYPES[schedule] if isinstance(schedule, int)
+                                                 else schedule)
+    if step < start_step:
+        return float(start_value)
+    return float(min(start_value + (step - start_step) * slope, end_value))
 
 
 def ema_weights(ema: LoraEMA | None) -> contextlib.AbstractContextManager:
