@@ -3,10 +3,10 @@
 - Every preset config (Flow-GRPO-Fast, MixGRPO, MixGRPO-Flash, early-step focus, CPS; SD3.5-M and
   FLUX.1-dev) loads and has the window, solver and step kind its header claims.
 - ``sampling.ode_solver``: on a linear "policy" whose probability-flow ODE is solved by hand,
-  DPM-Solver++(2M) (``dpmpp_2m_restart``: on every deterministic step) is far more accurate than Euler at
+  DPM-Solver++(2M) (``dpmpp_2m``: on every deterministic step) is far more accurate than Euler at
   the same step count and converges at second order; with ``euler`` a rollout is bit-identical to the
-  Euler loop written out by hand; ``dpmpp_2m_restart`` restarts after the window; stored SDE steps keep
-  exact log-probs (the on-policy ratio). MixGRPO-Flash's ``dpmpp_2m`` is held to its reference in
+  Euler loop written out by hand; ``dpmpp_2m`` restarts after the window; stored SDE steps keep
+  exact log-probs (the on-policy ratio). MixGRPO-Flash's ``mixgrpo_flash`` is held to its reference in
   tests/test_reference_windows.py.
 - A GRPO smoke run with a sliding window and the second-order solver trains on-policy.
 """
@@ -44,7 +44,7 @@ PRESETS = {
         "sampling.kind": "sde", "sampling.ode_solver": "euler", "sampling.window.size": 3,
         "sampling.window.mode": "sliding", "sampling.window.start_range": [0, 6], "sampling.window.shift_every": 25},
     "configs/sd35_medium/grpo_mixgrpo_flash.yaml": {
-        "sampling.kind": "sde", "sampling.ode_solver": "dpmpp_2m", "sampling.window.size": 3,
+        "sampling.kind": "sde", "sampling.ode_solver": "mixgrpo_flash", "sampling.window.size": 3,
         "sampling.window.mode": "sliding", "sampling.window.start_range": [0, 6], "sampling.window.shift_every": 20},
     "configs/sd35_medium/grpo_early_steps.yaml": {
         "sampling.kind": "sde", "sampling.ode_solver": "euler", "sampling.window.size": 4,
@@ -64,7 +64,7 @@ PRESETS = {
         "sampling.window.start_range": [0, 19], "sampling.window.shift_every": 25, "model.height": 720,
         "sampling.group_size": 12, "sampling.same_noise_in_group": True, "train.clip_range": 1e-4},
     "configs/flux1_dev/grpo_mixgrpo_flash.yaml": {
-        "sampling.kind": "sde", "sampling.ode_solver": "dpmpp_2m", "sampling.num_steps": 25,
+        "sampling.kind": "sde", "sampling.ode_solver": "mixgrpo_flash", "sampling.num_steps": 25,
         "sampling.window.size": 4, "sampling.window.mode": "sliding", "sampling.window.start_range": [0, 19],
         "sampling.window.shift_every": 20},
     "configs/flux1_dev/grpo_early_steps.yaml": {
@@ -101,7 +101,7 @@ def test_flash_presets_differ_from_mixgrpo_only_in_the_solver_and_the_shift_inte
     for folder in ("sd35_medium", "flux1_dev"):
         mix = load_config(Config, REPO / "configs" / folder / "grpo_mixgrpo.yaml")
         flash = load_config(Config, REPO / "configs" / folder / "grpo_mixgrpo_flash.yaml")
-        assert (mix.sampling.ode_solver, flash.sampling.ode_solver) == ("euler", "dpmpp_2m")
+        assert (mix.sampling.ode_solver, flash.sampling.ode_solver) == ("euler", "mixgrpo_flash")
         flash.sampling.ode_solver, flash.sampling.window.shift_every = "euler", mix.sampling.window.shift_every
         flash.run_dir = mix.run_dir
         assert flash == mix, folder
@@ -116,7 +116,7 @@ def test_schema_names_exactly_the_registered_solvers():
 def test_unknown_solver_is_a_one_line_config_error_naming_the_key():
     with pytest.raises(ConfigError, match="sampling.ode_solver") as error:
         load_config(Config, REPO / SMOKE, ["sampling.ode_solver=heun"])
-    assert "\n" not in str(error.value) and "dpmpp_2m" in str(error.value)
+    assert "\n" not in str(error.value) and "mixgrpo_flash" in str(error.value)
     with pytest.raises(ValueError, match="unknown ode_solver 'heun'"):
         rollout(GaussianFlow(), ["p"], group_size=1, num_steps=2, guidance_scale=1.0, noise_level=0.0, seeds=[0],
                 decode=False, ode_solver="heun")
@@ -175,7 +175,7 @@ def _ode_error(policy, num_steps, solver, rows=16):
 def test_second_order_solver_is_far_more_accurate_than_euler_at_equal_steps(shift, num_steps, factor):
     # Measured (float64): uniform 10 steps 0.256 vs 0.0128 (20x); SD3 shift 3, 20 steps 0.187 vs 0.0229 (8x).
     policy = GaussianFlow(shift)
-    euler, second = _ode_error(policy, num_steps, "euler"), _ode_error(policy, num_steps, "dpmpp_2m_restart")
+    euler, second = _ode_error(policy, num_steps, "euler"), _ode_error(policy, num_steps, "dpmpp_2m")
     assert second < euler / factor, (euler, second)
 
 
@@ -185,7 +185,7 @@ def test_euler_converges_at_first_order_and_dpmpp_2m_at_second():
     # steps are first order, which costs only a constant).
     policy = GaussianFlow()
     euler = _ode_error(policy, 40, "euler") / _ode_error(policy, 80, "euler")
-    second = _ode_error(policy, 40, "dpmpp_2m_restart") / _ode_error(policy, 80, "dpmpp_2m_restart")
+    second = _ode_error(policy, 40, "dpmpp_2m") / _ode_error(policy, 80, "dpmpp_2m")
     assert 1.8 < euler < 2.2 and second > 3.0, (euler, second)
 
 
@@ -247,11 +247,11 @@ def test_euler_rollout_is_bit_identical_to_the_euler_loop_written_out(sd3):
         assert torch.equal(traj.images, euler.images)
 
 
-def test_dpmpp_2m_restart_rollout_keeps_exact_log_probs_and_restarts_after_the_window(sd3):
+def test_dpmpp_2m_rollout_keeps_exact_log_probs_and_restarts_after_the_window(sd3):
     steps, seeds, prompts = 8, [1, 2], ["a red circle"]
     plan = StepPlan(steps, sde_start=4, sde_size=2)
     kwargs = dict(group_size=2, num_steps=steps, guidance_scale=4.5, noise_level=0.7, seeds=seeds, plan=plan)
-    second = rollout(sd3, prompts, ode_solver="dpmpp_2m_restart", **kwargs)
+    second = rollout(sd3, prompts, ode_solver="dpmpp_2m", **kwargs)
     euler = rollout(sd3, prompts, **kwargs)
     # Before the window steps 2 and 3 are second order: the window starts from another state than Euler's.
     assert not torch.allclose(second.latents[:, 0], euler.latents[:, 0], rtol=0, atol=1e-4)
@@ -291,10 +291,10 @@ def test_grpo_smoke_run_with_a_sliding_window_and_the_second_order_solver(tmp_pa
     # 6 steps, window of 2 starting at step 3 then 4: Euler before it, DPM-Solver++(2M) after it.
     cfg = load_config(Config, REPO / SMOKE, [
         f"run_dir={tmp_path}", "train.epochs=2", "log.progress=false", "log.eval_every=0", "log.report_prompts=0",
-        "train.export_lora=false", "sampling.num_steps=6", "sampling.ode_solver=dpmpp_2m", "sampling.window.size=2",
+        "train.export_lora=false", "sampling.num_steps=6", "sampling.ode_solver=mixgrpo_flash", "sampling.window.size=2",
         "sampling.window.mode=sliding", "sampling.window.start_range=[3, 4]", "train.clip_range=1e-5"])
     metrics = train(cfg)
-    assert solvers and set(solvers) == {"dpmpp_2m"}, f"the recipe's rollouts ran with {set(solvers)}: " \
+    assert solvers and set(solvers) == {"mixgrpo_flash"}, f"the recipe's rollouts ran with {set(solvers)}: " \
         "it must pass sampling.ode_solver to rollout"
     assert math.isfinite(metrics["loss/total"])
     # The first inner pass is on-policy: the solver moves the window's start state, never a stored transition.

@@ -183,7 +183,7 @@ def reference_dpm2(velocity, x, sigmas):
     return x
 
 
-def test_nft_rollout_with_dpmpp_2m_restart_is_the_reference_dpm2_sampler():
+def test_nft_rollout_with_dpmpp_2m_is_the_reference_dpm2_sampler():
     from flowrl.models import build_policy
     from flowrl.sampling import StepPlan, rollout
     from flowrl.sampling.seeding import generators
@@ -192,7 +192,7 @@ def test_nft_rollout_with_dpmpp_2m_restart_is_the_reference_dpm2_sampler():
     steps, seeds = 6, [3, 4]
     # The nft recipe's rollout: noise 0, only the last step stored (it is the plan's one 'SDE' step, at noise 0).
     traj = rollout(policy, ["a red circle"], group_size=2, num_steps=steps, guidance_scale=1.0, noise_level=0.0,
-                   seeds=seeds, plan=StepPlan(steps, sde_start=steps - 1), ode_solver="dpmpp_2m_restart", decode=False)
+                   seeds=seeds, plan=StepPlan(steps, sde_start=steps - 1), ode_solver="dpmpp_2m", decode=False)
     cond = policy.encode(["a red circle"]).select(torch.tensor([0, 0]))
     x = policy.init_noise(2, generator=generators(seeds)).double()
     sigmas = policy.sigmas(steps).double()

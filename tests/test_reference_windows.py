@@ -9,7 +9,7 @@ when the window reaches it. flowrl: ``sampling.window.mode: random`` with ``star
 MixGRPO-Flash (Tencent-Hunyuan/MixGRPO @ e5cdd6a, ``fastvideo/utils/sampling_utils.py``, ``dpm_apply_strategy
 post``, ``flow_grpo_sampling``): Euler before and inside the window (the SDE on the window steps), every step up to
 the window's end pushing its data prediction ``x - sigma v`` into the DPM-Solver++ history; after the window
-DPM-Solver++(2M), midpoint form, first order on the last step. flowrl: ``sampling.ode_solver: dpmpp_2m``.
+DPM-Solver++(2M), midpoint form, first order on the last step. flowrl: ``sampling.ode_solver: mixgrpo_flash``.
 """
 
 import os
@@ -224,7 +224,7 @@ def test_flash_is_euler_to_the_window_end_then_dpmpp_2m_seeded_by_the_window(sta
     flow, steps, seeds = LinearFlow(), 6, [5, 6, 7]
     plan = StepPlan(steps, sde_start=start, sde_size=2)
     traj = rollout(flow, ["p"], group_size=3, num_steps=steps, guidance_scale=1.0, noise_level=0.7, seeds=seeds,
-                   plan=plan, decode=False, ode_solver="dpmpp_2m")
+                   plan=plan, decode=False, ode_solver="mixgrpo_flash")
     sigmas = flow.sigmas(steps)
     # Before the window: Euler, x' = x + (sigma' - sigma) v, from the initial noise.
     x = flow.init_noise(3, generator=generators(seeds))
@@ -272,7 +272,7 @@ def test_flash_numbers_by_hand_on_one_coordinate():
     final = {solver: rollout(One(), ["p"], group_size=1, num_steps=4, guidance_scale=1.0, noise_level=0.0, seeds=[0],
                              plan=StepPlan(4, sde_start=1, sde_size=1), decode=False,
                              ode_solver=solver).final_latents.item()
-             for solver in ("dpmpp_2m", "euler", "dpmpp_2m_restart")}
-    assert final["dpmpp_2m"] == pytest.approx(171 / 512, abs=1e-12)
+             for solver in ("mixgrpo_flash", "euler", "dpmpp_2m")}
+    assert final["mixgrpo_flash"] == pytest.approx(171 / 512, abs=1e-12)
     assert final["euler"] == pytest.approx(81 / 256, abs=1e-12)
-    assert final["dpmpp_2m_restart"] == pytest.approx(81 / 256, abs=1e-12)
+    assert final["dpmpp_2m"] == pytest.approx(81 / 256, abs=1e-12)

@@ -136,11 +136,11 @@ class SamplingConfig:
     kind: Literal["sde", "cps", "dance"] = "sde"
     """Stochastic step inside the window: Flow-GRPO SDE, coefficient-preserving sampling, or DanceGRPO's SDE (the
     same mean with a constant std_t = noise_level; BranchGRPO's sampler, noise_level 0.3 there)."""
-    ode_solver: Literal["euler", "dpmpp_2m", "dpmpp_2m_restart"] = "euler"
-    """Deterministic steps outside the SDE window (never stored or trained): euler; dpmpp_2m, MixGRPO-Flash's
+    ode_solver: Literal["euler", "mixgrpo_flash", "dpmpp_2m"] = "euler"
+    """Deterministic steps outside the SDE window (never stored or trained): euler; mixgrpo_flash, MixGRPO-Flash's
     sampler: Euler before and inside the window, DPM-Solver++(2M) (no extra model call per step) only after it,
-    its history seeded with the window steps' clean-latent predictions; dpmpp_2m_restart, DPM-Solver++(2M) on
-    every deterministic step, before the window too (a more accurate start state), restarting after it."""
+    its history seeded with the window steps' clean-latent predictions; dpmpp_2m, DPM-Solver++(2M) on
+    every deterministic step, before the window too, restarting after it (DiffusionNFT's all-ODE rollouts)."""
     group_size: int = 24
     """Trajectories per prompt (the GRPO group)."""
     prompts_per_batch: int = 2

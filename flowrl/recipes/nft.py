@@ -10,7 +10,7 @@ pulling the velocity toward good samples and away from bad ones. ``nft.loss`` pi
   (:func:`flowrl.algorithms.losses.nft_loss`), times its ``advantage_clip / strength``
   (``nft.loss_scale``), the scale its published KL betas and ``max_grad_norm`` assume. Reference:
   NVlabs/DiffusionNFT ``scripts/train_nft_sd3.py`` and ``config/nft.py`` at 24af555 (its rollouts are
-  DPM-Solver 2nd order: ``sampling.ode_solver: dpmpp_2m_restart``, the same steps). Its gradient is a
+  DPM-Solver 2nd order: ``sampling.ode_solver: dpmpp_2m``, the same steps). Its gradient is a
   supervised one: on the toy world, 12 epochs on four training prompts take strict ToyEval from 0.31 to 0.51 where full-SDE GRPO
   reaches 0.41, and on the whole prompt set it raises the held-out task mean while GRPO stays flat
   (assets/toy/README.md, tests/test_toy_rl.py). Remaining differences: the reference feeds its sampler's

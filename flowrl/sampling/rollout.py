@@ -2,7 +2,7 @@
 
 Steps inside the plan's SDE window are stochastic (``kind``: sde or cps, at ``noise_level`` or the plan's
 per-step level) and stored with their log-probabilities; every other step is a deterministic ODE step of
-``ode_solver`` (Euler; or MixGRPO-Flash's ``dpmpp_2m``: Euler up to the end of the window, DPM-Solver++(2M)
+``ode_solver`` (Euler; or MixGRPO-Flash's ``mixgrpo_flash``: Euler up to the end of the window, DPM-Solver++(2M)
 after it, its history holding the window's clean-latent predictions; see ``flowrl.sampling.steps.ODE_SOLVERS``).
 Tree rollouts split each row into ``branch_factor`` children right before every branch step: children share
 the parent's computed prefix (computed once) and differ from that step on because each child draws its own

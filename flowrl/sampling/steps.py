@@ -37,9 +37,9 @@ sigma-only arithmetic is done once for every step, with bit-identical results.
 for ``"sde"``, the step std for ``"cps"`` (see its docstring).
 
 :data:`ODE_SOLVERS` are the deterministic steps a rollout takes outside its SDE window (``sampling.ode_solver``):
-Euler (the ``"ode"`` kind above), MixGRPO-Flash's ``dpmpp_2m`` (Euler before and inside the window,
+Euler (the ``"ode"`` kind above), MixGRPO-Flash's ``mixgrpo_flash`` (Euler before and inside the window,
 DPM-Solver++(2M) -- ``dpmsolver++``, order 2, midpoint form -- only after it, its history seeded with the window
-steps' clean-latent predictions), or ``dpmpp_2m_restart`` (DPM-Solver++(2M) on every deterministic step, before
+steps' clean-latent predictions), or ``dpmpp_2m`` (DPM-Solver++(2M) on every deterministic step, before
 the window too, restarting after it). Those steps are never stored or trained, so the solver changes which states
 the window starts from and how the clean sample is reached, never a log-probability.
 
@@ -358,8 +358,8 @@ class OdeSolver:
 ODE_SOLVERS = {
     "euler": OdeSolver(euler_ode_step),
     # MixGRPO-Flash (Tencent-Hunyuan/MixGRPO, fastvideo/utils/sampling_utils.py, dpm_apply_strategy "post").
-    "dpmpp_2m": OdeSolver(dpmpp_2m_ode_step, after_window=True),
-    # flowrl's earlier variant: second order before the window as well, so the window starts from a more
-    # accurate ODE state; it matches no reference.
-    "dpmpp_2m_restart": OdeSolver(dpmpp_2m_ode_step),
+    "mixgrpo_flash": OdeSolver(dpmpp_2m_ode_step, after_window=True),
+    # Second order on every deterministic step, restarting after each SDE step: DiffusionNFT's "dpm2" rollouts
+    # (all ODE), and before a GRPO window a more accurate start state than Flash's Euler.
+    "dpmpp_2m": OdeSolver(dpmpp_2m_ode_step),
 }
