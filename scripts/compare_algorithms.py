@@ -63,6 +63,7 @@ METHODS: dict[str, tuple[str, list[str]]] = {
     "tmpo_tree": ("configs/toy/tmpo.yaml", []),  # TMPO: 27-leaf tree, CPS at Beta-scheduled splits
     "nft": (NFT, []),
     "awm": (AWM, []),
+    "crd": ("configs/toy/crd.yaml", []),  # CRD, after Flow-Factory's port
 }
 TASKS = ("single_object", "counting", "two_object", "position")
 
