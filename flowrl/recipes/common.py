@@ -1,5 +1,5 @@
 """Bookkeeping that every recipe shares: starting a run (from the pieces :mod:`flowrl.recipes.build`
-makes), the per-epoch step plan, sampling and scoring, checkpoint save/restore, eval grids, the end of
+makes), sampling and scoring with the epoch's step plan (:mod:`flowrl.recipes.plans`), checkpoint save/restore, eval grids, the end of
 each epoch and of the run with the final LoRA export.
 
 Recipes stay leaf code that reads top to bottom; what lives here is what would otherwise be
@@ -22,16 +22,16 @@ from flowrl.algorithms.combine import COMBINERS
 from flowrl.algorithms.marble import MarbleBalancer
 from flowrl.recipes.build import (  # noqa: F401  (build_rewards, flat_config: re-exported for callers)
     build_rewards, build_training_policy, eval_prompt_set, flat_config, load_prompt_splits, make_accelerator)
+from flowrl.recipes.plans import batch_plan, beta_split_scheduler, step_plan  # noqa: F401  (step_plan re-exported)
 from flowrl.recipes.snapshots import anchor_pull
-from flowrl.config import Config, ConfigError, SamplingConfig, check, save_config, to_dict
+from flowrl.config import Config, ConfigError, check, save_config, to_dict
 from flowrl.data import PromptSet, epoch_prompt_indices, prompts_per_batch
 from flowrl.eval_tasks import stratified_prefix
 from flowrl.models.lora_io import lora_config_dict, lora_state_dict
 from flowrl.models.text_cache import attach_text_cache
 from flowrl.report import evaluate, render, write_report
 from flowrl.rewards_api import nan_summary
-from flowrl.sampling import StepPlan, chunked_rollout, concat_trajectories, rollout, root_seeds, window_start
-from flowrl.sampling.plan import branch_schedule, depth_pruned_steps
+from flowrl.sampling import StepPlan, chunked_rollout, concat_trajectories, rollout, root_seeds
 from flowrl.sampling.split_schedule import BetaSplitScheduler
 from flowrl.sampling.pilot import commit_candidates, join_committed, pilot_variances, slot_seeds
 from flowrl.training.ema import LoraEMA, ema_weights
@@ -40,51 +40,6 @@ from flowrl.training.lr import build_lr_scheduler
 from flowrl.training.guard import DiversityGuard, restore_weights
 from flowrl.training.metrics import MetricsLogger
 from flowrl.training.stats import StatsAccumulator
-
-
-def step_plan(s: SamplingConfig, epoch: int, seed: int, split_scheduler: BetaSplitScheduler | None = None, *,
-              batch: int = 0, rank: int = 0) -> StepPlan:
-    """This epoch's plan: full SDE, a (random / sliding / fixed) window, tree branch points (fixed, moving
-    per epoch, or drawn by TMPO's reward-adaptive ``split_scheduler``, called once per epoch), BranchGRPO's
-    split noise and the steps its depth pruning leaves untrained. With per-split noise levels the SDE window
-    spans the branch steps and is deterministic between them.
-
-    ``window.mode: random`` (Flow-GRPO-Fast) draws its start per rollout ``batch`` of the epoch and per
-    process ``rank``: :func:`sample_and_score` asks for each batch's plan with ``batch_windows``."""
-    tree = s.tree
-    split_levels = tuple(tree.split_noise_levels or ())
-    if split_scheduler is not None:
-        branch_steps, split_levels = split_scheduler.schedule(epoch, seed)
-    else:
-        schedule = "fixed" if tree.schedule == "beta" else tree.schedule  # beta before any reward: its first steps
-        branch_steps = branch_schedule(epoch, num_steps=s.num_steps, steps=tuple(tree.branch_steps),
-                                       schedule=schedule, shift_every=tree.shift_every, seed=seed,
-                                       branch_range=tuple(tree.branch_range) if tree.branch_range else None)
-    pruned = depth_pruned_steps(epoch, num_steps=s.num_steps, last_branch=max(branch_steps), size=tree.prune_depth,
-                                shift_every=tree.prune_depth_shift_every) if branch_steps else ()
-    branch = dict(branch_steps=branch_steps, branch_factor=tree.branch_factor if branch_steps else 1,
-                  pruned_steps=pruned, split_noise_scale=tree.split_noise_scale if branch_steps else 1.0)
-    if split_levels and branch_steps:
-        levels = dict.fromkeys(range(branch_steps[0], branch_steps[-1] + 1), 0.0)  # ODE between the splits
-        levels.update(zip(branch_steps, split_levels))
-        return StepPlan(s.num_steps, sde_start=branch_steps[0], sde_size=branch_steps[-1] - branch_steps[0] + 1,
-                        noise_levels=tuple(levels.items()), **branch)
-    if s.window.size is None:
-        return StepPlan(s.num_steps, **branch)
-    start_range = tuple(s.window.start_range) if s.window.start_range else None
-    start = window_start(epoch, num_steps=s.num_steps, size=s.window.size, mode=s.window.mode,
-                         start_range=start_range, shift_every=s.window.shift_every, seed=seed, batch=batch,
-                         rank=rank)
-    return StepPlan(s.num_steps, sde_start=start, sde_size=s.window.size, **branch)
-
-
-def batch_plan(plan: StepPlan, s: SamplingConfig, batch_windows: bool, *, seed: int, epoch: int, batch: int,
-               rank: int) -> StepPlan:
-    """The plan rollout batch ``batch`` of process ``rank`` samples with: its own draw of a random window
-    (Flow-GRPO-Fast) when ``batch_windows``, else the epoch's ``plan``."""
-    if not batch_windows or s.window.size is None or s.window.mode != "random":
-        return plan
-    return step_plan(s, epoch, seed, batch=batch, rank=rank)
 
 
 def restore_checkpoint(cfg: Config, policy, optimizer, ema, *, rank: int, snapshots: dict | None = None) -> dict:
@@ -325,19 +280,6 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, adapters: 
         marble=marble, reference=reference, reference_resets=int(resumed.get("reference_resets", 0)), anchor=anchor,
         guard=guard, scheduler=scheduler, split_scheduler=split_scheduler, eval_ema=eval_ema, adapters=copies,
     )
-
-
-def beta_split_scheduler(s: SamplingConfig) -> BetaSplitScheduler | None:
-    """TMPO's reward-adaptive split scheduler for ``sampling.tree.schedule=beta``, else None."""
-    tree = s.tree
-    if tree.schedule != "beta":
-        return None
-    low, high = tree.branch_range or (0, s.num_steps - 1)
-    b = tree.beta
-    return BetaSplitScheduler(first_steps=tuple(tree.branch_steps), base_noise_levels=tuple(tree.split_noise_levels),
-                              low=low, high=high, kappa=b.kappa, min_gap=b.min_gap,
-                              reward_bounds=tuple(b.reward_bounds), bounds_decay=b.bounds_decay,
-                              alpha_decay=b.alpha_decay, alpha_min=b.alpha_min)
 
 
 def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_level: float, kind: str = "sde",
