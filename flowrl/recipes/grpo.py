@@ -1,7 +1,8 @@
 """Online trajectory RL for flow models: GRPO (Flow-GRPO) with window and tree rollouts.
 
 Choices, all set in the config (``flowrl/config/schema.py``):
-- rollouts: full SDE, an SDE window (Flow-GRPO-Fast random start / MixGRPO sliding start) or a
+- rollouts: full SDE, an SDE window (Flow-GRPO-Fast: a random start per rollout batch and process, each
+  row training at its own steps / MixGRPO sliding start) or a
   tree that branches at fixed steps (BranchGRPO / TreeGRPO) or at steps that move per epoch (TMPO's
   dynamic tree, ``sampling.tree.schedule``), with BranchGRPO's width and depth pruning acting on the
   loss mask; only stochastic steps are stored;
@@ -28,7 +29,8 @@ Choices, all set in the config (``flowrl/config/schema.py``):
 
 Rollout batch i is scored in a worker thread while batch i+1 is sampled. Under
 ``accelerate launch`` prompts are sharded, rewards are gathered so advantages see whole groups and
-the global std, and row seeds come from global row indices, so N processes reproduce one.
+the global std, and row seeds come from global row indices, so N processes reproduce one (except
+under Flow-GRPO-Fast's windows, which each process draws for itself, as the reference does).
 
 Run: ``flowrl train configs/smoke/sd3_tiny.yaml`` (CPU, seconds) or
 ``accelerate launch --num_processes 8 -m flowrl train configs/sd35_medium/grpo_ocr.yaml``.
