@@ -59,7 +59,8 @@ METHODS: dict[str, tuple[str, list[str]]] = {
     "dense_cosine": (GRPO, ["train.credit=dense_cosine"]),
     "dense_ode": (GRPO, ["train.credit=dense_ode"]),
     "pilot_commit": (GRPO, ["sampling.pilot.candidates=16", "sampling.pilot.group_size=4"]),
-    "tmpo": (GRPO, ["train.loss=tmpo", "train.beta=0", "train.std_scope=group"]),  # Softmax-TB on flat groups
+    "tmpo": (GRPO, ["train.loss=tmpo", "train.beta=0", "train.std_scope=group",  # Softmax-TB on flat groups,
+                    "train.learning_rate=3.3e-5"]),  # at configs/toy/tmpo.yaml's rate
     "tmpo_tree": ("configs/toy/tmpo.yaml", []),  # TMPO: 27-leaf tree, CPS at Beta-scheduled splits
     "nft": (NFT, []),
     "awm": (AWM, []),
