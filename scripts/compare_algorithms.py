@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -272,7 +273,7 @@ def main() -> None:
                         help="write the table as this '## ' section of docs/results.md (replacing a section of that "
                              "title, else appended) instead of replacing the main table: for reruns of some methods")
     args = parser.parse_args()
-    command = "python scripts/compare_algorithms.py " + " ".join(sys.argv[1:])
+    command = "python scripts/compare_algorithms.py " + shlex.join(sys.argv[1:])
     chosen = tune(args) if args.tune_budget_s > 0 else {}
     lr = lambda name: [f"train.learning_rate={chosen[name]['lr']:g}"] if chosen else []  # noqa: E731
     if not args.table_only:
