@@ -53,7 +53,7 @@ METHODS: dict[str, tuple[str, list[str]]] = {
     "grpo_full": (GRPO, []),  # Flow-GRPO: every step stochastic and trained
     "grpo_fast": ("configs/toy/grpo_fast.yaml", []),  # Flow-GRPO-Fast: a window drawn per rollout batch
     "grpo_mix": (GRPO, SLIDING),  # MixGRPO
-    "grpo_mix_flash": (GRPO, SLIDING + ["sampling.ode_solver=mixgrpo_flash"]),  # MixGRPO-Flash
+    "grpo_mix_flash": ("configs/toy/grpo_mixgrpo_flash.yaml", []),  # MixGRPO-Flash: SLIDING + its solver
     "grpo_early": (GRPO, WINDOW + ["sampling.window.mode=fixed", "sampling.window.start_range=[0,0]"]),
     "grpo_tree": ("configs/toy/grpo_tree.yaml", []),  # BranchGRPO
     "grpo_guard": ("configs/toy/grpo_guard.yaml", []),  # GRPO-Guard
