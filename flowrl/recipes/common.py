@@ -158,15 +158,13 @@ class Run:
     def snapshots(self) -> dict[str, LoraEMA]:
         """The adapter copies that checkpoints save and resume restores."""
         best = self.guard.best if self.guard is not None and self.guard.best.tensors else None
-        old = self.ema if self.eval_ema is not None else None  # the checkpoint's ema.safetensors holds eval_ema
-        return {name: s for name, s in (("reference", self.reference), ("anchor", self.anchor), ("guard_best", best),
-                                        ("old", old), *self.adapters.items()) if s is not None}
+        return named_snapshots(self.reference, self.anchor, best, self.ema, self.eval_ema, self.adapters)
 
     @property
     def exported_ema(self) -> LoraEMA | None:
         """The weights eval, the report, the export and checkpoints' ema.safetensors hold: the eval EMA where one is
         kept, else ``ema``."""
-        return self.eval_ema if self.eval_ema is not None else self.ema
+        return exported(self.ema, self.eval_ema)
 
     @property
     def eval_guidance(self) -> float:
@@ -183,6 +181,19 @@ class Run:
     def guard_stopped(self) -> bool:
         """Whether the diversity guard (guard.policy=stop) ended the run."""
         return self.guard is not None and self.guard.stopped
+
+
+def named_snapshots(reference, anchor, guard_best, ema, eval_ema, adapters: dict) -> dict[str, LoraEMA]:
+    """{name: adapter copy} that checkpoints save beside ema.safetensors; ``ema`` is one of them, as "old", where
+    an eval EMA takes ema.safetensors (recipe nft)."""
+    old = ema if eval_ema is not None else None
+    return {name: s for name, s in (("reference", reference), ("anchor", anchor), ("guard_best", guard_best),
+                                    ("old", old), *adapters.items()) if s is not None}
+
+
+def exported(ema: LoraEMA | None, eval_ema: LoraEMA | None) -> LoraEMA | None:
+    """The EMA that eval and export use, and checkpoints save as ema.safetensors: the eval EMA where kept."""
+    return eval_ema if eval_ema is not None else ema
 
 
 def start_run(cfg: Config, accelerator: Accelerator | None = None, *, adapters: tuple[str, ...] = ()) -> Run:
@@ -246,12 +257,8 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, adapters: 
                            diversity_weight=gd.diversity_weight,
                            write=tqdm.write if accelerator.is_main_process else None) if gd.enabled else None
     copies = {name: snapshot() for name in adapters}
-    snapshots = {name: s for name, s in (("reference", reference), ("anchor", anchor),
-                                         ("guard_best", guard.best if guard else None),
-                                         ("old", ema if eval_ema is not None else None), *copies.items())
-                 if s is not None}
-    resumed = restore_checkpoint(cfg, policy, optimizer, eval_ema if eval_ema is not None else ema,
-                                 rank=accelerator.process_index,
+    snapshots = named_snapshots(reference, anchor, guard.best if guard else None, ema, eval_ema, copies)
+    resumed = restore_checkpoint(cfg, policy, optimizer, exported(ema, eval_ema), rank=accelerator.process_index,
                                  snapshots=snapshots) if t.resume else {"epoch": -1}
     if "lr_scheduler" in resumed:
         scheduler.load_state_dict(resumed["lr_scheduler"])

@@ -135,11 +135,11 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         if cfg.gardo.kl_fraction < 1:
             scores = uncertainty(combined, {key: gathered[key] for key in auxiliary}, all_groups)  # [N_all]
             kl_gate = gated_rows(scores, cfg.gardo.kl_fraction)[local]  # [N]
-        traj.advantages = edge_advantages(row_adv, traj.edge_ids)  # [N, K]
         scored = torch.isfinite(combined[local])  # [N]
-        if depth_backup:  # BranchGRPO: per tree and step, z-scores of the edges' mean leaf rewards, then the clip
-            traj.advantages = branch_advantages(gardo_weighted(combined_adv[local], distances), scored, traj.edge_ids,
-                                                traj.parent, clip=t.advantage_clip)
+        # Tree edges: BranchGRPO's per-tree, per-step z-scores of the mean leaf rewards, or the mean leaf advantage.
+        edges_of = partial(tree_edge_advantages, traj=traj, scored=scored, distances=distances,
+                           clip=t.advantage_clip, depth_standardised=depth_backup)
+        traj.advantages = edges_of(combined_adv[local])  # [N, K]
         # Diversity guard: these rollouts' in-group diversity against its start; past guard.max_drop it warns,
         # raises the live KL beta (run.beta, this epoch's update on) or stops the run after this epoch.
         guard_metrics = {} if run.guard is None or not run.guard.due(epoch) else run.guard.observe(
@@ -178,10 +178,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
 
         # MARBLE: each weighted reward's own clipped advantage on every edge, balanced per optimizer step.
         per_reward = None if run.marble is None else {
-            name: branch_advantages(gardo_weighted(adv[local], distances), scored, traj.edge_ids, traj.parent,
-                                    clip=t.advantage_clip) if depth_backup else
-            edge_advantages(gardo_weighted(adv[local].clamp(-t.advantage_clip, t.advantage_clip), distances),
-                            traj.edge_ids)  # [N, K]
+            name: edges_of(adv[local])  # [N, K]
             for name, adv in reward_advantages({key: gathered[key] for key in run.weights}, run.weights, all_groups,
                                                partial(estimator, std_scope=t.std_scope)).items()}
 
@@ -246,6 +243,17 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
 
 def gardo_weighted(advantages: torch.Tensor, distances: torch.Tensor | None) -> torch.Tensor:
     return advantages if distances is None else diversity_weighted(advantages, distances)
+
+
+def tree_edge_advantages(row_advantages: torch.Tensor, *, traj, scored: torch.Tensor, distances: torch.Tensor | None,
+                         clip: float, depth_standardised: bool) -> torch.Tensor:
+    """[N] unclipped row advantages -> [N, K] the advantage each stored edge trains on, GARDO-weighted: BranchGRPO's
+    per-tree, per-step z-scores (clipped after), or each edge's mean clipped leaf advantage (a broadcast without a
+    tree)."""
+    if depth_standardised:
+        return branch_advantages(gardo_weighted(row_advantages, distances), scored, traj.edge_ids, traj.parent,
+                                 clip=clip)
+    return edge_advantages(gardo_weighted(row_advantages.clamp(-clip, clip), distances), traj.edge_ids)
 
 
 def gardo_metrics(distances: torch.Tensor | None, kl_gate: torch.Tensor | None) -> dict[str, float]:

@@ -67,7 +67,8 @@ class TmpoPaths:
         if self.t.tmpo_reference == "base":
             with run.policy.reference():
                 self.reference = self._edges(every)[0]
-        self.advantage_abs_mean = float(self._targets(self._paths(self.old_log_probs)).abs().mean())
+        self.old_paths, self.reference_paths = self._paths(self.old_log_probs), self._paths(self.reference)  # [N]
+        self.advantage_abs_mean = float(self._targets(self.old_paths).abs().mean())
 
     def _paths(self, edge_values: torch.Tensor) -> torch.Tensor:
         return edge_values[self.index].sum(dim=1)  # [N]
@@ -138,9 +139,9 @@ class TmpoPaths:
             weights = ratio_norm_weights(current[edges] - self.old_log_probs[edges], shifts[edges], self.stds,
                                          clip=t.tmpo_clip_range)
             path = paths[members].clone().requires_grad_(True)
-            surrogate, ratio_stats = path_surrogate(path, self._paths(self.old_log_probs)[members], advantages[members],
-                                                    weights, clip=t.tmpo_clip_range)
-            regulariser = reference_term(path, self._paths(self.reference)[members], len(self.columns))
+            surrogate, ratio_stats = path_surrogate(path, self.old_paths[members], advantages[members], weights,
+                                                    clip=t.tmpo_clip_range)
+            regulariser = reference_term(path, self.reference_paths[members], len(self.columns))
             total = surrogate + t.tmpo_ref_weight * regulariser  # [K]
             (gradient[members],) = torch.autograd.grad(total.mean(), path)
             ones = torch.ones(len(members))
