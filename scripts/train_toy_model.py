@@ -4,7 +4,7 @@ What: a real ``StableDiffusion3Pipeline`` (MMDiT ``SD3Transformer2DModel``, ``Au
 two CLIP text encoders, the offline CLIP BPE tokenizer, ``FlowMatchEulerDiscreteScheduler``;
 the T5 slot holds a 1-layer stand-in whose output is exactly zero, see ``make_null_t5``) trained
 from scratch with rectified flow matching on 32 px renders of the toy world (``flowrl.toy.world``)
-for prompts of the TRAIN split of ``flowrl.toy.prompts.split(0, **PRETRAIN_SPLIT)`` (2 held-out
+for prompts of the TRAIN split of ``flowrl.toy.prompts.split(0, **SPLIT)`` (2 held-out
 combos; the RL split of assets/prompts/toy holds out those and 4 more).
 
 Why: the RL loop needs a *pretrained* base model that is cheap (a 64-image CFG rollout in ~1.5 s
@@ -95,6 +95,7 @@ from diffusers import (  # noqa: E402
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel  # noqa: E402
 
 from flowrl.models.tiny import clip_tokenizer_for, tiny_t5_tokenizer  # noqa: E402
+from flowrl.toy import captions  # noqa: E402
 from flowrl.toy import prompts as toy_prompts  # noqa: E402
 from flowrl.toy.world import render_batch  # noqa: E402
 
@@ -205,20 +206,32 @@ def task_balanced_specs(items, n: int, rng: np.random.Generator) -> list[tuple[s
     return out
 
 
-def stage_data(work: Path, n_images: int, seed: int) -> dict:
+def stage_data(work: Path, n_images: int, seed: int, noise: dict[str, float] | None = None) -> dict:
+    """Render n_images train-split scenes; with `noise`, each image shows its caption's corrupted spec
+    (`flowrl.toy.captions`) with the given probability per kind. Cached as data.pt."""
     path = work / "data.pt"
     if path.exists():
         return torch.load(path, weights_only=True)
     t0 = time.time()
     rng = np.random.default_rng(seed)
-    items = task_balanced_specs(toy_prompts.train_prompts(0, **toy_prompts.PRETRAIN_SPLIT), n_images, rng)
+    items = task_balanced_specs(toy_prompts.train_prompts(0, **toy_prompts.SPLIT), n_images, rng)
+    shown, kinds = [s for _, s in items], {}
+    if noise and any(noise.values()):
+        rule = toy_prompts.heldout_rule(0, **toy_prompts.SPLIT)
+        shown = []
+        for _, spec in items:
+            drawn, applied = captions.corrupt(spec, noise, rng, rule)
+            shown.append(drawn)
+            for k in applied or ["none"]:
+                kinds[k] = kinds.get(k, 0) + 1
     images = []
     for i in range(0, n_images, 1000):
-        imgs, _ = render_batch([s for _, s in items[i:i + 1000]], rng, size=RESOLUTION)
+        imgs, _ = render_batch(shown[i:i + 1000], rng, size=RESOLUTION)
         images.append((imgs * 255).round().to(torch.uint8))
     data = {"images": torch.cat(images), "prompts": [p for p, _ in items]}
     torch.save(data, path)
-    log(f"data: rendered {n_images} train-split images in {time.time() - t0:.0f}s")
+    log(f"data: rendered {n_images} train-split images in {time.time() - t0:.0f}s"
+        + (f"; corruptions {json.dumps(kinds)}" if kinds else ""))
     return data
 
 
@@ -275,7 +288,7 @@ def vae_check(vae: AutoencoderKL, seed: int, n: int = 256) -> dict:
     from rewards.toyeval import ToyEval
 
     rng = np.random.default_rng(seed + 7)
-    items = task_balanced_specs(toy_prompts.heldout_prompts(0, **toy_prompts.PRETRAIN_SPLIT), n, rng)
+    items = task_balanced_specs(toy_prompts.heldout_prompts(0, **toy_prompts.SPLIT), n, rng)
     imgs, _ = render_batch([s for _, s in items], rng, size=RESOLUTION)
     rec = (vae.decode(vae.encode(imgs * 2 - 1).latent_dist.mean).sample / 2 + 0.5).clamp(0, 1)
     ev = ToyEval()
@@ -332,6 +345,11 @@ def stage_flow(work: Path, out: Path, data: dict, vae: AutoencoderKL, args) -> T
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
     start = 0
     ckpt_path = work / "ckpt.pt"
+    if args.init_from and not ckpt_path.exists():  # fine-tune: both copies start at the given model's EMA
+        init = torch.load(Path(args.init_from) / "ckpt.pt", weights_only=True)
+        model.load_state_dict(init["ema"])
+        ema.load_state_dict(init["ema"])
+        log(f"flow: starting from the EMA of {args.init_from} (step {init['step']})")
     if ckpt_path.exists():
         ck = torch.load(ckpt_path, weights_only=True)
         model.load_state_dict(ck["model"])
@@ -345,7 +363,8 @@ def stage_flow(work: Path, out: Path, data: dict, vae: AutoencoderKL, args) -> T
     t0, run_loss = time.time(), []
     for step in range(start, args.steps):
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)  # per-step RNG: exact resume
-        lr = args.lr * min(1.0, (step + 1) / 200) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
+        warm = min(1.0, (step + 1) / 200)
+        lr = args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
         for g in opt.param_groups:
             g["lr"] = lr
         idx = torch.randint(len(latents), (args.batch,), generator=gen)
@@ -395,7 +414,7 @@ def evaluate(pipe: StableDiffusion3Pipeline, n: int = 512, seed: int = 0, steps:
 
     ev = ToyEval()
     result = {}
-    split = toy_prompts.split(0, **toy_prompts.PRETRAIN_SPLIT)  # the split the shipped model was trained on
+    split = toy_prompts.split(0, **toy_prompts.SPLIT)  # the split the shipped model was trained on
     for name, items in (("heldout", split[1]), ("train", split[0])):
         by_task: dict[str, list] = {}
         for it in items:
@@ -467,6 +486,11 @@ def main() -> None:
     ap.add_argument("--ema", type=float, default=0.999)
     ap.add_argument("--cfg-drop", type=float, default=0.1)
     ap.add_argument("--ckpt-every", type=int, default=2000)
+    ap.add_argument("--caption-noise", type=captions.parse_noise, default=None,
+                    help="noisy captions, e.g. color=0.5,count=0.5,relation=0.5,missing=0.3: the probability "
+                         "per kind that an image shows a corrupted spec (flowrl.toy.captions)")
+    ap.add_argument("--init-from", help="work dir of a trained run: start from its EMA weights, VAE and latent "
+                                        "scaling (fine-tuning, e.g. on noisy captions)")
     ap.add_argument("--eval-n", type=int, default=512, help="prompts per split (a quarter per task)")
     ap.add_argument("--guidance", type=float, default=DEFAULT_GUIDANCE, help="CFG scale of the evaluation")
     ap.add_argument("--export-only", action="store_true", help="export the latest checkpoint's EMA and stop")
@@ -481,14 +505,20 @@ def main() -> None:
         log(json.dumps(evaluate(load_pipeline(out), n=args.eval_n, seed=args.seed, guidance=args.guidance)))
         return
 
-    data = stage_data(work, args.n_images, args.seed)
+    data = stage_data(work, args.n_images, args.seed, args.caption_noise)
+    if args.init_from:
+        init_work = Path(args.init_from)
+        if not (work / "vae.pt").exists():
+            torch.save(torch.load(init_work / "vae.pt", weights_only=True), work / "vae.pt")
+        if "latent_stats" not in data:  # the latents must be scaled as the initial model's were
+            data["latent_stats"] = torch.load(init_work / "data.pt", weights_only=True)["latent_stats"]
     if args.vae_from:
         reuse_vae(work, args.vae_from)
     vae = stage_vae(work, data, args.vae_channels, args.vae_steps, args.vae_batch, args.vae_lr, args.seed)
     t_vae = time.time()
     if "latents" not in data:
         raw = encode_all(vae, data["images"])
-        mean, std = raw.mean().item(), raw.std().item()
+        mean, std = data.get("latent_stats") or (raw.mean().item(), raw.std().item())
         vae.register_to_config(scaling_factor=1.0 / std, shift_factor=mean)
         data["latents"] = (raw - mean) / std
         data["ids1"], data["ids2"] = tokenize(data["prompts"])

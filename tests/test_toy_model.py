@@ -19,7 +19,7 @@ from diffusers import StableDiffusion3Pipeline
 from flowrl.models import build_policy
 from flowrl.sampling import rollout
 from flowrl.sampling.seeding import generators
-from flowrl.toy.prompts import PRETRAIN_SPLIT, TASKS, heldout_prompts
+from flowrl.toy.prompts import SPLIT, TASKS, heldout_prompts
 from rewards.toyeval import ToyEval
 
 TOY = Path(__file__).resolve().parents[1] / "assets" / "toy"
@@ -63,7 +63,7 @@ def test_flowrl_ode_rollout_matches_the_pipeline(pipe):
 
 def test_heldout_toyeval_is_in_a_loose_band(pipe):
     by_task: dict[str, list] = {}
-    for item in heldout_prompts(0, **PRETRAIN_SPLIT):  # prompts the base never saw in pre-training
+    for item in heldout_prompts(0, **SPLIT):  # prompts the base never saw in pre-training
         by_task.setdefault(item[1]["task"], []).append(item)
     rng = np.random.default_rng(0)
     items = [by_task[t][i] for t in TASKS for i in rng.integers(len(by_task[t]), size=8)]  # 32, stratified

@@ -215,23 +215,21 @@ def test_split_is_disjoint_unique_and_holds_out_combinations(tmp_path):
     assert set(line) == {"prompt", "metadata"}
 
 
-def test_default_split_holds_out_enough_per_task_and_everything_pretraining_held_out():
+def test_default_split_holds_out_a_balanced_half_of_the_bindings():
     train, held = P.split(0)
     counts = {t: sum(m["task"] == t for _, m in held) for t in P.TASKS}
-    assert counts == {"single_object": 6, "counting": 12, "two_object": 106, "position": 848}
+    assert counts == {"single_object": 16, "counting": 32, "two_object": 388, "position": 3104}
     rule = P.heldout_rule(0)
-    assert rule["combos"][:2] == P.heldout_rule(0, **P.PRETRAIN_SPLIT)["combos"] == [["blue", "circle"],
-                                                                                      ["purple", "diamond"]]
-    for index in (0, 1):  # each colour and each shape is held out at most twice
-        assert max(Counter(c[index] for c in rule["combos"]).values()) <= 2
-    pre_train, pre_held = P.split(0, **P.PRETRAIN_SPLIT)
-    assert len(pre_train) == 1296 and len(pre_held) == 474  # the shipped base's pre-training split
-    assert {p for p, _ in pre_held} <= {p for p, _ in held} and {p for p, _ in train} <= {p for p, _ in pre_train}
-    for prompt in ("a green triangle", "two purple triangles", "three red circles", "three blue diamonds"):
+    assert P.heldout_rule(0, **P.SPLIT) == rule and len(rule["combos"]) == 16 and len(rule["pairs"]) == 12
+    assert set(Counter(c for c, _ in rule["combos"]).values()) == {2}  # each colour with two of four shapes
+    assert set(Counter(s for _, s in rule["combos"]).values()) == {4}  # each shape with four of eight colours
+    assert [tuple(c) for c in rule["combos"][:8]] == P.combo_order(0)[:8] and len({c for c, _ in P.combo_order(0)[:8]}) == 8
+    for prompt in ("a green triangle", "two purple triangles", "three blue circles", "three cyan diamonds"):
         assert prompt in dict(train)  # tests/test_toy_rl.py trains on them
     assert P.read_jsonl(Path(__file__).resolve().parents[1] / "assets/prompts/toy/heldout.jsonl") == held
-    with pytest.raises(ValueError, match=r"holds out every combination of \['red'\]"):
-        P.heldout_rule(0, n_combos=13)
+    assert P.read_jsonl(Path(__file__).resolve().parents[1] / "assets/prompts/toy/train.jsonl") == train
+    with pytest.raises(ValueError, match=r"holds out every combination of \['green'\]"):
+        P.heldout_rule(0, n_combos=25)
 
 
 # ---------------------------------------------------------------- diversity

@@ -101,21 +101,22 @@ def spec_combos(spec: dict[str, Any]) -> list[Combo]:
     return [(g["color"], g["shape"]) for g in spec["objects"]]
 
 
-PRETRAIN_SPLIT: dict[str, Any] = dict(n_combos=2, pair_frac=0.1, pair_base=2)
-"""Split kwargs of the shipped base model's pre-training data (scripts/train_toy_model.py, assets/toy).
+SPLIT: dict[str, Any] = dict(n_combos=16, pair_frac=0.1, pair_base=16)
+"""The toy world's one split: the shipped base was pre-trained on its train prompts and RL trains on them
+too, so a held-out binding appears in no pre-training image or caption (noise included) and in no RL batch.
 
-The default split (RL, assets/prompts/toy) holds out 6 combos and everything this one holds out, so
-the prompts the base never saw in pre-training stay held out from RL too."""
-
+16 of the 32 colour-shape bindings are held out, each colour with two of the four shapes and each shape with
+four of the eight colours (a balanced half), and 10% of the pairs of trained bindings."""
 
 def combo_order(seed: int = 0, colors: Sequence[str] | None = None,
                 shapes: Sequence[str] | None = None) -> list[Combo]:
     """Every (color, shape) pair in the order `heldout_rule` holds them out, drawn from `seed`.
 
     Shape-major diagonals of a random colour x shape grid: combo k has shape k % S and colour
-    (k % S + k // S) % C (after shuffling both). So the first min(C, S) combos have distinct
-    colours and distinct shapes, each shape is held out at most ceil(n / S) times, and colours
-    nearly as evenly (5 colours x 4 shapes: at most twice each in the first 8).
+    (k // S + (k % S) * max(1, C // S)) % C (after shuffling both). So the first min(C, S) combos
+    have distinct colours and distinct shapes, each shape is held out at most ceil(n / S) times, and
+    colours nearly as evenly: with 8 colours x 4 shapes the first 8 hold each colour once and the
+    first 16 each colour twice (with 5 x 4, at most twice each in the first 8).
     """
     return _draw_combo_order(seed, list(colors or COLORS), list(shapes or SHAPES))[0]
 
@@ -125,11 +126,13 @@ def _draw_combo_order(seed: int, colors: list[str], shapes: list[str]) -> tuple[
     rng = np.random.default_rng(seed)
     pc, ps = rng.permutation(len(colors)), rng.permutation(len(shapes))
     nc, ns = len(colors), len(shapes)
-    return [(colors[pc[(k % ns + k // ns) % nc]], shapes[ps[k % ns]]) for k in range(nc * ns)], rng
+    step = max(1, nc // ns)  # spreads each round's shapes over the colours evenly
+    return [(colors[pc[(k // ns + (k % ns) * step) % nc]], shapes[ps[k % ns]]) for k in range(nc * ns)], rng
 
 
-def heldout_rule(seed: int = 0, n_combos: int = 6, pair_frac: float = 0.1, colors: Sequence[str] | None = None,
-                 shapes: Sequence[str] | None = None, pair_base: int = 2) -> dict[str, list]:
+def heldout_rule(seed: int = 0, n_combos: int = SPLIT["n_combos"], pair_frac: float = SPLIT["pair_frac"],
+                 colors: Sequence[str] | None = None, shapes: Sequence[str] | None = None,
+                 pair_base: int = SPLIT["pair_base"]) -> dict[str, list]:
     """Which combinations are held out, drawn deterministically from `seed`.
 
     * the first `n_combos` (color, shape) bindings of `combo_order`; every colour and every shape
@@ -137,8 +140,7 @@ def heldout_rule(seed: int = 0, n_combos: int = 6, pair_frac: float = 0.1, color
     * a fraction `pair_frac` of the unordered pairs of the bindings after the first `pair_base` of
       `combo_order`, so bindings are trained but some pairings are new (novel composition). Pairs
       with a held-out binding add nothing and are dropped. `pair_base` fixes the draw, so a rule
-      holds out everything the rule with n_combos = pair_base (same seed) holds out: the default
-      holds out all of `PRETRAIN_SPLIT`'s held-out prompts.
+      holds out everything the rule with n_combos = pair_base (same seed) holds out.
     """
     colors, shapes = list(colors or COLORS), list(shapes or SHAPES)
     order, rng = _draw_combo_order(seed, colors, shapes)
@@ -165,7 +167,8 @@ def is_heldout(spec: dict[str, Any], rule: dict[str, list]) -> bool:
     return len(combos) == 2 and frozenset(combos) in pairs
 
 
-def split(seed: int = 0, n_combos: int = 6, pair_frac: float = 0.1, pair_base: int = 2,
+def split(seed: int = 0, n_combos: int = SPLIT["n_combos"], pair_frac: float = SPLIT["pair_frac"],
+          pair_base: int = SPLIT["pair_base"],
           tasks: Iterable[str] = TASKS, **kwargs: Any) -> tuple[list[Item], list[Item]]:
     """Deterministic (train, heldout) lists of (prompt, metadata); disjoint by construction.
 

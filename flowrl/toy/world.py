@@ -28,6 +28,9 @@ COLORS: dict[str, tuple[int, int, int]] = {
     "blue": (40, 90, 220),
     "yellow": (230, 200, 30),
     "purple": (150, 50, 200),
+    "orange": (240, 130, 20),
+    "cyan": (20, 200, 210),
+    "pink": (240, 100, 200),
 }
 # Muted / pastel / dark backgrounds (free attribute), pairwise >= ~60/255 apart.
 BACKGROUNDS: dict[str, tuple[int, int, int]] = {
@@ -43,14 +46,14 @@ BACKGROUNDS: dict[str, tuple[int, int, int]] = {
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "diamond")
 # Object side length as a fraction of the image side (free attribute, one bin
 # per scene), plus a small per-object jitter that never crosses a bin boundary.
-SIZES: dict[str, float] = {"small": 0.20, "medium": 0.26, "large": 0.32}
+SIZES: dict[str, float] = {"small": 0.26, "medium": 0.31, "large": 0.36}
 SIZE_JITTER = 0.01
 RELATIONS: tuple[str, ...] = ("left_of", "right_of", "above", "below")
 GRID = 3  # position bins: GRID x GRID cells of the object centre
 MAX_COUNT = 3
 
 MARGIN = 0.04  # free border around every object (keeps the border = background)
-GAP = 0.06  # minimum gap between two objects' boxes
+GAP = 0.10  # minimum gap between two objects' boxes (3 px at 32 px: drawn objects must not merge)
 CELL_PAD = 0.015  # centres keep off grid lines, so position bins are recoverable from pixels
 SUPERSAMPLE = 4
 _MAX_TRIES = 2000
