@@ -168,7 +168,8 @@ def test_stored_x0_predictions_equal_recomputed_ones(sd3):
     assert traj.x0_preds.shape == traj.latents.shape and traj.x0_preds.dtype == torch.float32
     cond = traj.cond.select(traj.prompt_ids)
     again = predict_x0(sd3, traj.latents, traj.sigmas, cond, 4.5, batch_size=3)
-    torch.testing.assert_close(again, traj.x0_preds, rtol=0, atol=1e-5)
+    # Batches of 3 vs the rollout's 4 pick different GEMM kernels: relative 1e-5 on predictions of |x0| <= ~5.
+    torch.testing.assert_close(again, traj.x0_preds, rtol=1e-5, atol=1e-5)
     assert window_rollout(sd3, store=False).x0_preds is None
     # Full SDE: the last stored state is the clean latent, its own prediction.
     full = rollout(sd3, PROMPTS, group_size=2, num_steps=4, guidance_scale=4.5, noise_level=0.7, seeds=[1, 2, 3, 4],

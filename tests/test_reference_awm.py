@@ -231,7 +231,9 @@ def test_sa_solver_rollout_is_row_seeded_and_keeps_the_clean_samples():
                               **args)
     assert whole.final_latents.shape[0] == 8 and whole.images.shape[0] == 8 and whole.log_probs.abs().sum() == 0
     assert torch.equal(whole.latents[:, 1], whole.final_latents) and torch.equal(whole.group_ids, chunked.group_ids)
-    torch.testing.assert_close(chunked.final_latents, whole.final_latents, rtol=0, atol=1e-5)
+    # Chunks of 2 and one batch of 8 pick different GEMM kernels (by shape and CPU), so rounding differs
+    # through the 4 steps: 1e-4 on latents of |x| <= ~5; a wrong row's noise moves them by ~1.
+    torch.testing.assert_close(chunked.final_latents, whole.final_latents, rtol=1e-4, atol=1e-4)
     # Its noise matters (tau 0.4 on the 4-step grid's points in [0.3, 0.9]) and comes from the row seeds.
     quiet = sa_solver_rollout(policy, ["a red circle", "two blue squares"], **{**args, "noise_level": 0.0})
     assert not torch.allclose(quiet.final_latents, whole.final_latents)

@@ -153,7 +153,9 @@ def test_lookahead_from_rows_of_different_windows_equals_each_window_on_its_own(
     brightness = lambda images: {"b": images.mean(dim=(1, 2, 3))}  # noqa: E731
     rewards = [lookahead_rewards(sd3, t.latents, schedule, t.row_step_indices, t.cond.select(t.prompt_ids), 4.5,
                                  brightness, states=[0, 1])["b"] for t in (joined, *parts)]
-    torch.testing.assert_close(rewards[0], torch.cat(rewards[1:]), rtol=0, atol=1e-6)
+    # Batches of 4 and of 2 round differently (GEMM kernels follow shape and CPU): 1e-5 on brightnesses ~0.56,
+    # well under the ~1e-3 between rows.
+    torch.testing.assert_close(rewards[0], torch.cat(rewards[1:]), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(rewards[1], rewards[2])  # the windows' states do differ
 
 

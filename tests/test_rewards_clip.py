@@ -85,7 +85,9 @@ def test_outputs_and_batching(kind, hf_clip, oc_clip, oc_clip_768, tmp_path):
         assert torch.isfinite(value).all()
     one_by_one = [reward(x[i:i + 1], PROMPTS[i:i + 1], META[i:i + 1]) for i in range(N)]
     for key, value in out.items():
-        torch.testing.assert_close(value, torch.cat([o[key] for o in one_by_one]), atol=1e-5, rtol=0)
+        # Batch 2 vs batch 1 round differently (GEMM kernels follow shape and CPU); PickScore's ~100x logit scale
+        # makes an absolute 1e-5 a few ulps, hence the relative part too.
+        torch.testing.assert_close(value, torch.cat([o[key] for o in one_by_one]), atol=1e-5, rtol=1e-5)
     merged = score([reward], x, PROMPTS, META)  # the Protocol checks of the reward seam pass
     torch.testing.assert_close(merged[kind], out[kind])
     empty = reward(x[:0], [], [])
@@ -149,7 +151,7 @@ def test_repeated_prompts_are_embedded_once_with_the_same_result(hf_clip):
     feats = backbone.embed_texts(PROMPTS)
     assert calls == [4]  # 5 prompts, 4 distinct
     alone = torch.cat([backbone.embed_texts([p]) for p in PROMPTS])
-    torch.testing.assert_close(feats, alone, atol=1e-6, rtol=0)
+    torch.testing.assert_close(feats, alone, atol=1e-6, rtol=1e-5)  # batch 4 vs 1: GEMM rounding differs
 
 
 def test_feature_outputs_of_both_transformers_generations():
