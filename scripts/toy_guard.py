@@ -164,8 +164,9 @@ def print_over_seeds(summaries: dict[int, dict]) -> None:
     """The exported adapters' held-out figures and the guard's firing epoch, mean ± s.e. over seeds."""
     runs = list(summaries.values())
     fired = [r["fired"] for r in runs]
-    print(f"over seeds {','.join(map(str, summaries))}: the guard fired at epoch "
-          f"{fmt_mean_se(fired, '.1f', missing='never')} (a seed where it never fired is left out of the mean)")
+    when = (f"fired at epoch {fmt_mean_se(fired, '.1f')} (a seed where it never fired is left out of the mean)"
+            if any(epoch is not None for epoch in fired) else "never fired")
+    print(f"over seeds {','.join(map(str, summaries))}: the guard {when}")
     print("| exported adapter, report | " + " | ".join(report_key(k) for k in HELD_OUT) + " |\n"
           + "| --- " * (1 + len(HELD_OUT)) + "|")
     for label, name in (("base model", "base"), ("unguarded (final adapter)", "unguarded"),

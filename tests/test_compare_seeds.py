@@ -81,3 +81,19 @@ def test_speed_up_to_grpo_final_level():
     assert "7.50 ± 2.50 (2)" in nft and "up to 25x faster than Flow-GRPO" in nft
     awm = next(line for line in table.splitlines() if line.startswith("| awm |"))
     assert "not reached" in awm
+
+
+def test_top_methods_pick_the_best_finished_first_seed_runs(tmp_path):
+    import json
+
+    for name, final in (("nft", 0.6), ("awm", 0.5), ("grpo_full", 0.4), ("grpo_tree", 0.7)):
+        run_dir = seed_dir(tmp_path, name, 0)
+        run_dir.mkdir()
+        records = [{"step": 0, "epoch": -1, "test/toyeval/task_mean": 0.3},
+                   {"step": 1, "epoch": 0, "test/toyeval/task_mean": final}]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        if name != "grpo_tree":  # interrupted: not a candidate
+            mark_finished(run_dir, [], 1.0)
+    names = ["grpo_full", "grpo_tree", "nft", "awm"]
+    assert compare_algorithms.top_methods(tmp_path, names, 0, 1) == ["grpo_full", "nft"]  # + the reference
+    assert compare_algorithms.top_methods(tmp_path, names, 0, 2) == ["grpo_full", "nft", "awm"]
