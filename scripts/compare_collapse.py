@@ -13,25 +13,35 @@ Trajectory Balance); CRD (the forward-process recipe with Centered Reward Distil
 
 The table gives each method's final held-out proxy reward (the raw ToyClip score, also for D²-Align),
 strict ToyEval, ground-truth diversity and background diversity, each with its change from the base;
-``docs/results_collapse.png`` plots the reward-diversity trade-off. It replaces the ``## Preference mode
-collapse`` section of ``docs/results.md``.
+``results_collapse.png`` beside ``--results`` plots the reward-diversity trade-off. It replaces the
+``## Preference mode collapse`` section of ``--results`` (default ``docs/results.md``).
+
+Seeds (``--seeds 0,1,2``): every method runs once per seed (override ``seed=S``, run directory
+``--out/<method>_sS``); each cell is the mean over seeds ± the standard error (sample std / sqrt(n)) and (n),
+the changes taken per seed from that seed's base point.
+
+Resume: a run is finished once its ``done.json`` exists (written after the training process exited cleanly,
+see ``seeded_runs.py``); a rerun, e.g. after Ctrl-C, skips finished runs and starts the others again from
+scratch, their directories removed first (no mid-run checkpoints: a wall-clock budget does not resume
+exactly). The fitted D²-Align direction is kept once written. ``--table-only`` rebuilds the table from ``--out``.
 
     python scripts/compare_collapse.py                          # 7 methods, 240 s each
-    python scripts/compare_collapse.py --methods grpo d2align --budget-s 60
+    python scripts/compare_collapse.py --methods grpo d2align --budget-s 60 --seeds 0,1,2
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compare_algorithms import add_run_arguments, replace_section, run_config  # noqa: E402
+from compare_algorithms import add_run_arguments, replace_section, run_all, run_config  # noqa: E402
 from flowrl.training.metrics import read_metrics  # noqa: E402
+from seeded_runs import fmt_mean_se, gather, seed_dir  # noqa: E402
 
 CONFIG = "configs/toy/grpo_clip.yaml"
 DIRECTION = "directions/toy_clip.safetensors"  # under --out
@@ -66,20 +76,32 @@ def summary(run_dir: Path) -> dict:
     return {"epochs": tests[-1]["epoch"] + 1, "base": point(tests[0]), "final": point(tests[-1])}
 
 
-def plot(results: dict[str, dict], path: Path) -> None:
+KEYS = ("proxy", "toyeval", "diversity", "background")
+
+
+def plot(results: dict[str, dict[int, dict]], path: Path) -> None:
+    """Each method's final proxy reward against ground-truth diversity: the mean over seeds, its standard error
+    as error bars."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def point(runs: list[dict], key: str) -> tuple[float, float]:
+        values = [r[key] for r in runs]
+        se = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0
+        return statistics.fmean(values), se
+
     fig, ax = plt.subplots(figsize=(6, 4.5))
-    base = next(iter(results.values()))["base"]
-    ax.scatter([base["diversity"]], [base["proxy"]], color="black", marker="*", s=120, label="base", zorder=3)
+    bases = {seed: r["base"] for per_seed in results.values() for seed, r in per_seed.items()}
+    (x, _), (y, _) = point(list(bases.values()), "diversity"), point(list(bases.values()), "proxy")
+    ax.scatter([x], [y], color="black", marker="*", s=120, label="base", zorder=3)
     colours = plt.get_cmap("tab10").colors
-    for i, (name, r) in enumerate(results.items()):
-        ax.scatter([r["final"]["diversity"]], [r["final"]["proxy"]], color=colours[i % 10], s=50, label=name)
-        ax.annotate(name, (r["final"]["diversity"], r["final"]["proxy"]), fontsize=7, xytext=(3, 3),
-                    textcoords="offset points")
+    for i, (name, per_seed) in enumerate(results.items()):
+        finals = [r["final"] for r in per_seed.values()]
+        (x, xe), (y, ye) = point(finals, "diversity"), point(finals, "proxy")
+        ax.errorbar([x], [y], xerr=[xe], yerr=[ye], color=colours[i % 10], fmt="o", ms=6, label=name)
+        ax.annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.set_xlabel("ground-truth diversity (held-out, higher keeps more)")
     ax.set_ylabel("ToyClip proxy reward (held-out)")
     ax.legend(fontsize=7)
@@ -87,20 +109,23 @@ def plot(results: dict[str, dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def table(results: dict[str, dict], args, command: str) -> str:
-    base = next(iter(results.values()))["base"]
+def table(results: dict[str, dict[int, dict]], args, command: str, plot_path: Path) -> str:
+    bases = {seed: r["base"] for per_seed in results.values() for seed, r in per_seed.items()}
+    base = {k: fmt_mean_se(b[k] for b in bases.values()) for k in KEYS}
     lines = [SECTION, "", f"`{command}`", "",
              f"Every method optimised ToyClip (`{CONFIG}`, strict ToyEval logged at weight 0) for "
              f"{args.budget_s:.0f} s of training time (2 CPU cores, {args.parallel} runs at a time, one thread each), "
-             f"the same seeds; held-out task means on {args.test_prompts} prompts x {args.images} ODE images. Base: "
-             f"proxy {base['proxy']:.3f}, ToyEval {base['toyeval']:.3f}, diversity {base['diversity']:.3f}, "
-             f"background diversity {base['background']:.3f}. Plot: `docs/results_collapse.png`.", "",
-             "| method | epochs | proxy | change | ToyEval | change | gt diversity | change | background | change |",
-             "|" + "---|" * 10]
-    for name, r in results.items():
-        f = r["final"]
-        cells = [f"{f[k]:.3f} | {f[k] - base[k]:+.3f}" for k in ("proxy", "toyeval", "diversity", "background")]
-        lines.append(f"| {name} | {r['epochs']} | " + " | ".join(cells) + " |")
+             f"once per seed (column `seeds`); held-out task means on {args.test_prompts} prompts x {args.images} ODE "
+             "images. Each cell: mean over seeds ± standard error (sample std / sqrt(n)) (n); a change is taken "
+             f"from the same seed's base point. Base: proxy {base['proxy']}, ToyEval {base['toyeval']}, diversity "
+             f"{base['diversity']}, background diversity {base['background']}. Plot: `{plot_path}`.", "",
+             "| method | seeds | epochs | proxy | change | ToyEval | change | gt diversity | change | background | "
+             "change |", "|" + "---|" * 11]
+    for name, per_seed in results.items():
+        cells = [f"{fmt_mean_se(r['final'][k] for r in per_seed.values())} | "
+                 + fmt_mean_se((r["final"][k] - r["base"][k] for r in per_seed.values()), "+.3f") for k in KEYS]
+        lines.append(f"| {name} | {','.join(map(str, per_seed))} | "
+                     f"{fmt_mean_se((r['epochs'] for r in per_seed.values()), '.0f')} | " + " | ".join(cells) + " |")
     return "\n".join(lines + [""])
 
 
@@ -115,13 +140,17 @@ def main() -> None:
         if "d2align" in args.methods and not (out / DIRECTION).is_file():
             subprocess.run([sys.executable, "scripts/d2align_fit.py", CONFIG, "--reward", "toy_clip", "--out",
                             str(out / DIRECTION)], check=True)
-        with ThreadPoolExecutor(args.parallel) as pool:
-            list(pool.map(lambda name: run_config(CONFIG, overrides(name, out), out / name, args.budget_s,
-                                                  args.test_every, args), args.methods))
-    results = {name: summary(out / name) for name in args.methods}
-    plot(results, Path("docs/results_collapse.png"))
-    text = table(results, args, command)
-    replace_section(Path("docs/results.md"), text, SECTION)
+        run_all([(name, seed) for name in args.methods for seed in args.seeds],
+                lambda name, seed: run_config(CONFIG, overrides(name, out), seed_dir(out, name, seed), args.budget_s,
+                                              args.test_every, args, seed=seed), args.parallel)
+    results = gather(out, {name: args.seeds for name in args.methods}, summary)
+    if not results:
+        sys.exit(f"compare_collapse: no finished run under {out} for these methods and seeds")
+    plot_path = Path(args.results).parent / "results_collapse.png"
+    plot_path.parent.mkdir(parents=True, exist_ok=True)
+    plot(results, plot_path)
+    text = table(results, args, command, plot_path)
+    replace_section(Path(args.results), text, SECTION)
     print(text)
 
 

@@ -10,23 +10,33 @@ the base model, ground-truth diversity, and from the MARBLE run the fraction of 
 reward gradient has a negative cosine with the update, under the weighted sum of the same gradients and
 under MARBLE (the paper's diagnostic).
 
-It replaces the ``## Multi-reward balancing`` section of ``docs/results.md`` (the rest is kept).
+It replaces the ``## Multi-reward balancing`` section of ``--results`` (default ``docs/results.md``; the
+rest is kept).
+
+Seeds (``--seeds 0,1,2``): every combiner runs once per seed (override ``seed=S``, run directory
+``--out/<combiner>_sS``); each cell is the mean over seeds ± the standard error (sample std / sqrt(n)) and
+(n), the changes taken per seed from that seed's base point.
+
+Resume: a run is finished once its ``done.json`` exists (written after the training process exited cleanly,
+see ``seeded_runs.py``); a rerun, e.g. after Ctrl-C, skips finished runs and starts the others again from
+scratch, their directories removed first (no mid-run checkpoints: a wall-clock budget does not resume
+exactly). ``--table-only`` rebuilds the table from ``--out``.
 
     python scripts/compare_multi_reward.py                      # 4 combiners, 240 s each
-    python scripts/compare_multi_reward.py --combiners weighted marble --budget-s 60
+    python scripts/compare_multi_reward.py --combiners weighted marble --budget-s 60 --seeds 0,1,2
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compare_algorithms import NFT, add_run_arguments, replace_section, run_config  # noqa: E402
+from compare_algorithms import NFT, add_run_arguments, replace_section, run_all, run_config  # noqa: E402
 from flowrl.training.metrics import read_metrics  # noqa: E402
+from seeded_runs import fmt_mean_se, gather, seed_dir  # noqa: E402
 
 REWARDS = "rewards=[{name: toyeval}, {name: toy_proxy, weight: 1.0}]"
 COMBINERS = ("weighted", "gdpo", "correlation", "marble")
@@ -55,20 +65,26 @@ def summary(run_dir: Path) -> dict:
             "negative_marble": mean_of("marble/worst_cos_negative_marble")}
 
 
-def table(results: dict[str, dict], args, command: str) -> str:
-    first = next(iter(results.values()))
+def table(results: dict[str, dict[int, dict]], args, command: str) -> str:
+    bases = {seed: r for per_seed in results.values() for seed, r in per_seed.items()}
     lines = [SECTION, "", f"`{command}`", "",
              f"`configs/toy/nft.yaml` with strict ToyEval and ToyProxy both at weight 1, {args.budget_s:.0f} s of "
-             f"training time per combiner (2 CPU cores, {args.parallel} runs at a time, one thread each), the same "
-             f"seeds; held-out task means on {args.test_prompts} prompts x {args.images} ODE images (one point's "
-             "sampling error is about 0.02). The base model scores ToyEval "
-             f"{first['toyeval_base']:.3f} and ToyProxy {first['proxy_base']:.3f}.", "",
-             "| combine | epochs | ToyEval | change | ToyProxy | change | gt diversity | worst cos < 0, weighted | "
-             "worst cos < 0, MARBLE |", "|" + "---|" * 9]
-    for name, r in results.items():
-        fractions = (f"{r['negative_weighted']:.2f} | {r['negative_marble']:.2f}" if name == "marble" else " | ")
-        lines.append(f"| {name} | {r['epochs']} | {r['toyeval']:.3f} | {r['toyeval'] - r['toyeval_base']:+.3f} | "
-                     f"{r['proxy']:.3f} | {r['proxy'] - r['proxy_base']:+.3f} | {r['diversity']:.3f} | {fractions} |")
+             f"training time per combiner (2 CPU cores, {args.parallel} runs at a time, one thread each), once per "
+             f"seed (column `seeds`); held-out task means on {args.test_prompts} prompts x {args.images} ODE images "
+             "(one point's sampling error is about 0.02). Each cell: mean over seeds ± standard error (sample std / "
+             "sqrt(n)) (n); a change is taken from the same seed's base point. The base model scores ToyEval "
+             f"{fmt_mean_se(r['toyeval_base'] for r in bases.values())} and ToyProxy "
+             f"{fmt_mean_se(r['proxy_base'] for r in bases.values())}.", "",
+             "| combine | seeds | epochs | ToyEval | change | ToyProxy | change | gt diversity | "
+             "worst cos < 0, weighted | worst cos < 0, MARBLE |", "|" + "---|" * 10]
+    for name, per_seed in results.items():
+        runs = list(per_seed.values())
+        cell = lambda key, spec=".3f": fmt_mean_se((r[key] for r in runs), spec)  # noqa: E731
+        change = lambda key: fmt_mean_se((r[key] - r[f"{key}_base"] for r in runs), "+.3f")  # noqa: E731
+        fractions = (f"{cell('negative_weighted', '.2f')} | {cell('negative_marble', '.2f')}"
+                     if name == "marble" else " | ")
+        lines.append(f"| {name} | {','.join(map(str, per_seed))} | {cell('epochs', '.0f')} | {cell('toyeval')} | "
+                     f"{change('toyeval')} | {cell('proxy')} | {change('proxy')} | {cell('diversity')} | {fractions} |")
     lines += ["", "The cosine columns are measured in the MARBLE run, at each refresh, on the same per-reward "
               "gradients: how often the update would move the worst-served reward's loss the wrong way under "
               "the configured weighted sum, and under MARBLE's direction.", ""]
@@ -80,13 +96,17 @@ def main() -> None:
     parser.add_argument("--combiners", nargs="*", default=list(COMBINERS), choices=list(COMBINERS))
     add_run_arguments(parser, out="runs/compare_multi_reward")
     args = parser.parse_args()
+    out = Path(args.out)
     command = ("python scripts/compare_multi_reward.py " + " ".join(sys.argv[1:])).strip()
     if not args.table_only:
-        with ThreadPoolExecutor(args.parallel) as pool:
-            list(pool.map(lambda name: run_config(NFT, overrides(name), Path(args.out) / name, args.budget_s,
-                                                  args.test_every, args), args.combiners))
-    text = table({name: summary(Path(args.out) / name) for name in args.combiners}, args, command)
-    replace_section(Path("docs/results.md"), text, SECTION)
+        run_all([(name, seed) for name in args.combiners for seed in args.seeds],
+                lambda name, seed: run_config(NFT, overrides(name), seed_dir(out, name, seed), args.budget_s,
+                                              args.test_every, args, seed=seed), args.parallel)
+    results = gather(out, {name: args.seeds for name in args.combiners}, summary)
+    if not results:
+        sys.exit(f"compare_multi_reward: no finished run under {out} for these combiners and seeds")
+    text = table(results, args, command)
+    replace_section(Path(args.results), text, SECTION)
     print(text)
 
 

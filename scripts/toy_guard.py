@@ -12,8 +12,20 @@ Both log the held-out ground-truth diversity (``test/diversity/gt_mean``, ``test
 every ``--test-every`` epochs, and the guarded run at the epoch it stops; each run's report.json holds
 the held-out diversity of the adapter it exported (the guarded run's: the best snapshot's).
 
+Seeds (``--seeds 0,1,2``): the pair runs once per seed (override ``seed=S``, run directories
+``--out/unguarded_sS`` and ``--out/stop_<max-drop>_sS``); each seed's tables are printed, then one over
+seeds: mean ± standard error (sample std / sqrt(n)) (n) of the epoch the guard fired and of each exported
+adapter's held-out figures.
+
+Resume: a run is finished once its ``done.json`` exists (written after training returned, with the overrides
+it ran with; see ``seeded_runs.py``) and is then only read. A run stopped part-way (Ctrl-C) is resumed
+exactly with ``train.resume=latest`` when it left a checkpoint (pass e.g. ``train.checkpoint_every=5``; these
+runs have no wall-clock budget, so the resumed run is the uninterrupted one), else its directory is removed
+and it starts again; rerunning the same command therefore prints the same tables.
+
     OMP_NUM_THREADS=1 python scripts/toy_guard.py                      # 60 epochs as shipped, max_drop 0.3
     OMP_NUM_THREADS=1 python scripts/toy_guard.py --max-drop 0.2 train.epochs=30
+    OMP_NUM_THREADS=1 python scripts/toy_guard.py --seeds 0,1,2 train.checkpoint_every=5
 """
 
 from __future__ import annotations
@@ -22,6 +34,8 @@ import argparse
 import json
 import math
 import os
+import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -30,16 +44,23 @@ from flowrl.commands.train import recipe_train  # noqa: E402
 from flowrl.config import Config, load_config  # noqa: E402
 from flowrl.training.metrics import read_metrics  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from seeded_runs import add_seed_argument, fmt_mean_se, mark_finished, prepare_run, seed_dir  # noqa: E402
+
 CONFIG = "configs/toy/grpo_proxy.yaml"
 HELD_OUT = ("test/diversity/gt_mean", "test/diversity/background", "test/toy_proxy", "test/toyeval")
 
 
 def train(run_dir: Path, overrides: list[str]) -> list[dict]:
-    """Train the proxy config into ``run_dir`` (a finished run, one with a report, is reused)."""
-    if not (run_dir / "report.json").exists():
-        cfg = load_config(Config, CONFIG, [f"run_dir={run_dir}", "log.report_diversity=toy", "log.progress=false",
-                                           "guard.enabled=true", *overrides])
+    """Train the proxy config into ``run_dir``: a finished run is only read, an interrupted one resumed from its
+    checkpoint or started again (see the module docstring)."""
+    arguments = ["log.report_diversity=toy", "log.progress=false", "guard.enabled=true", *overrides]
+    extra = prepare_run(run_dir, arguments, exact_resume=True)
+    if extra is not None:
+        start = time.perf_counter()
+        cfg = load_config(Config, CONFIG, [f"run_dir={run_dir}", *arguments, *extra])
         recipe_train(cfg.recipe)(cfg)
+        mark_finished(run_dir, arguments, time.perf_counter() - start)
     return read_metrics(run_dir)
 
 
@@ -73,22 +94,41 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="config overrides applied to both runs")
     parser.add_argument("--max-drop", type=float, default=0.3, help="guard.max_drop of the guarded run")
     parser.add_argument("--test-every", type=int, default=5, help="epochs between held-out points")
+    add_seed_argument(parser)
     parser.add_argument("--out", default="runs/toy_guard")
     args = parser.parse_args()
     import torch
 
     torch.set_num_threads(1)
-    common = [f"log.test_every={args.test_every}", "train.checkpoint_every=0", *args.overrides]
+    try:
+        summaries = {seed: run_seed(args, seed) for seed in args.seeds}
+    except KeyboardInterrupt:
+        sys.exit("interrupted: the same command again skips the finished runs and resumes or redoes the others")
+    if len(summaries) > 1:
+        print_over_seeds(summaries)
+
+
+def run_seed(args, seed: int) -> dict:
+    """Train (or read) the unguarded and the guarded run of ``seed``, print their tables; returns the figures
+    the table over seeds averages."""
+    common = [f"log.test_every={args.test_every}", "train.checkpoint_every=0", f"seed={seed}", *args.overrides]
     out = Path(args.out)
-    free = train(out / "unguarded", ["guard.policy=warn", f"guard.max_drop={args.max_drop}", *common])
-    stopped = train(out / f"stop_{args.max_drop:g}", ["guard.policy=stop", f"guard.max_drop={args.max_drop}", *common])
+    guarded = f"stop_{args.max_drop:g}"
+    free = train(seed_dir(out, "unguarded", seed),
+                 ["guard.policy=warn", f"guard.max_drop={args.max_drop}", *common])
+    stopped = train(seed_dir(out, guarded, seed), ["guard.policy=stop", f"guard.max_drop={args.max_drop}", *common])
     free_train = [r for r in free if r["epoch"] >= 0]
     stop_train = [r for r in stopped if r["epoch"] >= 0]
     fired = first_firing(stop_train)
     same = all(a.get("diversity/cosine") == b.get("diversity/cosine") for a, b in zip(free_train, stop_train))
     base = held_out_at(free, -1)
+    reports = {name: json.loads((seed_dir(out, d, seed) / "report.json").read_text())
+               for name, d in (("unguarded", "unguarded"), ("guarded", guarded))}
+    summary = {"fired": None if fired is None else fired["epoch"], "epochs": len(free_train),
+               "base": reports["unguarded"]["before"], **{name: r["after"] for name, r in reports.items()}}
 
-    print(f"{CONFIG}, {len(free_train)} epochs unguarded; guard.policy=stop guard.max_drop={args.max_drop:g}")
+    print(f"seed {seed}: {CONFIG}, {len(free_train)} epochs unguarded; guard.policy=stop "
+          f"guard.max_drop={args.max_drop:g}")
     print("| run / epoch | held-out epoch | in-group diversity/cosine | proxy reward (train) | "
           + " | ".join(HELD_OUT) + " |")
     print("| --- " * (4 + len(HELD_OUT)) + "|")
@@ -102,22 +142,37 @@ def main() -> None:
     print(row(f"unguarded, end (epoch {end['epoch']})", end, held_out_at(free, end["epoch"])))
     if fired is None:
         print("the guard never fired")
-        return
+        return summary
     best = int(stop_train[-1]["diversity/best_epoch"])
     print(f"guard fired at epoch {fired['epoch']}: diversity {fired['diversity/cosine']:.3f} vs start "
           f"{fired['diversity/start']:.3f} (drop {fired['diversity/drop']:.1%}); best epoch kept {best} "
           f"(score {stop_train[best]['diversity/score']:.3f}); guarded run identical to the unguarded one until it "
           f"stopped: {same}")
-    runs = (("unguarded (final adapter)", "unguarded"), (f"guarded (epoch {best} kept)", f"stop_{args.max_drop:g}"))
-    reports = {name: json.loads((out / d / "report.json").read_text()) for name, d in runs}
     print("| exported adapter, report | " + " | ".join(report_key(k) for k in HELD_OUT) + " |\n"
           + "| --- " * (1 + len(HELD_OUT)) + "|")
-    first = next(iter(reports.values()))["before"]
-    print("| base model | " + " | ".join(fmt(first.get(report_key(k))) for k in HELD_OUT) + " |")
-    for name, report in reports.items():
-        print(f"| {name} | " + " | ".join(fmt(report["after"].get(report_key(k))) for k in HELD_OUT) + " |")
+    print("| base model | " + " | ".join(fmt(summary["base"].get(report_key(k))) for k in HELD_OUT) + " |")
+    print("| unguarded (final adapter) | " + " | ".join(fmt(summary["unguarded"].get(report_key(k))) for k in HELD_OUT)
+          + " |")
+    print(f"| guarded (epoch {best} kept) | " + " | ".join(fmt(summary["guarded"].get(report_key(k))) for k in HELD_OUT)
+          + " |")
     curve = " ".join(f"{r['epoch']}:{r['diversity/cosine']:.3f}" for r in free_train[:: args.test_every])
     print(f"unguarded in-group diversity/cosine every {args.test_every} epochs: {curve}")
+    return summary
+
+
+def print_over_seeds(summaries: dict[int, dict]) -> None:
+    """The exported adapters' held-out figures and the guard's firing epoch, mean ± s.e. over seeds."""
+    runs = list(summaries.values())
+    fired = [r["fired"] for r in runs]
+    when = (f"fired at epoch {fmt_mean_se(fired, '.1f')} (a seed where it never fired is left out of the mean)"
+            if any(epoch is not None for epoch in fired) else "never fired")
+    print(f"over seeds {','.join(map(str, summaries))}: the guard {when}")
+    print("| exported adapter, report | " + " | ".join(report_key(k) for k in HELD_OUT) + " |\n"
+          + "| --- " * (1 + len(HELD_OUT)) + "|")
+    for label, name in (("base model", "base"), ("unguarded (final adapter)", "unguarded"),
+                        ("guarded (best epoch kept)", "guarded")):
+        print(f"| {label} | " + " | ".join(fmt_mean_se(r[name].get(report_key(k)) for r in runs) for k in HELD_OUT)
+              + " |")
 
 
 if __name__ == "__main__":
