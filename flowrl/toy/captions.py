@@ -7,12 +7,14 @@ model gets it the same way: it is pre-trained on (caption, image) pairs where, w
 per attribute, the image was rendered from a corrupted spec:
 
 * ``color``    a swapped colour: two objects trade colours (an attribute-binding error), or a lone
-               group's colour is replaced;
+               group takes its colour's confusion partner (`CONFUSED`);
 * ``count``    a count off by one (counting prompts);
-* ``relation`` another relation, drawn from the other three (position prompts);
+* ``relation`` the flipped relation (position prompts);
 * ``missing``  the second object left out (two-object and position prompts).
 
-Each corruption is drawn independently. A corrupted spec never shows a held-out binding or pairing
+Each corruption is drawn independently. Each has one or two wrong outcomes, not many: classifier-free
+guidance sharpens toward the caption, and a wrong outcome spread over many images would all but vanish
+under it, where a concentrated one stays a mode the base draws a known share of the time. A corrupted spec never shows a held-out binding or pairing
 (``heldout`` rule of `flowrl.toy.prompts`), so held-out prompts stay new to the model, noise included.
 """
 
@@ -24,9 +26,14 @@ from typing import Any, Mapping
 import numpy as np
 
 from flowrl.toy.prompts import is_heldout
-from flowrl.toy.world import COLORS, MAX_COUNT, RELATIONS
+from flowrl.toy.world import COLORS, MAX_COUNT
 
 NOISE_KINDS: tuple[str, ...] = ("color", "count", "relation", "missing")
+CONFUSED: dict[str, str] = {"red": "orange", "orange": "red", "blue": "purple", "purple": "blue",
+                            "yellow": "cyan", "cyan": "yellow", "green": "pink", "pink": "green"}
+"""Each colour's confusion partner. Under the default split (`flowrl.toy.prompts.SPLIT`) partners are trained
+with the same two shapes, so a lone group's recolouring never shows a held-out binding."""
+FLIPPED = {"left_of": "right_of", "right_of": "left_of", "above": "below", "below": "above"}
 _TRIES = 20
 
 
@@ -47,26 +54,29 @@ def parse_noise(text: str) -> dict[str, float]:
     return rates
 
 
-def _recolor(spec: dict[str, Any], rng: np.random.Generator) -> None:
+def _recolor(spec: dict[str, Any], rng: np.random.Generator, attempt: int) -> None:
+    """Trade the two groups' colours (first attempt, when they differ), else give one group its partner colour;
+    later attempts, after a held-out result, draw any other colour."""
     groups = spec["objects"]
-    if len(groups) == 2 and groups[0]["color"] != groups[1]["color"] and rng.random() < 0.5:
+    if attempt == 0 and len(groups) == 2 and groups[0]["color"] != groups[1]["color"]:
         groups[0]["color"], groups[1]["color"] = groups[1]["color"], groups[0]["color"]
         return
     g = groups[int(rng.integers(len(groups)))]
+    if attempt <= 1:
+        g["color"] = CONFUSED[g["color"]]
+        return
     others = [c for c in COLORS if c != g["color"]]
     g["color"] = others[int(rng.integers(len(others)))]
 
 
-def _recount(spec: dict[str, Any], rng: np.random.Generator) -> None:
+def _recount(spec: dict[str, Any], rng: np.random.Generator, attempt: int) -> None:
     g = spec["objects"][0]
     options = [n for n in (g["count"] - 1, g["count"] + 1) if 1 <= n <= MAX_COUNT]
     g["count"] = options[int(rng.integers(len(options)))]
 
 
-def _rerelate(spec: dict[str, Any], rng: np.random.Generator) -> None:
-    rel = spec["relation"]
-    others = [r for r in RELATIONS if r != rel["relation"]]
-    rel["relation"] = others[int(rng.integers(len(others)))]
+def _flip(spec: dict[str, Any], rng: np.random.Generator, attempt: int) -> None:
+    spec["relation"]["relation"] = FLIPPED[spec["relation"]["relation"]]
 
 
 def corrupt(spec: Mapping[str, Any], rates: Mapping[str, float], rng: np.random.Generator,
@@ -80,13 +90,13 @@ def corrupt(spec: Mapping[str, Any], rates: Mapping[str, float], rng: np.random.
     applied: list[str] = []
     task = spec["task"]
     steps = [("color", _recolor, True), ("count", _recount, task == "counting"),
-             ("relation", _rerelate, task == "position")]
+             ("relation", _flip, task == "position")]
     for kind, apply, applies in steps:
         if not applies or rng.random() >= rates.get(kind, 0.0):
             continue
-        for _ in range(_TRIES):
+        for attempt in range(_TRIES):
             trial = copy.deepcopy(out)
-            apply(trial, rng)
+            apply(trial, rng, attempt)
             if not is_heldout(trial, rule):
                 out = trial
                 applied.append(kind)
