@@ -332,6 +332,32 @@ def export(model: Trainable, vae: AutoencoderKL, out: Path) -> None:
     pipe.save_pretrained(out, safe_serialization=True)
 
 
+def initial_weights(init: Path, model: Trainable) -> dict[str, torch.Tensor]:
+    """The weights to fine-tune from: a work dir's checkpointed EMA, or a trained pipeline's components."""
+    if (init / "ckpt.pt").exists():
+        return torch.load(init / "ckpt.pt", weights_only=True)["ema"]
+    parts = {"transformer": SD3Transformer2DModel, "te1": CLIPTextModelWithProjection,
+             "te2": CLIPTextModelWithProjection}
+    folders = {"transformer": "transformer", "te1": "text_encoder", "te2": "text_encoder_2"}
+    state = {}
+    for name, cls in parts.items():
+        loaded = cls.from_pretrained(str(init), subfolder=folders[name])
+        state.update({f"{name}.{k}": v for k, v in loaded.state_dict().items()})
+    missing = set(model.state_dict()) - set(state)
+    if missing:
+        raise SystemExit(f"ERROR: {init} does not match the transformer shape asked for (missing {sorted(missing)[:3]})")
+    return state
+
+
+def initial_vae(init: Path) -> tuple[dict[str, torch.Tensor], tuple[float, float]]:
+    """The VAE weights and latent (mean, std) of a work dir or of a trained pipeline, kept when fine-tuning."""
+    if (init / "vae.pt").exists():
+        return (torch.load(init / "vae.pt", weights_only=True),
+                tuple(torch.load(init / "data.pt", weights_only=True)["latent_stats"]))
+    vae = AutoencoderKL.from_pretrained(str(init), subfolder="vae")
+    return vae.state_dict(), (vae.config.shift_factor, 1.0 / vae.config.scaling_factor)
+
+
 def stage_flow(work: Path, out: Path, data: dict, vae: AutoencoderKL, args) -> Trainable:
     latents = data.get("latents")
     if latents is None:
@@ -346,10 +372,9 @@ def stage_flow(work: Path, out: Path, data: dict, vae: AutoencoderKL, args) -> T
     start = 0
     ckpt_path = work / "ckpt.pt"
     if args.init_from and not ckpt_path.exists():  # fine-tune: both copies start at the given model's EMA
-        init = torch.load(Path(args.init_from) / "ckpt.pt", weights_only=True)
-        model.load_state_dict(init["ema"])
-        ema.load_state_dict(init["ema"])
-        log(f"flow: starting from the EMA of {args.init_from} (step {init['step']})")
+        model.load_state_dict(initial_weights(Path(args.init_from), model))
+        ema.load_state_dict(model.state_dict())
+        log(f"flow: starting from the weights of {args.init_from}")
     if ckpt_path.exists():
         ck = torch.load(ckpt_path, weights_only=True)
         model.load_state_dict(ck["model"])
@@ -489,8 +514,9 @@ def main() -> None:
     ap.add_argument("--caption-noise", type=captions.parse_noise, default=None,
                     help="noisy captions, e.g. color=0.5,count=0.5,relation=0.5,missing=0.3: the probability "
                          "per kind that an image shows a corrupted spec (flowrl.toy.captions)")
-    ap.add_argument("--init-from", help="work dir of a trained run: start from its EMA weights, VAE and latent "
-                                        "scaling (fine-tuning, e.g. on noisy captions)")
+    ap.add_argument("--init-from", help="a trained run's work dir or pipeline dir (e.g. assets/toy_clean): start "
+                                        "from its weights, VAE and latent scaling (fine-tuning on noisy captions, "
+                                        "or more steps)")
     ap.add_argument("--eval-n", type=int, default=512, help="prompts per split (a quarter per task)")
     ap.add_argument("--guidance", type=float, default=DEFAULT_GUIDANCE, help="CFG scale of the evaluation")
     ap.add_argument("--export-only", action="store_true", help="export the latest checkpoint's EMA and stop")
@@ -507,12 +533,11 @@ def main() -> None:
         return
 
     data = stage_data(work, args.n_images, args.seed, args.caption_noise)
-    if args.init_from:
-        init_work = Path(args.init_from)
+    if args.init_from:  # the latents must be made and scaled as the initial model's were
+        vae_state, stats = initial_vae(Path(args.init_from))
         if not (work / "vae.pt").exists():
-            torch.save(torch.load(init_work / "vae.pt", weights_only=True), work / "vae.pt")
-        if "latent_stats" not in data:  # the latents must be scaled as the initial model's were
-            data["latent_stats"] = torch.load(init_work / "data.pt", weights_only=True)["latent_stats"]
+            torch.save(vae_state, work / "vae.pt")
+        data.setdefault("latent_stats", stats)
     if args.vae_from:
         reuse_vae(work, args.vae_from)
     vae = stage_vae(work, data, args.vae_channels, args.vae_steps, args.vae_batch, args.vae_lr, args.seed)

@@ -1,14 +1,19 @@
-"""A short RL run on the shipped toy model fixes images on the prompts it trains on.
+"""Short RL runs on the shipped toy model fix far more images than they break on the prompts they train on.
 
-This is the toy world's promise in miniature: the base model is imperfect on shapes and counts,
-the verifiable reward says exactly where, and about two minutes of DiffusionNFT
-(configs/toy/nft.yaml, the main job's config, trained on four prompts) on a 2-core CPU fix far
-more images than they break. Before and after are scored on the same seeds (common random numbers) with ODE sampling,
-so the comparison is paired: an image is "fixed" when it is wrong before and right after, "broken"
-the other way round. Under no effect F and B are equally likely, so ``(F - B) / sqrt(F + B)`` is
-the gain in standard errors (McNemar's statistic); the test asks for 4.
+This is the toy world's promise in miniature. The base model was pre-trained on noisy captions, so for a known
+share of its samples it draws a choice the caption did not ask for (a swapped colour, a count off by one, the
+flipped relation, a missing object); the verifiable reward says which samples are right, and a minute or two of
+RL on a 2-core CPU moves the model onto the right choice. Two recipes are held to it:
 
-``FLOWRL_TOY_RL_SEEDS=0,1,2`` runs the test for several run seeds (the default is seed 0).
+* DiffusionNFT, the main job's config (``configs/toy/nft.yaml``), at 8 paired standard errors;
+* full-SDE GRPO at Flow-GRPO-like settings (``configs/toy/grpo.yaml``), at 4.
+
+Before and after are scored on the same seeds (common random numbers) with ODE sampling, so the comparison is
+paired: an image is "fixed" when it is wrong before and right after, "broken" the other way round. Under no
+effect F and B are equally likely, so ``(F - B) / sqrt(F + B)`` is the gain in standard errors (McNemar's
+statistic).
+
+``FLOWRL_TOY_RL_SEEDS=0,1,2`` runs the tests for several run seeds (the default is seed 0).
 """
 
 import os
@@ -21,18 +26,29 @@ import torch
 from rewards.toyeval import ToyEval
 from tests.toy_runs import ode_images, train_on_prompts
 
-# Training prompts of the toy split that the base model gets right 19-31% of the time (16 seeds).
-PROMPTS = ("a green triangle", "two purple triangles", "three red circles", "three blue diamonds")
+# Training prompts of the toy split, one per task: single object, counting, counting, position.
+PROMPTS = ("a green triangle", "two purple triangles", "three blue circles", "three cyan diamonds")
 EVAL_SEEDS = list(range(5000, 5096))
 SEEDS = [int(s) for s in os.environ.get("FLOWRL_TOY_RL_SEEDS", "0").split(",")]
-EPOCHS = 16  # the shipped config's settings otherwise (strict reward, lr 1e-3, 2 passes of 2 timesteps)
-MIN_STANDARD_ERRORS = 4.0
+RUNS = {  # config, epochs, overrides, the gain asked for in paired standard errors
+    "nft": ("configs/toy/nft.yaml", 8, [], 8.0),
+    "grpo": ("configs/toy/grpo.yaml", 12, [], 4.0),
+}
+
+
+def paired_gain(before: torch.Tensor, after: torch.Tensor) -> tuple[int, int, float]:
+    """(fixed, broken, (fixed - broken) / sqrt(fixed + broken)) of two strict-score vectors on the same seeds."""
+    fixed = int(((after == 1) & (before == 0)).sum())
+    broken = int(((after == 0) & (before == 1)).sum())
+    return fixed, broken, (fixed - broken) / max(fixed + broken, 1) ** 0.5
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_toy_nft_fixes_more_images_than_it_breaks(tmp_path, monkeypatch, seed):
-    policy, cfg, metas = train_on_prompts("configs/toy/nft.yaml", PROMPTS, tmp_path, monkeypatch, epochs=EPOCHS,
-                                          overrides=[f"seed={seed}"])
+@pytest.mark.parametrize("recipe", list(RUNS))
+def test_toy_rl_fixes_more_images_than_it_breaks(tmp_path, monkeypatch, recipe, seed):
+    config, epochs, overrides, wanted = RUNS[recipe]
+    policy, cfg, metas = train_on_prompts(config, PROMPTS, tmp_path, monkeypatch, epochs=epochs,
+                                          overrides=[f"seed={seed}", *overrides])
     prompts = [p for p in PROMPTS for _ in EVAL_SEEDS]
     meta = [m for m in metas for _ in EVAL_SEEDS]
 
@@ -43,11 +59,8 @@ def test_toy_nft_fixes_more_images_than_it_breaks(tmp_path, monkeypatch, seed):
     with policy.reference():
         before = scores()
     strict_before, strict_after = before["toyeval"].float(), after["toyeval"].float()
-    fixed = int(((strict_after == 1) & (strict_before == 0)).sum())
-    broken = int(((strict_after == 0) & (strict_before == 1)).sum())
-    gain = (fixed - broken) / max(fixed + broken, 1) ** 0.5
-    print(f"seed {seed}, {torch.get_num_threads()} threads: strict ToyEval {strict_before.mean():.3f} -> "
-          f"{strict_after.mean():.3f}, fixed {fixed}, broken {broken}: {gain:.1f} standard errors; partial "
-          f"{before['toyeval/partial'].mean():.3f} -> {after['toyeval/partial'].mean():.3f}")
+    fixed, broken, gain = paired_gain(strict_before, strict_after)
+    print(f"{recipe} seed {seed}, {torch.get_num_threads()} threads: strict ToyEval {strict_before.mean():.3f} -> "
+          f"{strict_after.mean():.3f}, fixed {fixed}, broken {broken}: {gain:.1f} standard errors")
     assert torch.isfinite(after["toyeval/partial"]).all()
-    assert gain >= MIN_STANDARD_ERRORS, (fixed, broken, float(strict_before.mean()), float(strict_after.mean()))
+    assert gain >= wanted, (fixed, broken, float(strict_before.mean()), float(strict_after.mean()))
