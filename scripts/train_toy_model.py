@@ -505,7 +505,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=ARCH["layers"], help="joint transformer blocks")
     ap.add_argument("--pad-random", type=float, default=0.1,
                     help="fraction of steps whose zero T5 padding is 1..64 tokens instead of 1")
-    ap.add_argument("--steps", type=int, default=12000)
+    ap.add_argument("--steps", type=int, default=14000)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--ema", type=float, default=0.999)
