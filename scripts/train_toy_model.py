@@ -1,17 +1,16 @@
-"""Train the tiny pretrained toy-world flow model shipped in ``assets/toy/``.
+"""Train the tiny pretrained toy-world flow models shipped in ``assets/toy_clean/`` and ``assets/toy/``.
 
 What: a real ``StableDiffusion3Pipeline`` (MMDiT ``SD3Transformer2DModel``, ``AutoencoderKL``,
 two CLIP text encoders, the offline CLIP BPE tokenizer, ``FlowMatchEulerDiscreteScheduler``;
 the T5 slot holds a 1-layer stand-in whose output is exactly zero, see ``make_null_t5``) trained
 from scratch with rectified flow matching on 32 px renders of the toy world (``flowrl.toy.world``)
-for prompts of the TRAIN split of ``flowrl.toy.prompts.split(0, **SPLIT)`` (2 held-out
-combos; the RL split of assets/prompts/toy holds out those and 4 more).
+for prompts of the TRAIN split of ``flowrl.toy.prompts.split(0)`` (the one split pre-training and RL share).
 
-Why: the RL loop needs a *pretrained* base model that is cheap (a 64-image CFG rollout in ~1.5 s
-on 2 CPU cores) and imperfect in a measurable way: the aim is a model that draws single objects
-well but gets counts, positions and pairs wrong often enough (ToyEval strict ~0.3-0.7 on held-out
-prompts) for GRPO to have something to fix, on prompts whose bindings it never saw. The shipped
-model scores 0.31 strict on held-out prompts (see below).
+Why: the RL loop needs a *pretrained* base model that is cheap (a 64-image CFG rollout in ~1.5 s on 2 CPU
+cores) and whose failures RL can fix on prompts whose bindings it never saw. Two runs make it: the clean model
+(faithful captions, ``assets/toy_clean``: the instrument's ceiling) and the base (the clean model fine-tuned on
+noisy captions with ``--init-from`` and ``--caption-noise``, ``assets/toy``), whose failures are choices
+(a swapped colour, a count off by one, a flipped relation, a missing object).
 
 Stages (each cached under ``--work-dir``, so a rerun resumes where it stopped):
   1. data:  render ``--n-images`` scenes (task-balanced over the train split, seeded) -> data.pt
@@ -42,18 +41,14 @@ Sampling defaults (documented, the pipeline's call signature cannot store them):
     pipe(prompts, num_inference_steps=10, guidance_scale=3.0, max_sequence_length=1,
          height=32, width=32, output_type="pt")
 
-Command (2 CPU threads):
-    .venv/bin/python scripts/train_toy_model.py --out assets/toy --work-dir runs/toy_model
+Commands (2 CPU threads):
+    .venv/bin/python scripts/train_toy_model.py --work-dir runs/toy_model --out assets/toy_clean
+    .venv/bin/python scripts/train_toy_model.py --work-dir runs/toy_model_noisy --out assets/toy \
+        --init-from runs/toy_model --caption-noise color=0.45,count=0.45,relation=0.45,missing=0.45 \
+        --steps 2500 --lr 5e-4 --ckpt-every 500
 Only re-export / re-evaluate the latest checkpoint:  add ``--export-only`` / ``--eval-only``.
 
-Time of the shipped run (2 threads): data 21 s; flow 12 000 steps 2302 s (0.19 s/step); eval ~25 s.
-The shipped VAE came from an earlier run of the VAE stage (the same 4000 steps on 20 000 renders,
-0.14 s/step on 2 idle threads: ~10 min), reused with ``--vae-from``. A run from scratch trains it
-on the 40 000 renders instead (same seed and schedule; reconstructions 0.965 against 0.957) and
-takes about 50 minutes on 2 threads, inside the 90-minute budget.
-Measured (``--eval-only``: 512 task-stratified prompts per split, guidance 3.0): held-out ToyEval
-strict 0.313 / partial 0.639, train 0.260 / 0.597 (at guidance 4.5: 0.271 / 0.613); held-out VAE
-reconstructions 0.957. Details in assets/toy/README.md.
+Commands, times and scores of the shipped models: assets/toy/README.md ("Training", "Measured").
 
 Design notes, from failed attempts:
 - VAE: (16, 32) and (32, 64) channels trained 500 steps rounded the corners of the 6-10 px shapes
