@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from compare_algorithms import add_run_arguments, replace_section, run_all, run_config  # noqa: E402
 from flowrl.training.metrics import read_metrics  # noqa: E402
-from seeded_runs import fmt_mean_se, gather, seed_dir  # noqa: E402
+from seeded_runs import CELL_NOTE, fmt_mean_se, gather, seed_dir  # noqa: E402
 
 CONFIG = "configs/toy/grpo_clip.yaml"
 DIRECTION = "directions/toy_clip.safetensors"  # under --out
@@ -116,8 +116,7 @@ def table(results: dict[str, dict[int, dict]], args, command: str, plot_path: Pa
              f"Every method optimised ToyClip (`{CONFIG}`, strict ToyEval logged at weight 0) for "
              f"{args.budget_s:.0f} s of training time (2 CPU cores, {args.parallel} runs at a time, one thread each), "
              f"once per seed (column `seeds`); held-out task means on {args.test_prompts} prompts x {args.images} ODE "
-             "images. Each cell: mean over seeds ± standard error (sample std / sqrt(n)) (n); a change is taken "
-             f"from the same seed's base point. Base: proxy {base['proxy']}, ToyEval {base['toyeval']}, diversity "
+             f"images. {CELL_NOTE} Base: proxy {base['proxy']}, ToyEval {base['toyeval']}, diversity "
              f"{base['diversity']}, background diversity {base['background']}. Plot: `{plot_path}`.", "",
              "| method | seeds | epochs | proxy | change | ToyEval | change | gt diversity | change | background | "
              "change |", "|" + "---|" * 11]

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from compare_algorithms import NFT, add_run_arguments, replace_section, run_all, run_config  # noqa: E402
 from flowrl.training.metrics import read_metrics  # noqa: E402
-from seeded_runs import fmt_mean_se, gather, seed_dir  # noqa: E402
+from seeded_runs import CELL_NOTE, fmt_mean_se, gather, seed_dir  # noqa: E402
 
 REWARDS = "rewards=[{name: toyeval}, {name: toy_proxy, weight: 1.0}]"
 COMBINERS = ("weighted", "gdpo", "correlation", "marble")
@@ -71,8 +71,7 @@ def table(results: dict[str, dict[int, dict]], args, command: str) -> str:
              f"`configs/toy/nft.yaml` with strict ToyEval and ToyProxy both at weight 1, {args.budget_s:.0f} s of "
              f"training time per combiner (2 CPU cores, {args.parallel} runs at a time, one thread each), once per "
              f"seed (column `seeds`); held-out task means on {args.test_prompts} prompts x {args.images} ODE images "
-             "(one point's sampling error is about 0.02). Each cell: mean over seeds ± standard error (sample std / "
-             "sqrt(n)) (n); a change is taken from the same seed's base point. The base model scores ToyEval "
+             f"(one point's sampling error is about 0.02). {CELL_NOTE} The base model scores ToyEval "
              f"{fmt_mean_se(r['toyeval_base'] for r in bases.values())} and ToyProxy "
              f"{fmt_mean_se(r['proxy_base'] for r in bases.values())}.", "",
              "| combine | seeds | epochs | ToyEval | change | ToyProxy | change | gt diversity | "

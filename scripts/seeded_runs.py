@@ -101,6 +101,11 @@ def gather(out: Path, plan: dict[str, list[int]], read: Callable[[Path], T]) -> 
     return found
 
 
+CELL_NOTE = ("Each cell: mean over seeds ± standard error (sample std / sqrt(n)) (n); a change is taken from the "
+             "same seed's base point.")
+"""How a table of per-seed runs reads, said once for every comparison script."""
+
+
 def mean_se(values: Iterable[float | None]) -> tuple[float, float, int]:
     """(mean, standard error = sample std / sqrt(n), n) of the values that are numbers (None and NaN are
     left out); the error is NaN below two values, the mean NaN with none."""
