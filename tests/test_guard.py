@@ -115,7 +115,7 @@ def smoke_run(run_dir, *overrides) -> list[dict]:
 
 def test_toy_grpo_run_stops_early_and_exports_the_best_snapshot(tmp_path, monkeypatch):
     # Groups of 4 on two prompts: latent diversity 0.993, 0.974, 0.925 in the first epochs (measured).
-    policy, cfg, _ = train_on_prompts("configs/toy/grpo_proxy.yaml", ("a red circle", "a blue square"), tmp_path,
+    policy, cfg, _ = train_on_prompts("configs/toy/grpo_proxy.yaml", ("a red square", "a blue circle"), tmp_path,
                                       monkeypatch, epochs=6,
                                       overrides=["sampling.group_size=4", "train.micro_batch_size=8",
                                                  "guard.enabled=true", "guard.policy=stop", "guard.warmup=1",

@@ -212,7 +212,9 @@ def test_the_recipe_loss_is_the_references_per_step_loss_divided_by_dt_and_the_k
     # The KL term is added as it is without the method: beta * KL, not divided by |dt|.
     kl_guard = loss("grpo_guard", beta=0.3) - loss("grpo_guard")
     kl_plain = loss("none", beta=0.3) - loss("none")
-    assert kl_guard == pytest.approx(kl_plain, rel=1e-5) and kl_plain > 0
+    # Each side is a difference of two float32 losses, so it carries their rounding (measured 2.4e-4 relative);
+    # dividing by |dt| (about 0.1 here) would change it tenfold.
+    assert kl_guard == pytest.approx(kl_plain, rel=1e-3) and kl_plain > 0
 
 
 @pytest.mark.parametrize("value, method", [("true", "grpo_guard"), ("false", "none"), ("grpo_guard", "grpo_guard"),

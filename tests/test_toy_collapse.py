@@ -15,7 +15,7 @@ import torch
 from flowrl.toy.diversity import diversity
 from tests.toy_runs import ode_images, train_on_prompts
 
-PROMPTS = ("a red circle", "a blue square", "two green circles", "a yellow circle and a purple square")
+PROMPTS = ("a red square", "a blue circle", "two green squares", "a yellow circle and a purple triangle")
 EVAL_SEEDS = list(range(7000, 7016))
 
 
