@@ -24,7 +24,7 @@ import pytest  # noqa: E402
 
 from rewards.toyeval import ToyEval  # noqa: E402
 from tests.test_toy_rl import PROMPTS  # noqa: E402
-from tests.toy_runs import ode_images, train_on_prompts  # noqa: E402
+from tests.toy_runs import ode_images, paired_gain, train_on_prompts  # noqa: E402
 
 
 def main() -> None:
@@ -47,9 +47,8 @@ def main() -> None:
     for line in (run_dir / "run" / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         print(f"epoch {record['epoch']}: rollouts strict {record['reward/toyeval_mean']:.3f}")
-    fixed, broken = int(((after == 1) & (before == 0)).sum()), int(((after == 0) & (before == 1)).sum())
-    print(f"strict {before.mean():.3f} -> {after.mean():.3f}, fixed {fixed}, broken {broken}, "
-          f"{(fixed - broken) / max(fixed + broken, 1) ** 0.5:.1f} s.e.")
+    fixed, broken, gain = paired_gain(before, after)
+    print(f"strict {before.mean():.3f} -> {after.mean():.3f}, fixed {fixed}, broken {broken}, {gain:.1f} s.e.")
 
 
 if __name__ == "__main__":

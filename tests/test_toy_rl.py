@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from rewards.toyeval import ToyEval
-from tests.toy_runs import ode_images, train_on_prompts
+from tests.toy_runs import ode_images, paired_gain, train_on_prompts
 
 # Training prompts of the toy split: a single object and three counts.
 PROMPTS = ("a green triangle", "two purple triangles", "three blue circles", "three cyan diamonds")
@@ -38,13 +38,6 @@ RUNS = {  # config, epochs, overrides, the gain asked for in paired standard err
     "grpo": ("configs/toy/grpo.yaml", 16, [], 4.0),
 }
 RECIPES = os.environ.get("FLOWRL_TOY_RL_RECIPES", "nft").split(",")
-
-
-def paired_gain(before: torch.Tensor, after: torch.Tensor) -> tuple[int, int, float]:
-    """(fixed, broken, (fixed - broken) / sqrt(fixed + broken)) of two strict-score vectors on the same seeds."""
-    fixed = int(((after == 1) & (before == 0)).sum())
-    broken = int(((after == 0) & (before == 1)).sum())
-    return fixed, broken, (fixed - broken) / max(fixed + broken, 1) ** 0.5
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -37,3 +37,11 @@ def ode_images(policy, cfg, prompts, seeds) -> torch.Tensor:
     traj = rollout(policy, list(prompts), group_size=len(seeds), num_steps=cfg.sampling.num_steps,
                    guidance_scale=cfg.sampling.guidance_scale, noise_level=0.0, seeds=list(seeds) * len(prompts))
     return traj.images
+
+
+def paired_gain(before: torch.Tensor, after: torch.Tensor) -> tuple[int, int, float]:
+    """(fixed, broken, (fixed - broken) / sqrt(fixed + broken)) of two strict-score vectors on the same seeds:
+    McNemar's statistic, the gain in standard errors of a paired before/after comparison."""
+    fixed = int(((after == 1) & (before == 0)).sum())
+    broken = int(((after == 0) & (before == 1)).sum())
+    return fixed, broken, (fixed - broken) / max(fixed + broken, 1) ** 0.5
