@@ -21,7 +21,7 @@ def _debug_arg(parser: argparse.ArgumentParser, default=False) -> None:
 
 def _config_args(parser: argparse.ArgumentParser, *, optional_config: bool = False) -> None:
     _debug_arg(parser, argparse.SUPPRESS)  # SUPPRESS: `flowrl --debug train` is not reset by the subcommand
-    parser.add_argument("config", nargs="?" if optional_config else None,
+    parser.add_argument("config", nargs="?",  # a missing one is explained by missing_config(), not argparse
                         help="YAML config file" + (" (default: the embedded toy config)" if optional_config else ""))
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. sampling.num_steps=4")
 
@@ -80,6 +80,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def missing_config(command: str) -> str:
+    return (f"'flowrl {command}' needs a config: the YAML file of a run (model, sampling, rewards), e.g. "
+            f"'flowrl {command} configs/toy/nft.yaml'; configs/smoke/ holds tiny offline ones, configs/toy/ the toy "
+            "world's, and a run directory's config.yaml is one too")
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = parse_args(argv)
@@ -90,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     from flowrl.training.faults import TrainingAborted
 
     try:
+        if args.command in ("sample", "eval") and not args.config:
+            raise ConfigError(missing_config(args.command))
         if args.command == "sample":
             from flowrl.commands.sample import run_sample
 

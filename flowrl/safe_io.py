@@ -63,3 +63,62 @@ def check_checkpoint(path: str | Path) -> dict:
     except ValueError as error:
         raise ValueError(f"{error}{fix}") from None
     return state
+
+
+# What must be the same for a checkpoint to continue a run: (dotted config key, what it is called in the message).
+RESUME_IDENTITY = (("model.family", "model family"), ("model.path", "base model"), ("lora.rank", "LoRA rank"),
+                   ("lora.alpha", "LoRA alpha"), ("lora.target_modules", "LoRA target modules"))
+
+
+def check_checkpoint_matches(path: str | Path, config: dict) -> None:
+    """The checkpoint at ``path`` was trained with this run's base model, family and LoRA shape (its saved
+    ``config.yaml`` against ``config``, a plain dict of the run's config); a one-line ValueError naming what differs
+    otherwise, before anything is loaded into torch. A checkpoint saved without its config passes (the shapes are
+    checked again when the adapter loads, by :func:`check_checkpoint_shapes`)."""
+    import yaml
+
+    saved_file = Path(path) / "config.yaml"
+    if not saved_file.is_file():
+        return
+    try:
+        saved = yaml.safe_load(saved_file.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        raise ValueError(f"checkpoint file {saved_file} is unreadable ({type(error).__name__}); resume from an "
+                         "earlier checkpoint") from None
+    differ = [f"{label} {_dotted(saved, key)!r} there, {_dotted(config, key)!r} here ({key})"
+              for key, label in RESUME_IDENTITY if _dotted(saved, key) != _dotted(config, key)]
+    if differ:
+        raise ValueError(f"checkpoint {path} belongs to another run: {'; '.join(differ)}; resume with the config it "
+                         "was trained with, or start a fresh run in another run_dir")
+
+
+def check_checkpoint_shapes(path: str | Path, shapes: dict[str, tuple[int, ...]]) -> None:
+    """The checkpoint's adapter tensors are exactly the run's trainable ones, ``shapes`` {peft key: full shape};
+    read from the safetensors header only. A one-line ValueError naming the first difference otherwise."""
+    from safetensors import safe_open
+
+    file = Path(path) / "lora.safetensors"
+    with safe_open(str(file), framework="pt") as handle:
+        saved = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+    missing, extra = sorted(set(shapes) - set(saved)), sorted(set(saved) - set(shapes))
+    resized = sorted(k for k in set(shapes) & set(saved) if tuple(shapes[k]) != saved[k])
+    if not (missing or extra or resized):
+        return
+    parts = []
+    if resized:
+        k = resized[0]
+        parts.append(f"{len(resized)} tensors differ in shape, e.g. {k}: {list(saved[k])} there, {list(shapes[k])} "
+                     "here")
+    if missing:
+        parts.append(f"{len(missing)} of this run's adapter tensors are missing from it, e.g. {missing[0]}")
+    if extra:
+        parts.append(f"it holds {len(extra)} tensors this run does not train, e.g. {extra[0]}")
+    what = "; ".join(parts)
+    raise ValueError(f"checkpoint {path} does not fit this run's model: {what}; it was trained on another model, "
+                     "family or LoRA: resume with that config, or start a fresh run in another run_dir")
+
+
+def _dotted(tree: dict, key: str):
+    for part in key.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree

@@ -58,6 +58,19 @@ def broken_run(files, tmp_path, name: str, content: bytes | None = None) -> Path
     return run
 
 
+def rerun_copy(files, tmp_path) -> Path:
+    """A copy of the trained run, in which a second run is started."""
+    copy = tmp_path / "rerun"
+    if not copy.exists():
+        shutil.copytree(files / "trained", copy)
+    return copy
+
+
+def tree_bytes(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` by relative path, with its bytes."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
 T = "train"
 # (id, argv after the subcommand, words the error line must hold, whether no run directory may be left)
 # {files}, {run}, {tmp} are filled in; train cases get TINY_TRAIN and run_dir={run} prepended.
@@ -130,6 +143,19 @@ CASES = [
     ("resume_truncated_rng", "resume", "rng_rank0.pt", ["rng_rank0.pt", "truncated or corrupt"], False),
     ("resume_empty_trainer_state", "resume", ("trainer_state.json", b""), ["trainer_state.json", "empty"], False),
     ("resume_trainer_state_list", "resume", ("trainer_state.json", b"[1]"), ["integer 'epoch'"], False),
+    ("resume_other_lora_rank", "resume-with", ["lora.rank=4"], ["belongs to another run", "LoRA rank 2 there, 4 here"],
+     False),
+    ("resume_other_family", "resume-with", ["model.family=flux"], ["belongs to another run", "model family 'sd3'"],
+     False),
+    ("resume_other_shapes", "resume-relabelled", ["lora.rank=4"], ["does not fit this run's model", "[2, 32] there"],
+     False),
+    # the run directory
+    ("run_dir_holds_a_run", "rerun", [], ["already holds a run", "train.resume=latest", "train.overwrite=true"],
+     False),
+    ("run_dir_is_a_file", T, ["run_dir={files}/a_file"], ["a_file", "is a file, not a directory"], True),
+    ("run_dir_parent_is_a_file", T, ["run_dir={files}/a_file/run"], ["its parent", "is a file"], True),
+    ("overwrite_and_resume", T, ["train.overwrite=true", "train.resume=latest"], ["train.overwrite", "set one"],
+     True),
     # export
     ("export_missing_checkpoint", "export-lora", ["{tmp}/nothing", "{tmp}/out"], ["holds no adapter"], False),
     ("export_out_not_writable", "export-lora", ["{files}/trained", "{files}/a_file/out"], ["cannot write the export",
@@ -150,6 +176,8 @@ CASES = [
     ("sample_no_prompts", "sample-bare", [], ["no prompts"], False),
     ("sample_prompts_file_missing", "sample-bare", ["--prompts-file", "{tmp}/p.txt"], ["prompt file not found"],
      False),
+    ("sample_without_config", "sample-none", [], ["needs a config", "configs/smoke/", "configs/toy/"], False),
+    ("eval_without_config", "eval-none", [], ["needs a config", "configs/smoke/"], False),
     # the remote reward server
     ("remote_down", "remote", "down", ["unreachable after 2 attempts", "is the server running"], False),
     ("remote_slow", "remote", "slow", ["timed out after 2 attempts"], False),
@@ -182,6 +210,17 @@ def build_argv(kind, spec, files, tmp_path, run):
         name, content = (spec, None) if isinstance(spec, str) else spec
         broken = broken_run(files, tmp_path, name, content)
         return ["train", *TINY_TRAIN, f"run_dir={broken}", "train.epochs=2", "train.resume=latest"]
+    if kind in ("resume-with", "resume-relabelled"):  # the trained run resumed with another model or LoRA
+        copy = tmp_path / "trained_copy"
+        shutil.copytree(files / "trained", copy)
+        if kind == "resume-relabelled":  # its saved config says rank 4, its tensors are rank 2: the header decides
+            saved = copy / "checkpoints" / "step_000000" / "config.yaml"
+            saved.write_text(saved.read_text().replace("rank: 2", "rank: 4"))
+        return ["train", *TINY_TRAIN, f"run_dir={copy}", "train.epochs=2", "train.resume=latest", *spec]
+    if kind == "rerun":  # a second run into the trained run's directory, without resume
+        return ["train", *TINY_TRAIN, f"run_dir={rerun_copy(files, tmp_path)}", "train.epochs=1"]
+    if kind in ("sample-none", "eval-none"):
+        return [kind.split("-")[0]]
     if kind == "export-lora":
         return ["export-lora", *_fill(spec, **where)]
     if kind == "export-broken":
@@ -247,6 +286,48 @@ def check(code, err, words, run, no_run_dir, command):
         assert word in errors[0], errors[0]
     if no_run_dir:
         assert not run.exists(), f"{run} was created before validation failed"
+
+
+def test_a_second_run_into_a_run_directory_leaves_the_first_byte_identical(files, tmp_path, capsys):
+    first = rerun_copy(files, tmp_path)
+    before = tree_bytes(first)
+    code, err = run_cli(["train", *TINY_TRAIN, f"run_dir={first}", "train.epochs=1"], capsys)
+    check(code, err, ["already holds a run"], first, False, "train")
+    assert tree_bytes(first) == before
+
+
+def test_overwrite_moves_the_old_run_aside_whole(files, tmp_path, capsys):
+    first = rerun_copy(files, tmp_path)
+    before = tree_bytes(first)
+    code, out = main(["train", *TINY_TRAIN, f"run_dir={first}", "train.epochs=1", "train.overwrite=true"]), \
+        capsys.readouterr().out
+    assert code == 0
+    moved = [p for p in tmp_path.iterdir() if p.name.startswith("rerun.old-")]
+    assert len(moved) == 1 and tree_bytes(moved[0]) == before, "the old run must move aside whole, unchanged"
+    assert f"is now {moved[0]}" in out
+    assert (first / "metrics.jsonl").read_text().count("\n") == 1, "the new run starts its own metrics"
+
+
+def test_a_read_only_run_directory_is_one_line(tmp_path, capsys):
+    """A real read-only file system where the machine allows mounting one (root), else a directory without write
+    permission."""
+    place = tmp_path / "ro"
+    place.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(place)],
+                                                   capture_output=True).returncode == 0
+    if not mounted:
+        if os.geteuid() == 0:
+            pytest.skip("root without the right to mount a tmpfs: a chmod does not stop root")
+        place.chmod(0o500)
+    try:
+        code, err = run_cli(["train", *TINY_TRAIN, f"run_dir={place}/run", "train.epochs=1"], capsys)
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(place)], check=True)
+        else:
+            place.chmod(0o700)
+    check(code, err, [f"{place}/run", "cannot be written", "read-only file system" if mounted else "ermission"],
+          place / "run", True, "train")
 
 
 def test_the_suite_covers_enough_cases():

@@ -160,3 +160,26 @@ def test_learning_rate_inf_is_rejected_at_load(tmp_path, capsys):
     code, errors = train(tmp_path / "run", "train.learning_rate=inf", capsys=capsys)
     assert code == 2 and "train.learning_rate" in errors[0] and "finite" in errors[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_metrics_resume_drops_only_a_torn_last_line(tmp_path, caplog):
+    from flowrl.training.metrics import MetricsLogger, read_metrics
+
+    log = MetricsLogger(tmp_path)
+    for step in range(3):
+        log.log({"loss": 0.5 + step}, step=step)
+    whole = (tmp_path / "metrics.jsonl").read_text()
+    with (tmp_path / "metrics.jsonl").open("a") as handle:
+        handle.write('{"step": 3, "lo')
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2]
+    log.truncate_after(1)
+    assert (tmp_path / "metrics.jsonl").read_text() == "".join(whole.splitlines(keepends=True)[:2])
+    assert "partial line" in caplog.text
+
+
+def test_metrics_damaged_before_the_last_line_is_one_line_naming_it(tmp_path):
+    from flowrl.training.metrics import MetricsLogger
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1, oops\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2 is not a metrics record"):
+        MetricsLogger(tmp_path).truncate_after(5)

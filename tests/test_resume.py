@@ -1,4 +1,5 @@
-"""A run killed with SIGKILL and resumed from its last checkpoint matches an uninterrupted run."""
+"""A run killed with SIGKILL and resumed from its last checkpoint matches an uninterrupted run, even when the kill
+tore the last line of metrics.jsonl."""
 
 import os
 import signal
@@ -27,7 +28,7 @@ def _without_timings(records):
 
 
 @pytest.mark.slow
-def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path):
+def test_sigkill_then_resume_reproduces_the_uninterrupted_run_despite_a_torn_metrics_line(tmp_path):
     full, killed = tmp_path / "full", tmp_path / "killed"
     subprocess.run(_command(full), cwd=REPO, env=ENV, check=True, capture_output=True, timeout=600)
 
@@ -41,10 +42,13 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path):
     process.wait()
     assert pointer.is_file(), "the run never wrote a checkpoint"
     assert not (killed / "lora").exists(), "the run finished before it could be killed"
+    with (killed / "metrics.jsonl").open("a") as metrics:  # what a kill in the middle of an append leaves
+        metrics.write('{"step": 4, "epoch": 4, "reward/bright')
 
     resumed = subprocess.run(_command(killed, "train.resume=latest"), cwd=REPO, env=ENV, capture_output=True,
                              text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "ends in a partial line" in resumed.stderr and "dropped it" in resumed.stderr
     assert _without_timings(read_metrics(killed)) == _without_timings(read_metrics(full))
     final_full = load_file(full / "lora" / "pytorch_lora_weights.safetensors")
     final_killed = load_file(killed / "lora" / "pytorch_lora_weights.safetensors")

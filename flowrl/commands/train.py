@@ -17,18 +17,24 @@ def recipe_train(name: str):
 
 def run_train(config_path: str | Path, overrides: list[str]) -> dict[str, float]:
     from flowrl.config import Config, load_config
+    from flowrl.training.run_dir import check_run_dir
 
     cfg = load_config(Config, config_path, overrides)
+    check_run_dir(cfg.run_dir, resume=bool(cfg.train.resume), overwrite=cfg.train.overwrite)
     check_resume(cfg)
     return recipe_train(cfg.recipe)(cfg)
 
 
 def check_resume(cfg) -> None:
-    """``train.resume`` names a complete, readable checkpoint; checked before the run (and its directory) starts,
-    so a truncated file is one line naming it rather than a SafetensorError after the model has loaded."""
+    """``train.resume`` names a complete, readable checkpoint of this run's model and LoRA; checked before the run
+    (and its directory) starts, so a truncated file or another model's checkpoint is one line naming it rather than
+    a SafetensorError or an optimizer size mismatch after the model has loaded."""
     if not cfg.train.resume:
         return
-    from flowrl.safe_io import check_checkpoint
+    from flowrl.config import to_dict
+    from flowrl.safe_io import check_checkpoint, check_checkpoint_matches
     from flowrl.training.checkpoint import resolve_checkpoint
 
-    check_checkpoint(resolve_checkpoint(cfg.run_dir, cfg.train.resume))
+    path = resolve_checkpoint(cfg.run_dir, cfg.train.resume)
+    check_checkpoint(path)
+    check_checkpoint_matches(path, to_dict(cfg))

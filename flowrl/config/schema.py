@@ -235,6 +235,9 @@ class TrainConfig:
     """Checkpoints kept on disk."""
     resume: str | None = None
     """'latest' or a checkpoint directory to continue from."""
+    overwrite: bool = False
+    """Start afresh in a run_dir that holds another run by moving the old run aside whole, to
+    ``RUN_DIR.old-<timestamp>`` (never deleted). Without it such a start is refused: a run directory holds one run."""
     export_lora: bool = True
     """Export the final (EMA) LoRA in diffusers format to RUN_DIR/lora at the end."""
     time_limit_s: float | None = None
@@ -272,6 +275,8 @@ class TrainConfig:
         check(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1 (the latest is needed to resume)")
         check(self.max_skipped_steps >= 1, "max_skipped_steps", "must be >= 1 step")
         check(self.max_nan_epochs >= 1, "max_nan_epochs", "must be >= 1 epoch")
+        check(not (self.overwrite and self.resume), "overwrite",
+              "moves the old run aside, and train.resume continues it: set one of them")
         check(self.lr_warmup_steps >= 0, "lr_warmup_steps", "must be >= 0")
         check(self.lr_warmup_steps == 0 or self.lr_scheduler != "constant", "lr_warmup_steps",
               "train.lr_scheduler=constant has no warm-up: use constant_with_warmup, cosine or linear")

@@ -39,7 +39,19 @@ from flowrl.training.faults import FaultCounter, TrainingAborted, checkpoint_wri
 from flowrl.training.lr import build_lr_scheduler
 from flowrl.training.guard import DiversityGuard, restore_weights
 from flowrl.training.metrics import MetricsLogger
+from flowrl.training.run_dir import check_run_dir, claim_run_dir
 from flowrl.training.stats import StatsAccumulator
+
+
+def check_resumable(cfg: Config, policy) -> None:
+    """The checkpoint ``train.resume`` names holds exactly this run's adapter tensors (shapes from its file header,
+    nothing loaded into torch), so another model's checkpoint is one line rather than an optimizer size mismatch."""
+    from flowrl.safe_io import check_checkpoint_shapes
+    from flowrl.training.checkpoint import resolve_checkpoint
+    from flowrl.training.ema import peft_key
+
+    check_checkpoint_shapes(resolve_checkpoint(cfg.run_dir, cfg.train.resume),
+                            {peft_key(name): tuple(p.shape) for name, p in policy.named_trainable_parameters()})
 
 
 def restore_checkpoint(cfg: Config, policy, optimizer, ema, *, rank: int, snapshots: dict | None = None) -> dict:
@@ -204,6 +216,8 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, adapters: 
     weights, saved by checkpoints as ``<name>.safetensors`` and restored on resume."""
     accelerator = accelerator or make_accelerator(cfg)
     run_dir = Path(cfg.run_dir)
+    check_run_dir(run_dir, resume=bool(cfg.train.resume), overwrite=cfg.train.overwrite)
+    accelerator.wait_for_everyone()  # every process has looked before the main one claims the directory
     sampling = cfg.sampling
     if sampling.groups_per_epoch is not None:  # a global epoch: this process's share, read by every step below
         try:
@@ -232,9 +246,13 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, adapters: 
     ema = LoraEMA(policy.named_trainable_parameters(), decay=t.ema_decay) if t.ema else None
     rewards, weights = build_rewards(cfg.rewards, accelerator.device)
     train_prompts, test_prompts = load_prompt_splits(cfg)
+    if t.resume:
+        check_resumable(cfg, policy)  # before the run directory is touched
     if accelerator.is_main_process:  # only now: a bad model path, reward or prompt file leaves no run directory
-        run_dir.mkdir(parents=True, exist_ok=True)
+        moved = claim_run_dir(run_dir, overwrite=t.overwrite)
         save_config(cfg, run_dir / "config.yaml")
+        tqdm.write(f"flowrl train: {'resuming the run in' if t.resume else 'this run goes to'} {run_dir}"
+                   + (f" (the run that was there is now {moved})" if moved else ""))
     if cfg.model.text_cache == "disk":  # every prompt the run encodes, once; the encoders may go after
         attach_text_cache(policy, cfg.model.text_cache_path or run_dir / "text_cache",
                           [*train_prompts.prompts, *test_prompts.prompts, *eval_prompt_set(cfg, test_prompts).prompts],

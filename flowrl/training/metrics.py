@@ -8,8 +8,11 @@ pandas or matplotlib and compared across tools.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 
 class MetricsLogger:
@@ -32,17 +35,40 @@ class MetricsLogger:
             self.tracker.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
 
     def truncate_after(self, step: int) -> None:
-        """Drop records past ``step`` (a resumed run rewrites the epochs it is about to redo)."""
+        """Drop records past ``step`` (a resumed run rewrites the epochs it is about to redo), and a partial last
+        line that a kill during an append left (with a warning: that epoch is redone anyway)."""
         if not (self.enabled and self.path.exists()):
             return
-        kept = [line for line in self.path.read_text(encoding="utf-8").splitlines()
-                if line.strip() and json.loads(line)["step"] <= step]
+        kept = [line for line, record in _records(self.path, warn=True) if record["step"] <= step]
         self.path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    """The records of ``RUN_DIR/metrics.jsonl``; a partial last line (a run killed mid-append) is skipped."""
+    return [record for _, record in _records(Path(run_dir) / "metrics.jsonl")]
+
+
+def _records(path: Path, *, warn: bool = False) -> list[tuple[str, dict]]:
+    """(line, record) per line. Only the last line may be torn; a bad line before it is a ValueError naming it."""
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or "step" not in record:
+                raise ValueError("not a record with a 'step'")
+        except ValueError as error:
+            if number == len(lines):
+                if warn:
+                    logger.warning("flowrl train: warning: %s ends in a partial line (a run killed while logging); dropped it: %s",
+                                   path, line[:80])
+                break
+            raise ValueError(f"{path}:{number} is not a metrics record ({error}); the file was edited or damaged: "
+                             "delete that line, or start a new run_dir") from None
+        records.append((line, record))
+    return records
 
 
 def _plain(value):
