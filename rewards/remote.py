@@ -26,20 +26,30 @@ server runs) becomes ``"<name>/<k>"``, so several remote judges can coexist unde
 Images holding NaN/inf are never sent: they score NaN locally (could not score, never zero); a
 sub-key absent from one chunk's reply is NaN for that chunk's rows.
 
-Failures: connection errors, timeouts, HTTP 5xx and 429 are retried up to ``max_retries`` attempts
-in all, with exponential backoff (``backoff * 2**k``, capped at ``max_backoff``); other 4xx are the
-client's fault and raise at once with the server's message. Every failure is a one-line
-`RemoteRewardError` (a RuntimeError), so `score(on_error="nan")` can mark the batch NaN and go on.
+Failures: every attempt has two clocks. ``timeout`` bounds each socket operation (connect, one
+send, one read); ``deadline`` bounds the whole attempt (connect, sending the request, and the whole
+reply: status line, headers and body), so a server that answers one byte at a time, each byte in
+time for ``timeout``, still cannot hold the trainer for longer than ``deadline`` per attempt. Past
+it the attempt's sockets are shut down and it counts as timed out. Connection errors, timeouts,
+HTTP 5xx and 429 are retried up to ``max_retries`` attempts in all, with exponential backoff
+(``backoff * 2**k``, capped at ``max_backoff``), so one request takes at most about
+``max_retries * deadline`` plus the backoff sleeps (host-name lookup is the OS resolver's and not
+bounded here); other 4xx are the client's fault and raise at once with the server's message.
+Every failure is a one-line `RemoteRewardError` (a RuntimeError), so `score(on_error="nan")` can
+mark the batch NaN and go on.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
+import http.client
 import io
 import json
 import math
 import re
 import socket
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -54,6 +64,7 @@ from PIL import Image
 
 WIRE_VERSION = 1
 MAX_RESPONSE_BYTES = 16 * 2 ** 20  # a reply of N floats is kilobytes; more is a misbehaving server
+DEADLINE = 300.0  # seconds per attempt: a judge scoring one chunk takes seconds, a stuck one forever
 IMAGE_FORMATS = ("png", "jpeg")
 
 
@@ -102,6 +113,124 @@ def _jsonable(obj: Any) -> Any:
     raise TypeError(f"metadata value of type {type(obj).__name__} is not JSON-serialisable")
 
 
+# ------------------------------------------------------------------------------------ the deadline
+
+class _Deadline:
+    """The total time one attempt may take: when it passes, every socket of the attempt is shut down.
+
+    Why a timer and not only socket timeouts: a socket timeout bounds one recv, and a server that sends
+    one byte per recv resets it forever. ``shutdown(SHUT_RDWR)`` makes a recv or send blocked in the
+    attempt's thread return at once (EOF or an error), wherever http.client is: sending the request,
+    or reading the status line, headers or body, over plain TCP or TLS. Use as a context manager: the
+    timer thread is always cancelled and joined on exit, so none outlives its attempt.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self._end = time.monotonic() + seconds
+        self._lock = threading.Lock()
+        self._socks: list[socket.socket] = []
+        self.expired = False
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+
+    def __enter__(self) -> "_Deadline":
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._timer.cancel()
+        self._timer.join()
+        with self._lock:
+            self._socks.clear()
+
+    def clip(self, timeout: Any) -> float:
+        """A socket timeout no longer than the time left (``timeout`` may be None or urllib's default)."""
+        left = self._end - time.monotonic()
+        return max(min(timeout, left) if isinstance(timeout, (int, float)) else left, 1e-3)
+
+    def watch(self, sock: socket.socket) -> socket.socket:
+        """Shut ``sock`` down when the deadline passes (at once if it already has) -> ``sock``."""
+        with self._lock:
+            if not self.expired:
+                if sock not in self._socks:  # plain HTTP hands over its one socket twice
+                    self._socks.append(sock)
+                return sock
+        _shutdown(sock)
+        return sock
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            socks = list(self._socks)
+        for sock in socks:
+            _shutdown(sock)
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # already closed by http.client, or never connected
+        pass
+
+
+class _WatchedConnection:
+    """Mixin for http.client connections: every socket they open is handed to a `_Deadline`."""
+
+    def __init__(self, *args: Any, deadline: _Deadline, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._deadline = deadline
+        self._create_tcp = self._create_connection
+        self._create_connection = self._create_watched
+
+    def _create_watched(self, address: Any, timeout: Any = None, *args: Any, **kwargs: Any) -> socket.socket:
+        """The TCP socket: connect within the time left, then watched before any proxy CONNECT or TLS
+        handshake; its timeout (inherited by the TLS socket, whose handshake CPython bounds by it as a
+        whole) is cut to the time left, as the timer cannot shut a socket down mid-wrap."""
+        sock = self._create_tcp(address, self._deadline.clip(timeout), *args, **kwargs)
+        sock.settimeout(self._deadline.clip(timeout))
+        return self._deadline.watch(sock)
+
+    def connect(self) -> None:
+        super().connect()
+        self._deadline.watch(self.sock)  # the TLS socket once wrapped (the TCP one is detached by then)
+
+
+class _WatchedHTTPConnection(_WatchedConnection, http.client.HTTPConnection):
+    pass
+
+
+class _WatchedHTTPSConnection(_WatchedConnection, http.client.HTTPSConnection):
+    pass
+
+
+class _WatchedHandler:
+    """Mixin for urllib's HTTP(S) handlers: connect through the calling thread's current `_Deadline`.
+
+    One opener serves every thread (proxies, TLS context), so the attempt's deadline travels in a
+    thread-local rather than in the opener; redirects made inside the attempt inherit it.
+    """
+
+    connection_class: type
+
+    def __init__(self, local: threading.local, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._local = local
+
+    def do_open(self, http_class: Any, req: urllib.request.Request, **kwargs: Any) -> Any:
+        deadline = getattr(self._local, "deadline", None)
+        if deadline is not None:
+            http_class = functools.partial(self.connection_class, deadline=deadline)
+        return super().do_open(http_class, req, **kwargs)
+
+
+class _HTTPHandler(_WatchedHandler, urllib.request.HTTPHandler):
+    connection_class = _WatchedHTTPConnection
+
+
+class _HTTPSHandler(_WatchedHandler, urllib.request.HTTPSHandler):
+    connection_class = _WatchedHTTPSConnection
+
+
 # ------------------------------------------------------------------------------------ the client
 
 class RemoteReward:
@@ -109,7 +238,9 @@ class RemoteReward:
 
     url: server base URL (``http://host:port``; "/score" and "/health" are appended).
     name: this reward's name, the prefix of every key it returns (several remote judges can coexist).
-    timeout: seconds allowed per socket operation (connect, each read) of one request.
+    timeout: seconds allowed per socket operation (connect, each send, each read) of one request.
+    deadline: seconds allowed for one whole attempt (connect, send, status line, headers and body);
+        past it the attempt counts as timed out and is retried like any timeout. Default 300.
     max_retries: attempts in all per request (>= 1), on connection errors, timeouts, 5xx and 429.
     backoff / max_backoff: sleep ``min(backoff * 2**k, max_backoff)`` after failed attempt k (0-based).
     batch_size: images per request. image_format: "png" (lossless) or "jpeg" (``jpeg_quality``).
@@ -126,7 +257,7 @@ class RemoteReward:
                  backoff: float = 0.5, max_backoff: float = 10.0, batch_size: int = 32,
                  image_format: str = "png", jpeg_quality: int = 95, main_key: str | None = None,
                  num_workers: int = 4, use_env_proxy: bool = False,
-                 max_response_bytes: int = MAX_RESPONSE_BYTES) -> None:
+                 max_response_bytes: int = MAX_RESPONSE_BYTES, deadline: float = DEADLINE) -> None:
         parsed = urllib.parse.urlparse(str(url))
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
             raise ValueError(f"url must look like http://host:port, got {url!r}")
@@ -141,16 +272,22 @@ class RemoteReward:
         if not (math.isfinite(float(timeout)) and float(timeout) > 0) or not float(backoff) >= 0 \
                 or not float(max_backoff) >= 0:
             raise ValueError("timeout must be finite and > 0, and backoff, max_backoff >= 0")
+        if not (math.isfinite(float(deadline)) and float(deadline) > 0):
+            raise ValueError(f"deadline must be finite and > 0 seconds (the most one attempt may take), "
+                             f"got {deadline}")
         if int(max_response_bytes) < 1:
             raise ValueError(f"max_response_bytes must be >= 1, got {max_response_bytes}")
         self.max_response_bytes = int(max_response_bytes)
         self.url = str(url).rstrip("/")
         self.name, self.main_key = name, main_key
-        self.timeout, self.max_retries = float(timeout), int(max_retries)
+        self.timeout, self.deadline, self.max_retries = float(timeout), float(deadline), int(max_retries)
         self.backoff, self.max_backoff = float(backoff), float(max_backoff)
         self.batch_size, self.image_format = int(batch_size), image_format
         self.jpeg_quality, self.num_workers = int(jpeg_quality), max(1, int(num_workers))
-        handlers = [] if use_env_proxy else [urllib.request.ProxyHandler({})]
+        self._local = threading.local()  # the current attempt's _Deadline, per calling thread
+        handlers = [_HTTPHandler(self._local), _HTTPSHandler(self._local)]
+        if not use_env_proxy:
+            handlers.append(urllib.request.ProxyHandler({}))
         self._opener = urllib.request.build_opener(*handlers)
 
     # ---------------------------------------------------------------------------- public
@@ -206,18 +343,28 @@ class RemoteReward:
                 time.sleep(min(self.backoff * 2 ** (attempt - 1), self.max_backoff))
             req = urllib.request.Request(endpoint, data=body, method="POST" if body is not None else "GET",
                                          headers={"Content-Type": "application/json"})
-            try:
-                with self._opener.open(req, timeout=self.timeout) as resp:
-                    raw = resp.read(self.max_response_bytes + 1)  # never more than the cap into memory
-            except urllib.error.HTTPError as err:
-                msg = _server_message(err)
-                if err.code != 429 and err.code < 500:  # the request is wrong: retrying cannot help
-                    raise RemoteRewardError(self._where(f"rejected the request: HTTP {err.code}: {msg}",
-                                                        endpoint)) from None
-                kind, detail = "failed", f"HTTP {err.code}: {msg}"
+            raw, status, msg, failure = b"", 0, "", None
+            with _Deadline(self.deadline) as deadline:
+                self._local.deadline = deadline
+                try:
+                    with self._opener.open(req, timeout=min(self.timeout, self.deadline)) as resp:
+                        raw = resp.read(self.max_response_bytes + 1)  # never more than the cap into memory
+                except urllib.error.HTTPError as err:
+                    status, msg = err.code, _server_message(err)  # its body is read within the deadline too
+                except (urllib.error.URLError, OSError, HTTPException) as err:
+                    failure = _classify(err)
+                finally:
+                    self._local.deadline = None
+            if deadline.expired:  # what a shut-down socket gave back last (EOF, a reset, half a body) is no reply
+                kind, detail = "timed out", "timed out"
                 continue
-            except (urllib.error.URLError, OSError, HTTPException) as err:
-                kind, detail = _classify(err)
+            if failure is not None:
+                kind, detail = failure
+                continue
+            if status:
+                if status != 429 and status < 500:  # the request is wrong: retrying cannot help
+                    raise RemoteRewardError(self._where(f"rejected the request: HTTP {status}: {msg}", endpoint))
+                kind, detail = "failed", f"HTTP {status}: {msg}"
                 continue
             if len(raw) > self.max_response_bytes:
                 raise RemoteRewardError(self._where(f"replied with more than max_response_bytes="
@@ -234,7 +381,8 @@ class RemoteReward:
             return reply
         n = self.max_retries
         if kind == "timed out":
-            summary = f"timed out after {n} attempts (timeout={self.timeout}s)"
+            summary = (f"timed out after {n} attempts (timeout={self.timeout}s per socket operation, "
+                       f"deadline={self.deadline}s per attempt)")
         elif kind == "unreachable":
             summary = f"unreachable after {n} attempts: {detail} ({self._start_hint()})"
         else:

@@ -7,8 +7,10 @@ reward wire format (rewards/remote.py) badly in one chosen way each.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -103,6 +105,72 @@ def reward_server(mode: str = "ok", *, serve_first: int = 0, delay: float = 2.0)
     finally:
         server.shutdown()
         server.server_close()
+
+
+class TrickleServer:
+    """A judge on 127.0.0.1 that answers one byte every ``interval`` seconds, never finishing: from the
+    status line on (``part="head"``: the status line, then one endless header) or after the status line
+    and headers (``part="body"``: a JSON body of endless spaces). Each byte comes long before any
+    per-operation timeout, so only a total deadline ends a request. A connection gives up after
+    ``give_up`` seconds, so a client without a deadline fails a test instead of hanging it.
+    ``connections`` counts the attempts that reached it."""
+
+    HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000000\r\n\r\n"
+
+    def __init__(self, part: str, interval: float, give_up: float) -> None:
+        assert part in ("head", "body"), part
+        self.part, self.interval, self.give_up = part, interval, give_up
+        self.connections = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.05)
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            self.connections += 1
+            thread = threading.Thread(target=self._trickle, args=(conn,), daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def _trickle(self, conn: socket.socket) -> None:
+        if self.part == "head":
+            data = itertools.chain(b"HTTP/1.1 200 OK\r\nX-Slow: ", itertools.repeat(ord("a")))
+        else:
+            conn.sendall(self.HEAD)
+            data = itertools.repeat(ord(" "))
+        end = time.monotonic() + self.give_up
+        with conn:
+            for byte in data:
+                if self._stop.is_set() or time.monotonic() > end:
+                    return
+                try:
+                    conn.sendall(bytes([byte]))
+                except OSError:  # the client shut the connection down: this attempt is over
+                    return
+                self._stop.wait(self.interval)
+
+    def close(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(5)
+        self._listener.close()
+
+
+@contextlib.contextmanager
+def trickle_server(part: str = "body", *, interval: float = 0.05, give_up: float = 10.0):
+    """A `TrickleServer` for the duration of the block."""
+    server = TrickleServer(part, interval, give_up)
+    try:
+        yield server
+    finally:
+        server.close()
 
 
 def remote_spec(url: str, **kwargs) -> str:

@@ -129,6 +129,8 @@ CASES = [
     ("reward_module_missing", T, ["rewards=[{name: 'nosuch.module:Reward'}]"], ["cannot import module"], True),
     ("reward_key_unknown", T, ["rewards=[{name: brightness, key: contrast}]"], ["key 'contrast'"], True),
     ("remote_url_bad", T, ["rewards=[{name: remote, kwargs: {url: 'ftp://judge'}}]"], ["http://host:port"], True),
+    ("remote_deadline_bad", T, ["rewards=[{name: remote, kwargs: {url: 'http://judge:1', deadline: 0}}]"],
+     ["reward 'remote'", "deadline must be finite and > 0"], True),
     ("reward_raises", T, ["rewards=[{name: 'tests.fault_helpers:Raising'}]"], ["reward 'raising' failed",
                                                                                "judge model crashed"], False),
     ("reward_wrong_shape", T, ["rewards=[{name: 'tests.fault_helpers:WrongShape'}]"], ["has shape (3,)",

@@ -1,9 +1,10 @@
 """Fault containment (flowrl/training/faults.py): non-finite steps skipped then a stop, all-NaN reward epochs,
-a reward server that dies, a full disk while checkpointing. Each stop is one line, exits non-zero and leaves the
-last checkpoint intact and resumable."""
+a reward server that dies or trickles its reply forever, a full disk while checkpointing. Each stop is one line,
+exits non-zero and leaves the last checkpoint intact and resumable."""
 
 import errno
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import flowrl.training.checkpoint as checkpoint
 from flowrl.cli import main
 from flowrl.safe_io import check_checkpoint
 from flowrl.training.checkpoint import resolve_checkpoint
-from tests.fault_helpers import TINY_TRAIN, remote_spec, reward_server
+from tests.fault_helpers import TINY_TRAIN, remote_spec, reward_server, trickle_server
 
 
 def train(run_dir, *extra, capsys=None):
@@ -126,6 +127,29 @@ def test_a_server_that_dies_under_reward_errors_raise_is_one_line_after_bounded_
     assert "remote reward 'judge'" in errors[0] and "failed after 2 attempts: HTTP 503" in errors[0]
     assert resolve_checkpoint(tmp_path).name == "step_000000"
     check_checkpoint(tmp_path / "checkpoints" / "step_000000")
+
+
+def test_a_trickling_server_under_reward_errors_nan_stops_the_run_within_its_deadlines(tmp_path, capsys, caplog):
+    """A judge sending one byte every 0.05 s never trips timeout=2; deadline=0.5 ends each of the 2 attempts,
+    each epoch scores NaN, and max_nan_epochs=2 stops the run. Without the deadline each attempt would last
+    the server's give_up (5 s): 2 epochs x 2 attempts x 5 s = 20 s."""
+    deadline, retries, nan_epochs = 0.5, 2, 2
+    with trickle_server("body", interval=0.05, give_up=5.0) as srv:
+        start = time.monotonic()
+        code, errors = train(tmp_path, "train.epochs=6", "train.reward_errors=nan",
+                             f"train.max_nan_epochs={nan_epochs}",
+                             remote_spec(srv.url, timeout=2.0, deadline=deadline, max_retries=retries),
+                             capsys=capsys)
+        elapsed = time.monotonic() - start
+        assert srv.connections == retries * nan_epochs
+    assert code == 2 and len(errors) == 1, errors
+    assert "reward 'judge' scored every image NaN" in errors[0] and f"{nan_epochs} epochs in a row" in errors[0]
+    assert [r["reward/judge_nan"] for r in metrics(tmp_path)] == [2, 2]
+    said = [r.getMessage() for r in caplog.records if "reward 'judge' failed" in r.getMessage()]
+    assert len(said) == nan_epochs and all(f"timed out after {retries} attempts" in m and
+                                           f"deadline={deadline}s per attempt" in m for m in said), said
+    budget = deadline * retries * nan_epochs  # 2 s of waiting on the judge; backoff is 0
+    assert budget <= elapsed < budget + 8.0, elapsed  # slack: building the tiny model and two tiny epochs
 
 
 def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint_and_resumes(tmp_path, capsys, monkeypatch):

@@ -1,5 +1,6 @@
 """RemoteReward against the reference server (in a thread, on a free localhost port): round trip,
-batching, NaN passthrough, retries, timeouts, refused connections, 4xx, health, and the CLI."""
+batching, NaN passthrough, retries, timeouts, the total deadline against a trickling server, refused
+connections, 4xx, health, and the CLI."""
 
 import contextlib
 import importlib.util
@@ -19,6 +20,7 @@ import rewards.remote as remote
 from flowrl.rewards_api import build_reward, score
 from rewards.remote import RemoteReward, RemoteRewardError
 from rewards.simple import Brightness
+from tests.fault_helpers import trickle_server
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("reward_server", REPO / "scripts" / "reward_server.py")
@@ -174,9 +176,58 @@ def test_timeout_is_one_line_and_bounded():
         elapsed = time.monotonic() - start
         assert srv.hits == 2
     msg = str(info.value)
-    assert "\n" not in msg and "timed out after 2 attempts (timeout=0.2s)" in msg
+    assert "\n" not in msg and "timed out after 2 attempts (timeout=0.2s per socket operation, " in msg
     assert msg.startswith("remote reward 'geneval' at http://127.0.0.1:")
     assert elapsed < 2 * 0.2 + 0.5  # retries x timeout + tiny backoff + slack, not the 1 s delay
+
+
+@pytest.mark.parametrize("part", ["head", "body"])
+def test_a_trickling_server_is_cut_off_by_the_deadline(part):
+    """One byte every 0.05 s never trips timeout=1, from the status line on or in the body; the deadline
+    ends each attempt at 0.5 s. Without it each attempt lasts the server's give_up (10 s)."""
+    images, prompts, metadata = batch(2)
+    with trickle_server(part, interval=0.05, give_up=10.0) as srv:
+        reward = RemoteReward(srv.url, name="geneval", timeout=1.0, deadline=0.5, max_retries=2, backoff=0.0)
+        start = time.monotonic()
+        with pytest.raises(RemoteRewardError) as info:
+            reward(images, prompts, metadata)
+        elapsed = time.monotonic() - start
+        assert srv.connections == 2
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith("remote reward 'geneval' at http://127.0.0.1:")
+    assert "timed out after 2 attempts (timeout=1.0s per socket operation, deadline=0.5s per attempt)" in msg
+    assert 2 * 0.5 <= elapsed < 2 * 0.5 + 0 + 1.5  # attempts x deadline + backoff + slack for a loaded CPU
+
+
+def _deadline_timers():
+    return [t for t in threading.enumerate() if isinstance(t, threading.Timer)]
+
+
+def test_the_deadline_spares_other_threads_and_leaves_no_timer():
+    """A deadline firing in one thread shuts down only its own attempt's sockets: a slower-than-that
+    but healthy request in another thread still succeeds, and no timer thread outlives a request."""
+    images, prompts, metadata = batch(3)
+    results = {}
+
+    def run(key, reward):
+        try:
+            results[key] = reward(images, prompts, metadata)
+        except RemoteRewardError as err:
+            results[key] = err
+
+    with trickle_server("body") as slow, serving(["brightness"], delay=0.8) as ok:
+        shared = fast(ok.url, deadline=5.0)
+        threads = [threading.Thread(target=run, args=("trickle", fast(slow.url, deadline=0.3, max_retries=1)))]
+        threads += [threading.Thread(target=run, args=(i, shared)) for i in range(2)]  # one client, two threads
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+    assert isinstance(results["trickle"], RemoteRewardError) and "deadline=0.3s" in str(results["trickle"])
+    for i in range(2):
+        torch.testing.assert_close(results[i]["remote"], Brightness()(quantised(images), prompts, metadata)
+                                   ["brightness"])
+    assert not _deadline_timers()
 
 
 def test_connection_refused_is_one_line_after_max_retries(monkeypatch):
@@ -248,6 +299,19 @@ def test_bad_constructor_arguments():
                    {"url": "http://h:1", "max_retries": 0}, {"url": "http://h:1", "name": "a/b"}):
         with pytest.raises(ValueError):
             RemoteReward(**kwargs)
+    for deadline in (0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match=r"^deadline must be finite and > 0 seconds .*got") as info:
+            RemoteReward("http://h:1", deadline=deadline)
+        assert "\n" not in str(info.value)
+
+
+def test_deadline_reaches_the_client_through_build_reward():
+    """Config `rewards:` kwargs go through build_reward: the deadline arrives, and a bad one is one line."""
+    assert build_reward("remote", url="http://h:1", deadline=12).deadline == 12.0
+    assert build_reward("remote", url="http://h:1").deadline == remote.DEADLINE == 300.0
+    with pytest.raises(ValueError, match="reward 'remote': ValueError: deadline must be finite and > 0") as info:
+        build_reward("remote", url="http://h:1", deadline=0)
+    assert "\n" not in str(info.value)
 
 
 # ------------------------------------------------------------------------------ health and CLI
