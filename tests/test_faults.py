@@ -4,6 +4,8 @@ last checkpoint intact and resumable."""
 
 import errno
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ import flowrl.training.checkpoint as checkpoint
 from flowrl.cli import main
 from flowrl.safe_io import check_checkpoint
 from flowrl.training.checkpoint import resolve_checkpoint
-from tests.fault_helpers import TINY_TRAIN, remote_spec, reward_server
+from tests.fault_helpers import TINY_TRAIN, remote_spec, reward_server, small_disk
 
 
 def train(run_dir, *extra, capsys=None):
@@ -154,6 +156,43 @@ def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint_and_resum
     assert code == 0 and not errors
     assert [r["epoch"] for r in metrics(tmp_path)] == [0, 1, 2]
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_000000", "step_000001", "step_000002"]
+
+
+def test_a_real_full_disk_while_checkpointing_stops_in_one_line_and_resumes(tmp_path, capsys, monkeypatch):
+    """No mocked writer: the run directory is a 1 MiB tmpfs, filled with a ballast file just before the second
+    checkpoint so that half of the first checkpoint's size is left. Whichever writer hits the full disk (torch's
+    zip writer raises RuntimeError, safetensors its own error, open() OSError), the run stops the same way."""
+    with small_disk(tmp_path / "disk", 1024) as disk:
+        run_dir, real_save = disk / "run", checkpoint.save_checkpoint
+        ckpts = run_dir / "checkpoints"
+
+        def save_checkpoint(directory, step, **kwargs):
+            if step == 1:
+                first = sum(f.stat().st_size for f in (ckpts / "step_000000").iterdir())
+                (disk / "ballast").write_bytes(bytes(max(shutil.disk_usage(disk).free - first // 2, 0)))
+            return real_save(directory, step, **kwargs)
+
+        monkeypatch.setattr(checkpoint, "save_checkpoint", save_checkpoint)
+        code, errors = train(run_dir, "train.epochs=3", "train.checkpoint_every=1", capsys=capsys)
+        assert code == 2 and len(errors) == 1, errors  # one line, no traceback
+        first = sum(f.stat().st_size for f in (ckpts / "step_000000").iterdir())
+        found = re.search(r"a checkpoint needs about ([\d.]+) KiB free and ([\d.]+) KiB is free now", errors[0])
+        assert found, errors[0]
+        assert found.group(1) == f"{first / 1024:.1f}" and float(found.group(2)) < float(found.group(1))
+        assert f"could not write checkpoint step_000001 under {ckpts}: " in errors[0]
+        assert f"the last checkpoint, {ckpts / 'step_000000'}, is intact" in errors[0]
+        assert errors[0].endswith("resume from it with train.resume=latest")
+        assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_000000"]  # no .tmp_* left behind
+        assert (ckpts / "latest").read_text().strip() == "step_000000"
+        check_checkpoint(ckpts / "step_000000")
+
+        (disk / "ballast").unlink()  # space freed: resume where it stopped
+        monkeypatch.setattr(checkpoint, "save_checkpoint", real_save)
+        code, errors = train(run_dir, "train.epochs=3", "train.checkpoint_every=1", "train.resume=latest",
+                             capsys=capsys)
+        assert code == 0 and not errors
+        assert [r["epoch"] for r in metrics(run_dir)] == [0, 1, 2]
+        assert (ckpts / "latest").read_text().strip() == "step_000002"
 
 
 def test_learning_rate_inf_is_rejected_at_load(tmp_path, capsys):

@@ -35,7 +35,7 @@ from flowrl.sampling import StepPlan, chunked_rollout, concat_trajectories, roll
 from flowrl.sampling.split_schedule import BetaSplitScheduler
 from flowrl.sampling.pilot import commit_candidates, join_committed, pilot_variances, slot_seeds
 from flowrl.training.ema import LoraEMA, ema_weights
-from flowrl.training.faults import FaultCounter, TrainingAborted, checkpoint_write_failed, grad_norm as total_grad_norm
+from flowrl.training.faults import FaultCounter, TrainingAborted, grad_norm as total_grad_norm
 from flowrl.training.lr import build_lr_scheduler
 from flowrl.training.guard import DiversityGuard, restore_weights
 from flowrl.training.metrics import MetricsLogger
@@ -524,11 +524,9 @@ def end_epoch(run: Run, epoch: int, *, gathered: dict[str, torch.Tensor], combin
             extra["guard"] = run.guard.state_dict()
         if run.split_scheduler is not None:
             extra["split_scheduler"] = run.split_scheduler.state_dict()
-        try:
-            save_run_checkpoint(cfg, run.policy, run.optimizer, run.exported_ema, accelerator, epoch=epoch,
-                                counters=run.counters, extra=extra, snapshots=run.snapshots)
-        except OSError as error:  # a full disk: the save is atomic, so the previous checkpoint is still the latest
-            raise checkpoint_write_failed(run.run_dir, epoch, error, clean=accelerator.is_main_process) from error
+        # A failed write (a full disk) raises TrainingAborted; the previous checkpoint stays the latest one.
+        save_run_checkpoint(cfg, run.policy, run.optimizer, run.exported_ema, accelerator, epoch=epoch,
+                            counters=run.counters, extra=extra, snapshots=run.snapshots)
     bar.set_postfix(reward=f"{metrics['reward/combined_mean']:.3f}", loss=f"{metrics.get('loss/total', 0):.4f}",
                     sample=f"{metrics['perf/sample_s']:.1f}s", train=f"{metrics['perf/train_s']:.1f}s")
     return metrics
