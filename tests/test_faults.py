@@ -195,6 +195,29 @@ def test_a_real_full_disk_while_checkpointing_stops_in_one_line_and_resumes(tmp_
         assert (ckpts / "latest").read_text().strip() == "step_000002"
 
 
+def test_nan_epochs_in_a_row_count_across_a_resume(tmp_path, capsys):
+    nan = "rewards=[{name: 'tests.fault_helpers:AllNan'}]"
+    code, errors = train(tmp_path, "train.epochs=1", "train.max_nan_epochs=2", nan, capsys=capsys)
+    assert code == 0 and not errors  # one NaN epoch: a warning, then the final checkpoint
+    code, errors = train(tmp_path, "train.epochs=2", "train.max_nan_epochs=2", "train.resume=latest", nan,
+                         capsys=capsys)
+    assert code == 2 and len(errors) == 1, errors  # the second in a row, although the first was before the restart
+    assert "2 epochs in a row through epoch 1" in errors[0]
+    assert [r["faults/nan_reward_epochs"] for r in metrics(tmp_path)] == [1, 2]
+    assert resolve_checkpoint(tmp_path).name == "step_000000"
+
+
+def test_skipped_steps_count_across_a_resume(tmp_path, capsys, nan_loss_in):
+    nan_loss_in({1, 2, 3})  # the fixture's epoch carries over to the resumed run, which starts at epoch 2
+    code, errors = train(tmp_path, "train.epochs=2", "train.max_skipped_steps=3", capsys=capsys)
+    assert code == 0 and not errors
+    code, errors = train(tmp_path, "train.epochs=4", "train.max_skipped_steps=3", "train.resume=latest",
+                         capsys=capsys)
+    assert code == 2 and len(errors) == 1, errors
+    assert "3 optimizer steps in a row had a non-finite gradient" in errors[0]
+    assert [r["faults/skipped_steps"] for r in metrics(tmp_path)] == [0, 1, 2]  # the total goes on too
+
+
 def test_learning_rate_inf_is_rejected_at_load(tmp_path, capsys):
     code, errors = train(tmp_path / "run", "train.learning_rate=inf", capsys=capsys)
     assert code == 2 and "train.learning_rate" in errors[0] and "finite" in errors[0]

@@ -79,6 +79,16 @@ class FaultCounter:
         return {"faults/skipped_steps": float(self.skipped_total),
                 "faults/nan_reward_epochs": float(self.nan_epochs_in_a_row)}
 
+    def state_dict(self) -> dict[str, int]:
+        """The counts, saved in each checkpoint's trainer state: a resumed run goes on counting where it stopped
+        (a NaN epoch before a restart and one after are two in a row)."""
+        return {"skipped_in_a_row": self.skipped_in_a_row, "skipped_total": self.skipped_total,
+                "nan_epochs_in_a_row": self.nan_epochs_in_a_row}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        for key in ("skipped_in_a_row", "skipped_total", "nan_epochs_in_a_row"):
+            setattr(self, key, int(state.get(key, 0)))
+
 
 def checkpoint_write_failed(root: Path, name: str, error: Exception, *, needed: int,
                             intact: Path | None) -> TrainingAborted:
