@@ -10,11 +10,16 @@ import contextlib
 import itertools
 import json
 import math
+import os
+import shutil
 import socket
+import subprocess
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
+import pytest
 import torch
 
 TINY_TRAIN = ["configs/smoke/sd3_tiny.yaml", "log.eval_every=0", "log.report_prompts=0", "log.progress=false",
@@ -186,3 +191,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size_kib: int):
+    """A real filesystem of ``size_kib`` KiB (a tmpfs) mounted on ``path``, unmounted afterwards; skips the test
+    where it cannot be mounted (not root, no mount(8), a container without the capability)."""
+    if os.geteuid() != 0:
+        pytest.skip("a real full disk needs root to mount a tmpfs")
+    if shutil.which("mount") is None:
+        pytest.skip("a real full disk needs mount(8) to mount a tmpfs")
+    path.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs for a real full disk: {mounted.stderr.strip() or mounted.returncode}")
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "--lazy", str(path)], capture_output=True)  # a file still open: detach it

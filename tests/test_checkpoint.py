@@ -1,20 +1,25 @@
 """Checkpoints: exact round trip (LoRA, optimizer, EMA, RNG), atomic saves, pruning, resume errors."""
 
+import errno
 import json
 import random
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from peft.utils import set_peft_model_state_dict
+from safetensors import SafetensorError
 
 from flowrl.config import Config, load_config
 from flowrl.models import build_policy
 from flowrl.models.lora_io import lora_config_dict, lora_state_dict
+from flowrl.safe_io import check_checkpoint
 from flowrl.training import checkpoint as ckpt
 from flowrl.training.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from flowrl.training.ema import LoraEMA
+from flowrl.training.faults import TrainingAborted
 
 
 def _trainer(init_seed):
@@ -109,17 +114,67 @@ def _small(run_dir, step, **kwargs):
                            optimizer=optimizer, trainer_state={"epoch": step}, config={"seed": 0}, **kwargs)
 
 
-def test_crash_mid_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
+TORCH_FULL_DISK = "[enforce fail at inline_container.cc:672] . unexpected pos 320 vs 258"  # torch's zip writer
+
+
+def _failing(monkeypatch, kind):
+    """Make writing step 2's optimizer.pt (torch) or lora.safetensors (safetensors) fail as a full disk does."""
+    real_torch_save, real_save_file = torch.save, ckpt.save_file
+
+    def torch_save(obj, f, *args, **kwargs):
+        if "step_000002" in str(f) and str(f).endswith("optimizer.pt"):
+            raise {"torch": RuntimeError(TORCH_FULL_DISK), "interrupt": KeyboardInterrupt()}[kind]
+        return real_torch_save(obj, f, *args, **kwargs)
+
+    def save_file(tensors, filename, *args, **kwargs):
+        if "step_000002" in filename and filename.endswith("lora.safetensors"):
+            Path(filename).write_bytes(b"half a file")
+            raise {"safetensors": SafetensorError("Error while serializing: I/O error: No space left on device "
+                                                  "(os error 28)"),
+                   "oserror": OSError(errno.ENOSPC, "No space left on device", filename)}[kind]
+        return real_save_file(tensors, filename, *args, **kwargs)
+
+    if kind in ("torch", "interrupt"):
+        monkeypatch.setattr(ckpt.torch, "save", torch_save)
+    else:
+        monkeypatch.setattr(ckpt, "save_file", save_file)
+
+
+@pytest.mark.parametrize("kind, reason", [("torch", f"RuntimeError: {TORCH_FULL_DISK}"),
+                                          ("safetensors", "SafetensorError: Error while serializing"),
+                                          ("oserror", "No space left on device (")])
+def test_any_failed_write_stops_in_one_line_and_leaves_the_previous_checkpoint(tmp_path, monkeypatch, kind, reason):
     _small(tmp_path, 1)
-    real_save = torch.save
+    root = tmp_path / "checkpoints"
+    size = sum(f.stat().st_size for f in (root / "step_000001").iterdir())
+    _failing(monkeypatch, kind)
+    with pytest.raises(TrainingAborted) as stop:
+        _small(tmp_path, 2)
+    monkeypatch.undo()
+    message = str(stop.value)
+    assert "\n" not in message and reason in message, message
+    assert f"a checkpoint needs about {size / 1024:.1f} KiB free and " in message and " is free now" in message
+    assert f"the last checkpoint, {root / 'step_000001'}, is intact" in message and "train.resume=latest" in message
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001"]  # no .tmp_step_000002 left
+    assert (root / "latest").read_text().strip() == "step_000001"
+    assert resolve_checkpoint(tmp_path) == root / "step_000001"
+    check_checkpoint(root / "step_000001")
 
-    def crashing_save(obj, f, *args, **kwargs):
-        if str(f).endswith("optimizer.pt"):
-            raise RuntimeError("killed mid-write")
-        return real_save(obj, f, *args, **kwargs)
 
-    monkeypatch.setattr(ckpt.torch, "save", crashing_save)
-    with pytest.raises(RuntimeError, match="killed"):
+def test_a_failed_first_write_estimates_the_space_from_the_state(tmp_path, monkeypatch):
+    def full_disk(*args, **kwargs):
+        raise RuntimeError(TORCH_FULL_DISK)
+
+    monkeypatch.setattr(ckpt.torch, "save", full_disk)
+    with pytest.raises(TrainingAborted, match="needs about 32 B free .*; no earlier checkpoint exists"):
+        _small(tmp_path, 2)  # 2 float32 tensors of 2x2: 32 bytes, the optimizer has no state yet
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == []
+
+
+def test_an_interrupted_save_is_not_a_write_failure_and_the_next_save_cleans_it(tmp_path, monkeypatch):
+    _small(tmp_path, 1)
+    _failing(monkeypatch, "interrupt")
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C mid-save propagates as it is
         _small(tmp_path, 2)
     monkeypatch.undo()
     root = tmp_path / "checkpoints"

@@ -4,6 +4,8 @@ exits non-zero and leaves the last checkpoint intact and resumable."""
 
 import errno
 import json
+import re
+import shutil
 import time
 from pathlib import Path
 
@@ -16,7 +18,7 @@ import flowrl.training.checkpoint as checkpoint
 from flowrl.cli import main
 from flowrl.safe_io import check_checkpoint
 from flowrl.training.checkpoint import resolve_checkpoint
-from tests.fault_helpers import TINY_TRAIN, remote_spec, reward_server, trickle_server
+from tests.fault_helpers import TINY_TRAIN, remote_spec, reward_server, small_disk, trickle_server
 
 
 def train(run_dir, *extra, capsys=None):
@@ -178,6 +180,66 @@ def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint_and_resum
     assert code == 0 and not errors
     assert [r["epoch"] for r in metrics(tmp_path)] == [0, 1, 2]
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_000000", "step_000001", "step_000002"]
+
+
+def test_a_real_full_disk_while_checkpointing_stops_in_one_line_and_resumes(tmp_path, capsys, monkeypatch):
+    """No mocked writer: the run directory is a 1 MiB tmpfs, filled with a ballast file just before the second
+    checkpoint so that half of the first checkpoint's size is left. Whichever writer hits the full disk (torch's
+    zip writer raises RuntimeError, safetensors its own error, open() OSError), the run stops the same way."""
+    with small_disk(tmp_path / "disk", 1024) as disk:
+        run_dir, real_save = disk / "run", checkpoint.save_checkpoint
+        ckpts = run_dir / "checkpoints"
+
+        def save_checkpoint(directory, step, **kwargs):
+            if step == 1:
+                first = sum(f.stat().st_size for f in (ckpts / "step_000000").iterdir())
+                (disk / "ballast").write_bytes(bytes(max(shutil.disk_usage(disk).free - first // 2, 0)))
+            return real_save(directory, step, **kwargs)
+
+        monkeypatch.setattr(checkpoint, "save_checkpoint", save_checkpoint)
+        code, errors = train(run_dir, "train.epochs=3", "train.checkpoint_every=1", capsys=capsys)
+        assert code == 2 and len(errors) == 1, errors  # one line, no traceback
+        first = sum(f.stat().st_size for f in (ckpts / "step_000000").iterdir())
+        found = re.search(r"a checkpoint needs about ([\d.]+) KiB free and ([\d.]+) KiB is free now", errors[0])
+        assert found, errors[0]
+        assert found.group(1) == f"{first / 1024:.1f}" and float(found.group(2)) < float(found.group(1))
+        assert f"could not write checkpoint step_000001 under {ckpts}: " in errors[0]
+        assert f"the last checkpoint, {ckpts / 'step_000000'}, is intact" in errors[0]
+        assert errors[0].endswith("resume from it with train.resume=latest")
+        assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_000000"]  # no .tmp_* left behind
+        assert (ckpts / "latest").read_text().strip() == "step_000000"
+        check_checkpoint(ckpts / "step_000000")
+
+        (disk / "ballast").unlink()  # space freed: resume where it stopped
+        monkeypatch.setattr(checkpoint, "save_checkpoint", real_save)
+        code, errors = train(run_dir, "train.epochs=3", "train.checkpoint_every=1", "train.resume=latest",
+                             capsys=capsys)
+        assert code == 0 and not errors
+        assert [r["epoch"] for r in metrics(run_dir)] == [0, 1, 2]
+        assert (ckpts / "latest").read_text().strip() == "step_000002"
+
+
+def test_nan_epochs_in_a_row_count_across_a_resume(tmp_path, capsys):
+    nan = "rewards=[{name: 'tests.fault_helpers:AllNan'}]"
+    code, errors = train(tmp_path, "train.epochs=1", "train.max_nan_epochs=2", nan, capsys=capsys)
+    assert code == 0 and not errors  # one NaN epoch: a warning, then the final checkpoint
+    code, errors = train(tmp_path, "train.epochs=2", "train.max_nan_epochs=2", "train.resume=latest", nan,
+                         capsys=capsys)
+    assert code == 2 and len(errors) == 1, errors  # the second in a row, although the first was before the restart
+    assert "2 epochs in a row through epoch 1" in errors[0]
+    assert [r["faults/nan_reward_epochs"] for r in metrics(tmp_path)] == [1, 2]
+    assert resolve_checkpoint(tmp_path).name == "step_000000"
+
+
+def test_skipped_steps_count_across_a_resume(tmp_path, capsys, nan_loss_in):
+    nan_loss_in({1, 2, 3})  # the fixture's epoch carries over to the resumed run, which starts at epoch 2
+    code, errors = train(tmp_path, "train.epochs=2", "train.max_skipped_steps=3", capsys=capsys)
+    assert code == 0 and not errors
+    code, errors = train(tmp_path, "train.epochs=4", "train.max_skipped_steps=3", "train.resume=latest",
+                         capsys=capsys)
+    assert code == 2 and len(errors) == 1, errors
+    assert "3 optimizer steps in a row had a non-finite gradient" in errors[0]
+    assert [r["faults/skipped_steps"] for r in metrics(tmp_path)] == [0, 1, 2]  # the total goes on too
 
 
 def test_learning_rate_inf_is_rejected_at_load(tmp_path, capsys):

@@ -35,7 +35,7 @@ from flowrl.sampling import StepPlan, chunked_rollout, concat_trajectories, roll
 from flowrl.sampling.split_schedule import BetaSplitScheduler
 from flowrl.sampling.pilot import commit_candidates, join_committed, pilot_variances, slot_seeds
 from flowrl.training.ema import LoraEMA, ema_weights
-from flowrl.training.faults import FaultCounter, TrainingAborted, checkpoint_write_failed, grad_norm as total_grad_norm
+from flowrl.training.faults import FaultCounter, TrainingAborted, grad_norm as total_grad_norm
 from flowrl.training.lr import build_lr_scheduler
 from flowrl.training.guard import DiversityGuard, restore_weights
 from flowrl.training.metrics import MetricsLogger
@@ -295,7 +295,7 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, adapters: 
     split_scheduler = beta_split_scheduler(cfg.sampling)
     if split_scheduler is not None and "split_scheduler" in resumed:
         split_scheduler.load_state_dict(resumed["split_scheduler"])
-    return Run(
+    run = Run(
         cfg=cfg, accelerator=accelerator, run_dir=run_dir, policy=policy, params=params, optimizer=optimizer, ema=ema,
         rewards=rewards, weights=weights, train_prompts=train_prompts, test_prompts=test_prompts,
         eval_prompts=eval_prompt_set(cfg, test_prompts),
@@ -305,6 +305,9 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, adapters: 
         marble=marble, reference=reference, reference_resets=int(resumed.get("reference_resets", 0)), anchor=anchor,
         guard=guard, scheduler=scheduler, split_scheduler=split_scheduler, eval_ema=eval_ema, adapters=copies,
     )
+    if "faults" in resumed:  # skipped steps and NaN epochs in a row go on counting across the restart
+        run.fault_counter.load_state_dict(resumed["faults"])
+    return run
 
 
 def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_level: float, kind: str = "sde",
@@ -542,11 +545,10 @@ def end_epoch(run: Run, epoch: int, *, gathered: dict[str, torch.Tensor], combin
             extra["guard"] = run.guard.state_dict()
         if run.split_scheduler is not None:
             extra["split_scheduler"] = run.split_scheduler.state_dict()
-        try:
-            save_run_checkpoint(cfg, run.policy, run.optimizer, run.exported_ema, accelerator, epoch=epoch,
-                                counters=run.counters, extra=extra, snapshots=run.snapshots)
-        except OSError as error:  # a full disk: the save is atomic, so the previous checkpoint is still the latest
-            raise checkpoint_write_failed(run.run_dir, epoch, error, clean=accelerator.is_main_process) from error
+        extra["faults"] = run.fault_counter.state_dict()  # a resumed run counts on (in a row across the restart)
+        # A failed write (a full disk) raises TrainingAborted; the previous checkpoint stays the latest one.
+        save_run_checkpoint(cfg, run.policy, run.optimizer, run.exported_ema, accelerator, epoch=epoch,
+                            counters=run.counters, extra=extra, snapshots=run.snapshots)
     bar.set_postfix(reward=f"{metrics['reward/combined_mean']:.3f}", loss=f"{metrics.get('loss/total', 0):.4f}",
                     sample=f"{metrics['perf/sample_s']:.1f}s", train=f"{metrics['perf/train_s']:.1f}s")
     return metrics

@@ -17,8 +17,11 @@ Layout (one directory per checkpoint, under ``RUN_DIR/checkpoints/``)::
 Why this shape: a run killed at any moment (pre-emption, OOM, Ctrl-C) must resume bit-exactly or
 not at all. Everything is written into ``.tmp_step_000012`` and renamed to ``step_000012`` only
 once complete (a rename within one directory is atomic), then ``latest`` is replaced atomically;
-so a visible checkpoint is always complete and ``latest`` never names a half-written one. Stale
-``.tmp_*`` directories of a crashed save are removed by the next save. Loading uses safetensors
+so a visible checkpoint is always complete and ``latest`` never names a half-written one. A save whose
+writer fails (a full disk shows up as OSError, as torch's ``RuntimeError: [enforce fail at inline_container.cc]``
+or as safetensors' error alike) removes its ``.tmp_*`` directory and raises
+:class:`~flowrl.training.faults.TrainingAborted`, one line naming the space a checkpoint needs and the checkpoint
+to resume from; stale ``.tmp_*`` directories of a killed save are removed by the next save. Loading uses safetensors
 and ``torch.load(weights_only=True)`` only, so a checkpoint cannot execute code (RNG states are
 stored as tensors and lists of ints for that reason).
 
@@ -37,6 +40,8 @@ import os
 import random
 import re
 import shutil
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -44,6 +49,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from flowrl.training.faults import checkpoint_write_failed
 from flowrl.training.sharded import full_optimizer_state, shard_optimizer_state
 
 logger = logging.getLogger(__name__)
@@ -79,39 +85,79 @@ def save_checkpoint(run_dir: str | Path, step: int, *, lora_state: dict[str, tor
     adaptive KL reference, HRF's phase anchor), each saved like the EMA as ``<name>.safetensors``.
 
     Returns the final checkpoint path (on every rank). ``keep_last`` complete checkpoints are kept
-    (None keeps all); the one just written and the one ``latest`` names are never pruned.
+    (None keeps all); the one just written and the one ``latest`` names are never pruned. Any failure to write
+    raises :class:`~flowrl.training.faults.TrainingAborted` with ``latest`` untouched (see the module docstring).
     """
     barrier = barrier or (lambda: None)
     root = Path(run_dir) / CHECKPOINTS
     name = checkpoint_name(step)
     tmp, final = root / f".tmp_{name}", root / name
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".tmp_*"):  # left by a save that crashed
-            if stale.is_dir():
-                shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-    barrier()  # the tmp dir exists (and is clean) before any rank writes into it
-    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
     # Every rank gathers (FSDP2: the optimizer and EMA states are sharded DTensors; an all-gather each),
     # so rank 0 writes the files a 1-process run writes. Plain tensors pass through unchanged.
     optimizer_state = full_optimizer_state(optimizer)
     averaged = {name: (a.state_tensors(), a.state_dict()) for name, a in (("ema", ema), *(snapshots or {}).items())
                 if a is not None}
+    writing = partial(_stop_on_write_failure, root, name, tmp, rank=rank, state=(lora_state, optimizer_state, averaged))
     if rank == 0:
-        _write_payload(tmp, step, lora_state=lora_state, lora_config=lora_config, optimizer_state=optimizer_state,
-                       averaged=averaged, scaler=scaler,
-                       trainer_state={"step": step, "world_size": world_size, **(trainer_state or {})},
-                       config=config)
+        with writing():
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in root.glob(".tmp_*"):  # left by a save that was killed
+                if stale.is_dir():
+                    shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+    barrier()  # the tmp dir exists (and is clean) before any rank writes into it
+    with writing():
+        torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+        if rank == 0:
+            _write_payload(tmp, step, lora_state=lora_state, lora_config=lora_config, optimizer_state=optimizer_state,
+                           averaged=averaged, scaler=scaler,
+                           trainer_state={"step": step, "world_size": world_size, **(trainer_state or {})},
+                           config=config)
     barrier()  # every rank's RNG file is in place
     if rank == 0:
-        _sync_dir_tree(tmp)
-        _publish(tmp, final)
-        _write_atomic(root / LATEST, name + "\n")
+        with writing():
+            _sync_dir_tree(tmp)
+            _publish(tmp, final)
+            _write_atomic(root / LATEST, name + "\n")
         if keep_last is not None:
             _prune(root, keep=keep_last, protect={name})
     barrier()  # nobody returns before the checkpoint is visible
     return final
+
+
+@contextmanager
+def _stop_on_write_failure(root: Path, name: str, tmp: Path, *, rank: int, state):
+    """Turn any failure of the writer into a one-line TrainingAborted, after rank 0 removed the half-written ``tmp``.
+
+    Any: a full disk is an OSError from ``open``/``write``, a ``RuntimeError`` from torch's zip writer, a
+    ``SafetensorError`` from safetensors. KeyboardInterrupt and SystemExit are not Exceptions and pass through.
+    ``state``: what is being written, the space estimate when no complete checkpoint exists yet."""
+    try:
+        yield
+    except Exception as error:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            intact = resolve_checkpoint(root.parent)
+        except OSError:  # FileNotFoundError: no complete checkpoint yet
+            intact = None
+        needed = _files_size(intact) if intact is not None else _state_size(state)
+        raise checkpoint_write_failed(root, name, error, needed=needed, intact=intact) from error
+
+
+def _files_size(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
+
+
+def _state_size(state) -> int:
+    """Bytes of the tensors in nested dicts/lists/tuples (a checkpoint's payload, less its small JSON and RNG)."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_state_size(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_state_size(v) for v in state)
+    return 0
 
 
 def _write_payload(tmp: Path, step: int, *, lora_state, lora_config, optimizer_state, averaged, scaler,
@@ -151,11 +197,15 @@ def _publish(tmp: Path, final: Path) -> None:
 
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk: no stray pointer file, ``path`` keeps its old text
+        raise
 
 
 def _sync_dir_tree(directory: Path) -> None:

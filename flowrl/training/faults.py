@@ -4,7 +4,9 @@
   the weights stay finite; ``train.max_skipped_steps`` such steps in a row stop the run.
 - An epoch in which every trained reward is NaN (nothing could be scored) trains on nothing: one warning line
   names the reward, and ``train.max_nan_epochs`` such epochs in a row stop the run.
-- A checkpoint write that fails (a full disk): the previous checkpoint stays the latest one, and the run stops.
+- A checkpoint write that fails (a full disk; whatever the writer raises: OSError, torch's RuntimeError, safetensors'
+  error): the half-written directory is removed, the previous checkpoint stays the latest one, and the run stops
+  with the free space the next checkpoint needs.
 
 Every stop is a :class:`TrainingAborted`, one line saying what happened and what to do; it is raised before
 the epoch's checkpoint, so the last checkpoint on disk is the last good state (resume with train.resume=latest).
@@ -13,7 +15,9 @@ the epoch's checkpoint, so the last checkpoint on disk is the last good state (r
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import torch
 
@@ -75,24 +79,46 @@ class FaultCounter:
         return {"faults/skipped_steps": float(self.skipped_total),
                 "faults/nan_reward_epochs": float(self.nan_epochs_in_a_row)}
 
+    def state_dict(self) -> dict[str, int]:
+        """The counts, saved in each checkpoint's trainer state: a resumed run goes on counting where it stopped
+        (a NaN epoch before a restart and one after are two in a row)."""
+        return {"skipped_in_a_row": self.skipped_in_a_row, "skipped_total": self.skipped_total,
+                "nan_epochs_in_a_row": self.nan_epochs_in_a_row}
 
-def checkpoint_write_failed(run_dir, epoch: int, error: OSError, *, clean: bool = True) -> TrainingAborted:
-    """The stop after a checkpoint write failed (e.g. ENOSPC): the half-written ``.tmp_*`` directory is removed
-    (``clean``; resume ignores it anyway) and the message names the checkpoint that is still the latest."""
-    import shutil
-    from pathlib import Path
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        for key in ("skipped_in_a_row", "skipped_total", "nan_epochs_in_a_row"):
+            setattr(self, key, int(state.get(key, 0)))
 
-    from flowrl.training.checkpoint import CHECKPOINTS, resolve_checkpoint
 
-    root = Path(run_dir) / CHECKPOINTS
-    if clean:
-        for stale in root.glob(".tmp_*"):
-            shutil.rmtree(stale, ignore_errors=True)
+def checkpoint_write_failed(root: Path, name: str, error: Exception, *, needed: int,
+                            intact: Path | None) -> TrainingAborted:
+    """The stop after writing checkpoint ``name`` under ``root`` failed (its half-written directory already removed):
+    what failed, about how much free space a checkpoint needs (``needed`` bytes) against what is free now, and
+    ``intact``, the complete checkpoint a resume starts from (None: there is none yet)."""
+    if isinstance(error, OSError) and error.strerror:
+        reason = error.strerror + (f" ({error.filename})" if error.filename else "")
+    else:  # torch's serializer on a full disk: RuntimeError "[enforce fail at inline_container.cc:...] ..."
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        reason = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    where = root
+    while not where.exists() and where != where.parent:  # the checkpoints folder may not exist yet
+        where = where.parent
     try:
-        intact = f"the last checkpoint, {resolve_checkpoint(run_dir)}, is intact"
-    except FileNotFoundError:
-        intact = "no earlier checkpoint exists"
-    reason = error.strerror or str(error) or type(error).__name__
-    return TrainingAborted(f"could not write the checkpoint of epoch {epoch} under {root}: {reason}"
-                           f"{f' ({error.filename})' if error.filename else ''}; {intact}: free disk space (or "
-                           "lower train.keep_checkpoints) and resume with train.resume=latest")
+        free = f"{_size(shutil.disk_usage(where).free)} is free now"
+    except OSError:
+        free = "the free space is unknown"
+    space = f"a checkpoint needs about {_size(needed)} free and {free}"
+    if intact is None:
+        return TrainingAborted(f"could not write checkpoint {name} under {root}: {reason}; {space}; no earlier "
+                               "checkpoint exists: free disk space and start the run again")
+    return TrainingAborted(f"could not write checkpoint {name} under {root}: {reason}; {space}; the last checkpoint, "
+                           f"{intact}, is intact: free disk space (or lower train.keep_checkpoints) and resume from it "
+                           "with train.resume=latest")
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
