@@ -39,7 +39,7 @@ class MetricsLogger:
         line that a kill during an append left (with a warning: that epoch is redone anyway)."""
         if not (self.enabled and self.path.exists()):
             return
-        kept = [line for line, record in _records(self.path, warn=True) if record["step"] <= step]
+        kept = [line for line, record in _records(self.path, warn=True) if record.get("step", -1) <= step]
         self.path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
 
@@ -57,8 +57,8 @@ def _records(path: Path, *, warn: bool = False) -> list[tuple[str, dict]]:
             continue
         try:
             record = json.loads(line)
-            if not isinstance(record, dict) or "step" not in record:
-                raise ValueError("not a record with a 'step'")
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
         except ValueError as error:
             if number == len(lines):
                 if warn:
