@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.debug:
         os.environ["FLOWRL_DEBUG"] = "1"
     from flowrl.config import ConfigError
-    from flowrl.rewards_api import RewardError
+    from flowrl.rewards_api import RewardError, missing_extra
     from flowrl.training.faults import TrainingAborted
 
     try:
@@ -128,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("FLOWRL_DEBUG"):
             raise
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(f"flowrl {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    except ImportError as error:  # a package of the rewards extra that this install left out (eval, tiny models)
+        if not missing_extra(error) or os.environ.get("FLOWRL_DEBUG"):
+            raise
+        message = str(error) if "flowrl[rewards]" in str(error) else missing_extra(error)
         print(f"flowrl {args.command}: error: {message}", file=sys.stderr)
         return 2
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv at the repo root and install flowrl with its test tools. Idempotent: a second
-# run with unchanged pyproject.toml and constraints.txt installs nothing.
+# Create .venv at the repo root and install flowrl with its test tools and reward models. Idempotent: a
+# second run with unchanged pyproject.toml and constraints.txt installs nothing.
 #
 # torch and torchvision are installed first as a matched pair with plain pip, at the tested versions
 # of constraints.txt (pyproject.toml only declares a range), so pip can take them from a local wheel
@@ -20,5 +20,5 @@ fi
 
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet -c constraints.txt torch torchvision
-.venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test]"
+.venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test,rewards]"
 echo "$want" > "$stamp"
