@@ -86,6 +86,21 @@ def missing_config(command: str) -> str:
             "world's, and a run directory's config.yaml is one too")
 
 
+def quiet_model_loading() -> None:
+    """Turn off diffusers' and transformers' per-component loading bars ("Loading pipeline components",
+    "Loading weights"): a run loads its models once, and the nested bars bury flowrl's own lines.
+    The hub's download bars stay (a first download takes minutes); ``--debug`` keeps every bar."""
+    from diffusers.utils import logging as diffusers_logging
+    from huggingface_hub import utils as hub_utils
+    from transformers.utils import logging as transformers_logging
+
+    downloads = not hub_utils.are_progress_bars_disabled()
+    diffusers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()  # also turns the hub's bars off,
+    if downloads:
+        hub_utils.enable_progress_bars()  # which the download of a model keeps
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = parse_args(argv)
@@ -98,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in ("sample", "eval") and not args.config:
             raise ConfigError(missing_config(args.command))
+        if not os.environ.get("FLOWRL_DEBUG"):
+            quiet_model_loading()
         if args.command == "sample":
             from flowrl.commands.sample import run_sample
 
