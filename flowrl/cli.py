@@ -86,18 +86,35 @@ def missing_config(command: str) -> str:
             "world's, and a run directory's config.yaml is one too")
 
 
+def quiet_model_loading() -> None:
+    """Turn off diffusers' and transformers' per-component loading bars ("Loading pipeline components",
+    "Loading weights"): a run loads its models once, and the nested bars bury flowrl's own lines.
+    The hub's download bars stay (a first download takes minutes); ``--debug`` keeps every bar."""
+    from diffusers.utils import logging as diffusers_logging
+    from huggingface_hub import utils as hub_utils
+    from transformers.utils import logging as transformers_logging
+
+    downloads = not hub_utils.are_progress_bars_disabled()
+    diffusers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()  # also turns the hub's bars off,
+    if downloads:
+        hub_utils.enable_progress_bars()  # which the download of a model keeps
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = parse_args(argv)
     if args.debug:
         os.environ["FLOWRL_DEBUG"] = "1"
     from flowrl.config import ConfigError
-    from flowrl.rewards_api import RewardError
+    from flowrl.rewards_api import RewardError, missing_extra
     from flowrl.training.faults import TrainingAborted
 
     try:
         if args.command in ("sample", "eval") and not args.config:
             raise ConfigError(missing_config(args.command))
+        if not os.environ.get("FLOWRL_DEBUG"):
+            quiet_model_loading()
         if args.command == "sample":
             from flowrl.commands.sample import run_sample
 
@@ -128,6 +145,12 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("FLOWRL_DEBUG"):
             raise
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(f"flowrl {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    except ImportError as error:  # a package of the rewards extra that this install left out (eval, tiny models)
+        if not missing_extra(error) or os.environ.get("FLOWRL_DEBUG"):
+            raise
+        message = str(error) if "flowrl[rewards]" in str(error) else missing_extra(error)
         print(f"flowrl {args.command}: error: {message}", file=sys.stderr)
         return 2
 

@@ -3,7 +3,8 @@
 Why here: core (`flowrl`) defines the contract and never imports the `rewards/` package at import
 time. Configs name a reward by a short name (`REWARD_REGISTRY`) or a dotted path
 "package.module:Class"; `build_reward` imports the module only when a run builds the reward, so
-a missing optional dependency of one reward family never breaks `import flowrl`.
+a missing optional dependency of one reward family never breaks `import flowrl`; building a reward
+whose package (the `flowrl[rewards]` extra) is missing is one line naming the extra.
 
 `score` is the single place where reward outputs are checked (shapes, dtype, keys) and where a
 failing reward either stops the run or marks its batch NaN. NaN always means "could not score",
@@ -71,6 +72,18 @@ REWARD_REGISTRY: dict[str, str] = {
     "temporal_consistency": "rewards.video:TemporalConsistency",
 }
 """Short name -> dotted path. Strings only: nothing is imported until `build_reward`."""
+
+REWARDS_EXTRA: dict[str, str] = {
+    "open_clip": "open_clip_torch", "rapidocr_onnxruntime": "rapidocr-onnxruntime", "rapidfuzz": "rapidfuzz"}
+"""Import name -> package of the ``flowrl[rewards]`` extra: a bare ``pip install flowrl`` leaves these out."""
+
+
+def missing_extra(error: BaseException) -> str | None:
+    """One line naming the extra when ``error`` is the ImportError of a ``flowrl[rewards]`` package, else None."""
+    package = REWARDS_EXTRA.get((getattr(error, "name", None) or "").partition(".")[0])
+    if not isinstance(error, ImportError) or package is None:
+        return None
+    return f"{package} is not installed: pip install 'flowrl[rewards]'"
 
 
 class RewardError(RuntimeError):
@@ -141,6 +154,8 @@ def resolve_reward_class(name: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # ImportError, or the module itself failing at import
+        if missing_extra(err):
+            raise ValueError(f"reward '{name}': {missing_extra(err)}") from err
         raise ValueError(f"reward '{name}': cannot import module '{module_name}': "
                          f"{type(err).__name__}: {_one_line(err)}") from err
     cls = getattr(module, attr, None)
@@ -160,6 +175,10 @@ def build_reward(name: str, /, **kwargs: Any) -> Reward:
         reward = cls(**kwargs)
     except (TypeError, ValueError) as err:  # a bad kwarg value, or a signature we could not inspect
         raise ValueError(f"reward '{name}': {type(err).__name__}: {_one_line(err)}") from err
+    except ImportError as err:  # a reward that imports its model package when built (open_clip)
+        if not missing_extra(err):
+            raise
+        raise ValueError(f"reward '{name}': {missing_extra(err)}") from err
     if not isinstance(reward, Reward) or not isinstance(getattr(reward, "name", None), str):
         raise ValueError(f"reward '{name}': {cls!r} does not build a Reward (needs a str `name` and __call__)")
     return reward

@@ -461,7 +461,7 @@ def evaluate(pipe: StableDiffusion3Pipeline, n: int = 512, seed: int = 0, steps:
 
 
 def load_pipeline(path: str | Path) -> StableDiffusion3Pipeline:
-    pipe = StableDiffusion3Pipeline.from_pretrained(str(path), torch_dtype=torch.float32)
+    pipe = StableDiffusion3Pipeline.from_pretrained(str(path), dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

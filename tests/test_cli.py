@@ -48,3 +48,22 @@ def test_train_without_a_config_runs_the_toy_world(tmp_path):
     assert "path: assets/toy" in saved and "toyeval" in saved
     report = (tmp_path / "report.json").read_text()
     assert "diversity/gt_mean" in report and (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()
+
+
+LOADING_BARS = ("Loading pipeline components", "Loading weights")  # diffusers' and transformers' per-component bars
+
+
+def test_train_shows_its_own_bar_but_no_loading_bars(tmp_path):
+    result = _flowrl("train", f"run_dir={tmp_path}", "train.epochs=1", "sampling.prompts_per_batch=2",
+                     "sampling.group_size=4", "log.eval_every=0", "log.report_prompts=2", "log.progress=true")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "nft: 100%" in result.stderr  # log.progress: flowrl's own bar
+    assert not [bar for bar in LOADING_BARS if bar in result.stderr], result.stderr[-2000:]
+    assert "FutureWarning" not in result.stderr
+
+
+def test_debug_keeps_the_loading_bars(tmp_path):
+    result = _flowrl("--debug", "sample", "configs/toy/nft.yaml", "--prompt", "a red circle", "--num-per-prompt", "1",
+                     "--out", str(tmp_path / "grid.png"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert LOADING_BARS[0] in result.stderr

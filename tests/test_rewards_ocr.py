@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-pytest.importorskip("rapidocr_onnxruntime")  # a declared dependency: only guards a partial install
+pytest.importorskip("rapidocr_onnxruntime")  # the flowrl[rewards] extra, which setup.sh installs
 
 from flowrl.rewards_api import Reward, RewardError, build_reward, score  # noqa: E402
 from rewards.ocr import OcrReward, normalise, ocr_score, quoted_text  # noqa: E402

@@ -29,7 +29,7 @@ STEPS, GUIDANCE, MAX_SEQ, RESOLUTION = 10, 3.0, 1, 32
 
 @pytest.fixture(scope="module")
 def pipe():
-    pipeline = StableDiffusion3Pipeline.from_pretrained(str(TOY), torch_dtype=torch.float32)
+    pipeline = StableDiffusion3Pipeline.from_pretrained(str(TOY), dtype=torch.float32)
     pipeline.set_progress_bar_config(disable=True)
     return pipeline
 
@@ -48,6 +48,17 @@ def test_plain_diffusers_pipeline_generates_offline(pipe):
                   max_sequence_length=MAX_SEQ, generator=generators([1, 2]), output_type="pt").images
     assert images.shape == (2, 3, RESOLUTION, RESOLUTION)
     assert torch.isfinite(images).all() and images.min() >= 0 and images.max() <= 1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_loading_warns_nothing_about_torch_dtype(dtype, recwarn, capfd):
+    """flowrl passes ``dtype=``: diffusers (a FutureWarning) and transformers (a log line) deprecate torch_dtype."""
+    policy = build_policy("sd3", str(TOY), max_sequence_length=MAX_SEQ, dtype=dtype)
+    assert policy.pipeline.transformer.dtype == policy.pipeline.text_encoder.dtype == getattr(torch, dtype)
+    deprecations = [w for w in recwarn if issubclass(w.category, (FutureWarning, DeprecationWarning))
+                    and "dtype" in str(w.message)]
+    assert not deprecations, [str(w.message) for w in deprecations]
+    assert "torch_dtype" not in capfd.readouterr().err
 
 
 def test_flowrl_ode_rollout_matches_the_pipeline(pipe):

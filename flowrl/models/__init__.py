@@ -64,7 +64,7 @@ def build_policy(family: str, path: str, *, dtype: str = "float32", device="cpu"
         pipeline_class = getattr(diffusers, cls.pipeline_class_name)
         check_pipeline_family(family, path, cls.pipeline_class_name)
         hub = {k: v for k, v in (("revision", revision), ("variant", variant)) if v is not None}  # from_pretrained's
-        pipeline = load_pipeline(pipeline_class, path, torch_dtype=resolve_dtype(dtype), device="cpu", **hub)
+        pipeline = load_pipeline(pipeline_class, path, dtype=resolve_dtype(dtype), device="cpu", **hub)
     policy = cls(pipeline, height=height, width=width, **extra)
     if text_encoder_device not in ("gpu", "cpu"):
         raise ValueError(f"text_encoder_device must be 'gpu' or 'cpu', got {text_encoder_device!r}")

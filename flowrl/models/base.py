@@ -365,10 +365,10 @@ def unnormalise_latents(latents: torch.Tensor, vae) -> torch.Tensor:
     return latents / inv_std + mean
 
 
-def load_pipeline(pipeline_class, model: str, *, torch_dtype: torch.dtype, device="cpu", **kwargs):
+def load_pipeline(pipeline_class, model: str, *, dtype: torch.dtype, device="cpu", **kwargs):
     """Load a diffusers pipeline by hub id or local directory, with a one-line error when missing."""
     try:
-        pipeline = pipeline_class.from_pretrained(model, torch_dtype=torch_dtype, **kwargs)
+        pipeline = pipeline_class.from_pretrained(model, dtype=dtype, **kwargs)  # torch_dtype is deprecated
     except (OSError, ValueError) as error:  # diffusers raises OSError for missing repos/files
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise FileNotFoundError(

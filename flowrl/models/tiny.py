@@ -90,6 +90,10 @@ def _byte_alphabet() -> list[str]:
 def _clip_bpe() -> tuple[dict[str, int], list[tuple[str, str]]]:
     """OpenAI CLIP's vocabulary (49408 ids) and merges, from open_clip's shipped file."""
     spec = importlib.util.find_spec("open_clip")  # locate without importing the package
+    if spec is None:
+        raise ModuleNotFoundError("the tiny SD3 / FLUX.1 pipelines' CLIP tokenizer reads the BPE file that "
+                                  "open_clip_torch ships, which is not installed: pip install 'flowrl[rewards]'",
+                                  name="open_clip")
     path = os.path.join(spec.submodule_search_locations[0], "bpe_simple_vocab_16e6.txt.gz")
     with gzip.open(path, "rt", encoding="utf-8") as fh:
         lines = fh.read().split("\n")

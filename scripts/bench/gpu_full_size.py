@@ -158,7 +158,7 @@ def load_spec(family: str, quick: bool, tiny) -> dict:
 
 def build_transformer(spec: dict, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """The transformer of ``spec`` with torch's default random init, created on ``device`` in ``dtype``; floating
-    buffers (SD3's fp32 sin-cos table) cast to ``dtype`` as ``from_pretrained(torch_dtype=...)`` loads them, and
+    buffers (SD3's fp32 sin-cos table) cast to ``dtype`` as ``from_pretrained(dtype=...)`` loads them, and
     any buffer computed on the CPU whatever the default device (that table again) moved to ``device``."""
     import diffusers
 
