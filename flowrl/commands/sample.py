@@ -23,7 +23,7 @@ def run_sample(args) -> Path:
     from flowrl.data import load_prompts
     from flowrl.models import policy_from_config
     from flowrl.models.lora_io import load_lora_into
-    from flowrl.report import stills
+    from flowrl.media import stills
     from flowrl.sampling import StepPlan, rollout, root_seeds
 
     cfg = load_config(Config, args.config, args.overrides)

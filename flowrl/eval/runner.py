@@ -167,7 +167,8 @@ def _render_missing(policy, suite, todo: list[int], folder: Path, cfg, *, base: 
     from safetensors.torch import save_file
     from torchvision.utils import save_image
 
-    from flowrl.report import render, stills
+    from flowrl.eval.run_report import render
+    from flowrl.media import stills
 
     e, n = cfg.eval, cfg.eval.images_per_prompt
     folder.mkdir(parents=True, exist_ok=True)
@@ -209,7 +210,7 @@ def read_images(folder: Path, num_prompts: int, n: int) -> tuple[torch.Tensor, t
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from flowrl.report import clips
+    from flowrl.media import clips
 
     images = torch.stack([read_rgb(folder / f"p{i:04d}_{k:02d}.png") for i in range(num_prompts) for k in range(n)])
     files = [str(folder / f"p{i:04d}.latents.safetensors") for i in range(num_prompts)]
