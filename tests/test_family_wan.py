@@ -15,7 +15,7 @@ import torch
 from flowrl.config import Config, load_config
 from flowrl.models import build_policy
 from flowrl.rewards_api import build_reward, check_batch, frame_indices, score
-from flowrl.sampling.seeding import generators
+from flowrl.seeding import generators
 
 
 @pytest.fixture(scope="module")
