@@ -60,7 +60,7 @@ def restore_checkpoint(cfg: Config, policy, optimizer, ema, *, rank: int, snapsh
     from flowrl.training.checkpoint import load_checkpoint
 
     from flowrl.training.ema import peft_key
-    from flowrl.training.sharded import like
+    from flowrl.sharded import like
 
     lora_state, trainer_state = load_checkpoint(cfg.run_dir, resume=cfg.train.resume, optimizer=optimizer, ema=ema,
                                                 rank=rank, snapshots=snapshots)
@@ -156,7 +156,7 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, adapters: 
     policy.forward_module, optimizer = accelerator.prepare(policy.transformer, optimizer)
     params = policy.trainable_parameters()  # FSDP2 shards in place: the parameters are new (DTensor) objects
     if accelerator.is_fsdp2 and accelerator.is_main_process:
-        from flowrl.training.sharded import is_sharded
+        from flowrl.sharded import is_sharded
 
         tqdm.write(f"flowrl train: FSDP2 over {accelerator.num_processes} processes: "
                    f"{sum(map(is_sharded, params))} of {len(params)} LoRA tensors sharded")
