@@ -16,7 +16,7 @@ import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from flowrl.algorithms.advantages import zero_std_fraction
+from flowrl.algorithms.advantages import group_variances, zero_std_fraction
 from flowrl.algorithms.combine import COMBINERS
 from flowrl.algorithms.marble import MarbleBalancer
 from flowrl.recipes.build import (  # noqa: F401  (build_rewards, flat_config: re-exported for callers)
@@ -32,7 +32,7 @@ from flowrl.models.text_cache import attach_text_cache
 from flowrl.eval.run_report import evaluate, render, write_report
 from flowrl.rewards_api import nan_summary
 from flowrl.sampling import StepPlan, chunked_rollout, concat_trajectories, rollout, root_seeds
-from flowrl.sampling.pilot import commit_candidates, join_committed, pilot_variances, slot_seeds
+from flowrl.sampling.pilot import commit_candidates, join_committed, slot_seeds
 from flowrl.training.ema import LoraEMA, ema_weights
 from flowrl.training.faults import TrainingAborted, grad_norm as total_grad_norm
 from flowrl.training.lr import build_lr_scheduler
@@ -329,7 +329,7 @@ def pilot_sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, nois
         n = pilot.num_rows
         signal = {k: pilot.rewards.get(k, torch.full((n,), math.nan)) for k in run.weights}  # a failed reward: NaN
         _, combined = COMBINERS[cfg.train.combine](signal, run.weights, pilot.prompt_ids.cpu(), lambda r, g: r)
-        variances = pilot_variances(combined, pilot.prompt_ids, len(pilot.prompts))  # [C]
+        variances = group_variances(combined, pilot.prompt_ids, len(pilot.prompts))  # [C]: a candidate is a group
         committed = commit_candidates(variances, s.prompts_per_batch)  # [P]
         skipped += len(pilot.prompts) - len(committed)
         flat += int((variances == 0).sum())
