@@ -22,6 +22,7 @@ from flowrl.algorithms.marble import MarbleBalancer
 from flowrl.recipes.build import (  # noqa: F401  (build_rewards, flat_config: re-exported for callers)
     build_rewards, build_training_policy, eval_prompt_set, flat_config, load_prompt_splits, make_accelerator)
 from flowrl.recipes.plans import batch_plan, beta_split_scheduler, step_plan  # noqa: F401  (step_plan re-exported)
+from flowrl.recipes.guard import DiversityGuard, restore_weights
 from flowrl.recipes.run import Run, exported, named_snapshots
 from flowrl.recipes.snapshots import anchor_pull
 from flowrl.config import Config, ConfigError, check, save_config, to_dict
@@ -36,7 +37,6 @@ from flowrl.sampling.pilot import commit_candidates, join_committed, slot_seeds
 from flowrl.training.ema import LoraEMA, ema_weights
 from flowrl.training.faults import TrainingAborted, grad_norm as total_grad_norm
 from flowrl.training.lr import build_lr_scheduler
-from flowrl.training.guard import DiversityGuard, restore_weights
 from flowrl.training.metrics import MetricsLogger
 from flowrl.training.run_dir import check_run_dir, claim_run_dir
 from flowrl.training.stats import StatsAccumulator

@@ -16,10 +16,10 @@ from accelerate import Accelerator
 from flowrl.algorithms.marble import MarbleBalancer
 from flowrl.config import Config
 from flowrl.data import PromptSet
+from flowrl.recipes.guard import DiversityGuard
 from flowrl.sampling.split_schedule import BetaSplitScheduler
 from flowrl.training.ema import LoraEMA
 from flowrl.training.faults import FaultCounter
-from flowrl.training.guard import DiversityGuard
 from flowrl.training.metrics import MetricsLogger
 
 
@@ -48,7 +48,7 @@ class Run:
     reference: LoraEMA | None = None  # GARDO's adaptive reference: the adapter snapshot at the last reset
     reference_resets: int = 0  # 0: the reference is still the base model (adapter off)
     anchor: LoraEMA | None = None  # HRF: the adapter at the start of the current phase
-    guard: DiversityGuard | None = None  # guard.enabled: the diversity guard (flowrl/training/guard.py)
+    guard: DiversityGuard | None = None  # guard.enabled: the diversity guard (flowrl/recipes/guard.py)
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None  # train.lr_scheduler, one step per optimizer step
     faults: FaultCounter | None = None  # skipped non-finite steps and unscorable epochs (flowrl/training/faults.py)
     split_scheduler: BetaSplitScheduler | None = None  # sampling.tree.schedule=beta: TMPO's adaptive split steps
