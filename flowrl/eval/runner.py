@@ -38,8 +38,8 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
 def run_eval(config: str, overrides: list[str], checkpoints: list[str], out: str | None = None) -> Path:
     """Evaluate ``checkpoints`` (specs, see :mod:`flowrl.eval.checkpoints`); returns the report path."""
-    from flowrl.commands.sample import resolve_device
     from flowrl.config import Config, load_config
+    from flowrl.devices import resolve_device
     from flowrl.eval.checkpoints import parse_checkpoint
     from flowrl.eval.suites import load_suite
 
