@@ -257,7 +257,7 @@ def load_reference(path: str, cfg) -> torch.Tensor:
 def score_all(cfg, suite, specs: list[EvalCheckpoint], images: dict[str, tuple], reference, device) -> dict:
     """results.json: the settings, and for each checkpoint its metrics and their change from the base."""
     from flowrl.eval.features import build_feature_network
-    from flowrl.recipes.build import build_rewards
+    from flowrl.rewards_api import build_rewards
 
     e, n = cfg.eval, cfg.eval.images_per_prompt
     rewards, weights = build_rewards(cfg.rewards, device) if cfg.rewards else ([], {})

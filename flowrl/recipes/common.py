@@ -19,8 +19,8 @@ from tqdm.auto import tqdm
 from flowrl.algorithms.advantages import group_variances, zero_std_fraction
 from flowrl.algorithms.combine import COMBINERS
 from flowrl.algorithms.marble import MarbleBalancer
-from flowrl.recipes.build import (  # noqa: F401  (build_rewards, flat_config: re-exported for callers)
-    build_rewards, build_training_policy, eval_prompt_set, flat_config, load_prompt_splits, make_accelerator)
+from flowrl.recipes.build import (  # noqa: F401  (flat_config: re-exported for callers)
+    build_training_policy, eval_prompt_set, flat_config, load_prompt_splits, make_accelerator)
 from flowrl.recipes.plans import batch_plan, beta_split_scheduler, step_plan  # noqa: F401  (step_plan re-exported)
 from flowrl.recipes.guard import DiversityGuard, restore_weights
 from flowrl.recipes.run import Run, exported, named_snapshots
@@ -31,7 +31,7 @@ from flowrl.eval_tasks import stratified_prefix
 from flowrl.models.lora_io import lora_config_dict, lora_state_dict
 from flowrl.models.text_cache import attach_text_cache
 from flowrl.eval.run_report import evaluate, render, write_report
-from flowrl.rewards_api import nan_summary
+from flowrl.rewards_api import build_rewards, nan_summary
 from flowrl.sampling import StepPlan, chunked_rollout, concat_trajectories, rollout, root_seeds
 from flowrl.sampling.pilot import commit_candidates, join_committed, slot_seeds
 from flowrl.training.ema import LoraEMA, ema_weights
