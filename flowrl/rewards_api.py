@@ -184,6 +184,31 @@ def build_reward(name: str, /, **kwargs: Any) -> Reward:
     return reward
 
 
+def build_rewards(specs: Sequence[Any], device) -> tuple[list[Reward], dict[str, float]]:
+    """Instantiate the configured rewards -> (rewards, {training signal key: weight}).
+
+    ``specs``: the config's ``rewards`` entries (``flowrl.config.schema.RewardSpec``: name, kwargs, key, weight).
+
+    The signal key is the reward's main score unless the spec names one of its sub-scores (a dense
+    partial score trains better than a sparse strict one when the base model rarely succeeds)."""
+    rewards, weights, built = [], {}, {}
+    for spec in specs:
+        kwargs = dict(spec.kwargs)
+        if device is not None and accepts_keyword(spec.name, "device"):
+            kwargs.setdefault("device", str(device))  # each process scores on its own accelerator
+        identity = (spec.name, repr(sorted(kwargs.items())))  # one instance scores every sub-score it is named for
+        if identity not in built:
+            built[identity] = build_reward(spec.name, **kwargs)
+            rewards.append(built[identity])
+        reward = built[identity]
+        key = spec.key or reward.name
+        if key != reward.name and not key.startswith(f"{reward.name}/"):
+            raise ValueError(f"reward '{spec.name}': key {key!r} is not one of its outputs "
+                             f"(use '{reward.name}' or '{reward.name}/<sub-score>')")
+        weights[key] = spec.weight
+    return rewards, weights
+
+
 # ------------------------------------------------------------------------------------ scoring
 
 def check_batch(images: Any, prompts: Sequence[str], metadata: Sequence[Any], *, video: bool = False) -> int:

@@ -18,10 +18,9 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
+from flowrl.models.clip import load_open_clip, load_state_dict, resolve_file
 from flowrl.rewards_api import check_batch
-from rewards.base import chunked
-from rewards.clip_common import (load_open_clip, load_state_dict, resolve_file,
-                                  score_finite)
+from rewards.base import chunked, score_finite
 
 WEIGHTS_HINT = "sac+logos+ava1-l14-linearMSE.pth from LAION's improved-aesthetic-predictor"
 

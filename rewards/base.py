@@ -1,7 +1,8 @@
-"""Plumbing every model-backed reward shares: device placement, dtype, and chunked batching.
+"""Plumbing every model-backed reward shares: chunked batching and NaN for images that cannot be scored.
 
-Reward models run on their own device (a GPU when there is one, whatever the policy uses) and see
-the images in chunks of ``batch_size`` so a large rollout batch never exceeds their memory.
+Reward models run on their own device (a GPU when there is one, whatever the policy uses,
+:mod:`flowrl.devices`) and see the images in chunks of ``batch_size`` so a large rollout batch never
+exceeds their memory.
 """
 
 from __future__ import annotations
@@ -10,25 +11,7 @@ from typing import Callable, Sequence
 
 import torch
 
-
-def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
-    """'auto' -> cuda when available, else cpu."""
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """None/'auto' -> bfloat16 on GPU, float32 on CPU; names like 'bf16' are accepted."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype in (None, "auto"):
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-    resolved = getattr(torch, aliases.get(dtype, dtype), None)
-    if not isinstance(resolved, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
-    return resolved
+from flowrl.rewards_api import IMAGE_TOLERANCE
 
 
 def chunked(score_chunk: Callable[[torch.Tensor, Sequence[str], Sequence[dict]], dict[str, torch.Tensor]],
@@ -40,3 +23,21 @@ def chunked(score_chunk: Callable[[torch.Tensor, Sequence[str], Sequence[dict]],
         stop = start + batch_size
         parts.append(score_chunk(images[start:stop], list(prompts[start:stop]), list(metadata[start:stop])))
     return {key: torch.cat([p[key].detach().float().cpu() for p in parts]) for key in parts[0]}
+
+
+def score_finite(images: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """fn(images) -> [N]; rows holding NaN/inf are fed as zeros and scored NaN (could not score).
+
+    One pass over the pixels gives each row's min and max: NaN/inf rows show up as non-finite
+    extremes, and the finite rows must lie in [0,1] (same slack as check_images) or ValueError.
+    """
+    lo, hi = images.flatten(1).aminmax(dim=1)  # [N], [N]; NaN propagates, inf shows as +-inf
+    finite = torch.isfinite(lo) & torch.isfinite(hi)
+    if bool(finite.any()):
+        low, high = torch.stack([lo[finite].min(), hi[finite].max()]).tolist()
+        if low < -IMAGE_TOLERANCE or high > 1 + IMAGE_TOLERANCE:
+            raise ValueError(f"image values must lie in [0,1], got [{low:.4g}, {high:.4g}]")
+    if not bool(finite.all()):
+        images = torch.nan_to_num(images, nan=0.0, posinf=1.0, neginf=0.0)
+    out = fn(images)
+    return torch.where(finite.to(out.device), out, torch.full_like(out, float("nan")))

@@ -7,7 +7,7 @@ CLIP (and its fine-tuning) and in the scale:
   pickscore  scale * exp(logit_scale) * cos   Kirstain et al. 2023, CLIP-H fine-tuned on Pick-a-Pic
   hpsv2      cos                          Wu et al. 2023, open_clip ViT-H-14 fine-tuned on HPD v2
 
-Loading and preprocessing live in `rewards.clip_common`; images are scored in chunks of
+Loading and preprocessing live in `flowrl.models.clip`; images are scored in chunks of
 `batch_size` (`rewards.base.chunked`), each distinct prompt is embedded once per chunk, and images
 holding NaN/inf score NaN. Scores are float32 on CPU whatever `dtype` the model runs in.
 """
@@ -19,9 +19,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from flowrl.models.clip import ClipBackbone, load_hf_clip, load_open_clip
 from flowrl.rewards_api import check_batch
-from rewards.base import chunked
-from rewards.clip_common import ClipBackbone, load_hf_clip, load_open_clip, score_finite
+from rewards.base import chunked, score_finite
 
 
 class _ClipSimilarity:

@@ -73,7 +73,7 @@ def _common(args: argparse.Namespace) -> dict:
 
 
 def build_clipscore(args: argparse.Namespace) -> Reward:
-    from rewards.clip_common import tiny_hf_clip
+    from flowrl.models.clip import tiny_hf_clip
     from rewards.clip_scores import ClipScore
 
     if args.clip_model:
@@ -83,7 +83,7 @@ def build_clipscore(args: argparse.Namespace) -> Reward:
 
 
 def build_pickscore(args: argparse.Namespace) -> Reward:
-    from rewards.clip_common import tiny_hf_clip
+    from flowrl.models.clip import tiny_hf_clip
     from rewards.clip_scores import PickScore
 
     if args.pickscore_model:
@@ -93,7 +93,7 @@ def build_pickscore(args: argparse.Namespace) -> Reward:
 
 
 def build_hpsv2(args: argparse.Namespace) -> Reward:
-    from rewards.clip_common import tiny_open_clip
+    from flowrl.models.clip import tiny_open_clip
     from rewards.clip_scores import HPSv2
 
     if args.hpsv2_checkpoint:
@@ -104,7 +104,7 @@ def build_hpsv2(args: argparse.Namespace) -> Reward:
 
 def build_aesthetic(args: argparse.Namespace) -> Reward:
     from rewards.aesthetic import Aesthetic, AestheticMLP
-    from rewards.clip_common import tiny_open_clip
+    from flowrl.models.clip import tiny_open_clip
 
     weights = args.aesthetic_weights
     if not weights:  # a random head with the released layout

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from flowrl.config import Config, load_config  # noqa: E402
 from flowrl.eval_tasks import stratified_prefix  # noqa: E402
 from flowrl.recipes.build import build_training_policy, load_prompt_splits  # noqa: E402
-from flowrl.report import render  # noqa: E402
+from flowrl.eval.run_report import render  # noqa: E402
 from flowrl.rewards_api import build_reward  # noqa: E402
 from rewards.directional import fit_direction, save_direction  # noqa: E402
 

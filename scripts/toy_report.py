@@ -3,7 +3,7 @@ run's own end-of-run report: per task, the task mean and the paired standard err
 
     python scripts/toy_report.py runs/toy_nft/lora --images 32 --out runs/toy_nft/report_32
 
-It writes the same report.md / report.json / before.png / after.png as a run (``flowrl.report``).
+It writes the same report.md / report.json / before.png / after.png as a run (``flowrl.eval.run_report``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from flowrl.data import load_prompts  # noqa: E402
 from flowrl.eval_tasks import stratified_prefix  # noqa: E402
 from flowrl.models import build_policy  # noqa: E402
 from flowrl.models.lora_io import load_lora_into  # noqa: E402
-from flowrl.report import write_report  # noqa: E402
+from flowrl.eval.run_report import write_report  # noqa: E402
 from rewards.toyeval import ToyEval  # noqa: E402
 
 

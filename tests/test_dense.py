@@ -15,10 +15,11 @@ from accelerate import Accelerator
 from flowrl.algorithms.advantages import grpo_advantages
 from flowrl.algorithms.combine import weighted_sum
 from flowrl.algorithms.dense import (
-    check_credit, cosine_advantages, cosine_gain_weights, lookahead_states, ode_lookahead, predict_x0, reward_gains,
+    cosine_advantages, cosine_gain_weights, lookahead_states, ode_lookahead, predict_x0, reward_gains,
     stepwise_advantages, top_step_share,
 )
 from flowrl.config import Config, ConfigError, load_config
+from flowrl.config.schema import check_credit
 from flowrl.models import build_policy
 from flowrl.recipes.grpo import cosine_credit, ode_credit, train
 from flowrl.sampling import StepPlan, rollout

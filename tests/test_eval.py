@@ -165,15 +165,15 @@ def test_zero_lora_renders_the_base_images(world):
 
 # --- resume ------------------------------------------------------------------------------------------
 def _count_renders(monkeypatch) -> list[list[str]]:
-    import flowrl.report
+    import flowrl.eval.run_report as run_report
 
-    calls, original = [], flowrl.report.render
+    calls, original = [], run_report.render
 
     def counting(policy, prompts, **kwargs):
         calls.append(list(prompts.prompts))
         return original(policy, prompts, **kwargs)
 
-    monkeypatch.setattr(flowrl.report, "render", counting)
+    monkeypatch.setattr(run_report, "render", counting)
     return calls
 
 

@@ -1,4 +1,4 @@
-"""The diversity guard (flowrl/training/guard.py): its drop rule and policies on hand-made diversity
+"""The diversity guard (flowrl/recipes/guard.py): its drop rule and policies on hand-made diversity
 sequences, the best-weights criterion by hand, and real runs: a tiny toy GRPO run that the guard stops,
 raise_beta turning the KL on in both recipes, resume keeping the guard's state, and the config errors."""
 
@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from flowrl.commands.train import recipe_train
 from flowrl.config import Config, ConfigError, load_config
 from flowrl.models.lora_io import lora_state_dict, read_lora
-from flowrl.training.guard import DiversityGuard, guard_score, in_group_diversity, raised_beta, relative_drop
+from flowrl.recipes.guard import DiversityGuard, guard_score, in_group_diversity, raised_beta, relative_drop
 from flowrl.training.metrics import read_metrics
 from tests.toy_runs import train_on_prompts
 

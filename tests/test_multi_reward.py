@@ -329,7 +329,7 @@ def test_gardo_trains_with_gate_and_diversity(tmp_path):
 
 
 def test_sub_scores_of_one_reward_train_as_separate_rewards_from_one_instance():
-    from flowrl.recipes.common import build_rewards
+    from flowrl.rewards_api import build_rewards
 
     cfg = load_config(Config, SMOKE, ["rewards=[{name: toyeval, key: toyeval/count}, {name: toyeval, key: "
                                       "toyeval/color, weight: 0.5}]"])

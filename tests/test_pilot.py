@@ -11,9 +11,10 @@ import math
 import pytest
 import torch
 
+from flowrl.algorithms.advantages import group_variances
 from flowrl.config import Config, ConfigError, load_config
 from flowrl.sampling import root_seeds
-from flowrl.sampling.pilot import commit_candidates, pilot_variances, slot_seeds
+from flowrl.sampling.pilot import commit_candidates, slot_seeds
 from tests.policy_capture import capture_training_policy, lora_and_base
 
 SMOKE = "configs/smoke/sd3_tiny.yaml"
@@ -50,7 +51,7 @@ def test_pilot_variances_by_hand():
                             0.1, 0.1, 0.1,  # candidate 3: equal (a float mean need not be exact) -> exactly 0
                             1.0, 2.0, math.nan, 4.0])  # 4: finite 1, 2, 4; mean 7/3; var (16 + 1 + 25) / 27 = 14/9
     ids = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3, 3, 4, 4, 4, 4])
-    variances = pilot_variances(rewards, ids, 6)  # candidate 5 has no rows -> 0
+    variances = group_variances(rewards, ids, 6)  # candidate 5 has no rows -> 0
     expected = torch.tensor([0.0, 0.25, 0.0, 0.0, 14 / 9, 0.0], dtype=torch.float64)
     assert torch.allclose(variances, expected, rtol=0, atol=1e-12)
     assert (variances[[0, 2, 3, 5]] == 0).all()  # exactly zero, not merely small
@@ -122,7 +123,7 @@ def _check_piloted_batches(calls, trajs, *, candidates=4, pilot_size=2, group_si
         assert counts.tolist() == [group_size] * per_batch
         assert not seen_groups & set(groups.tolist())
         seen_groups |= set(groups.tolist())
-        variances = pilot_variances(pilot.rewards[key], pilot.prompt_ids, candidates)
+        variances = group_variances(pilot.rewards[key], pilot.prompt_ids, candidates)
         zero += int((variances == 0).sum())
         expected = commit_candidates(variances, per_batch).tolist()
         committed = []

@@ -28,7 +28,7 @@ from flowrl.config import Config, ConfigError, load_config
 from flowrl.models.base import TextCond
 from flowrl.recipes.grpo import same_step_rows, trained_mask
 from flowrl.sampling import StepPlan, rollout, window_start
-from flowrl.sampling.seeding import generators
+from flowrl.seeding import generators
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "configs/smoke/sd3_tiny.yaml"

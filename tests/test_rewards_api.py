@@ -228,7 +228,7 @@ def test_import_rewards_api_does_not_import_rewards_package():
 
 
 def test_recipes_place_model_rewards_on_the_process_device():
-    from flowrl.recipes.common import build_rewards
+    from flowrl.rewards_api import build_rewards
     from flowrl.rewards_api import accepts_keyword
     from flowrl.config.schema import RewardSpec
 

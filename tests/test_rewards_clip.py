@@ -18,8 +18,8 @@ from safetensors.torch import save_file
 
 from flowrl.rewards_api import build_reward, score
 from rewards.aesthetic import Aesthetic, AestheticMLP
-from rewards.clip_common import (ImageSpec, _features, load_hf_clip, preprocess, resolve_file,
-                                 tiny_hf_clip, tiny_open_clip)
+from flowrl.models.clip import (ImageSpec, _features, load_hf_clip, preprocess, resolve_file, tiny_hf_clip,
+                                tiny_open_clip)
 from rewards.clip_scores import HPSv2, ClipScore, PickScore
 
 N = 5

@@ -32,7 +32,7 @@ def smoke(tmp_path, *overrides):
 ])
 def test_eval_steps_and_guidance_reach_every_eval_render(tmp_path, monkeypatch, overrides, expected):
     import flowrl.recipes.common as common
-    import flowrl.report as report
+    import flowrl.eval.run_report as report
     from flowrl.recipes.grpo import train
 
     seen = {"grid": [], "held_out": [], "report": [], "rollout": []}

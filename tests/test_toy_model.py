@@ -18,7 +18,7 @@ from diffusers import StableDiffusion3Pipeline
 
 from flowrl.models import build_policy
 from flowrl.sampling import rollout
-from flowrl.sampling.seeding import generators
+from flowrl.seeding import generators
 from flowrl.toy.prompts import SPLIT, TASKS, heldout_prompts
 from rewards.toyeval import ToyEval
 

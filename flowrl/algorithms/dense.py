@@ -47,18 +47,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from flowrl.config.loader import check
 from flowrl.sampling.steps import sde_step
-
-def check_credit(credit: str, *, recipe: str, branch_steps: Sequence[int]) -> None:
-    """One-line :class:`~flowrl.config.ConfigError` for the other sections' settings dense credit cannot
-    run with (``train.loss=tmpo`` is refused by ``TrainConfig.validate`` itself)."""
-    if credit == "terminal":
-        return
-    check(recipe == "grpo", "train.credit", f"{credit} credit needs per-step log-prob ratios, which recipe "
-          f"{recipe} has none of; use recipe grpo or train.credit=terminal")
-    check(not branch_steps, "train.credit", f"{credit} is not defined on tree rollouts (sampling.tree."
-          "branch_steps), whose edges take their advantage from the leaves below them; use train.credit=terminal")
 
 
 # --- dense_cosine ----------------------------------------------------------------------------------------

@@ -90,7 +90,7 @@ class ClipFeatures:
     """CLIP image embeddings (transformers, local folder or hub id; no remote code)."""
 
     def __init__(self, model_id: str, device: Any = "auto", dtype: Any = None, batch_size: int = 64):
-        from rewards.clip_common import load_hf_clip
+        from flowrl.models.clip import load_hf_clip
 
         self.backbone, self.batch_size = load_hf_clip(model_id, device=device, dtype=dtype), batch_size
 

@@ -4,16 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def run_sample(args) -> Path:
@@ -21,9 +12,10 @@ def run_sample(args) -> Path:
 
     from flowrl.config import Config, load_config
     from flowrl.data import load_prompts
+    from flowrl.devices import resolve_device
     from flowrl.models import policy_from_config
     from flowrl.models.lora_io import load_lora_into
-    from flowrl.report import stills
+    from flowrl.media import stills
     from flowrl.sampling import StepPlan, rollout, root_seeds
 
     cfg = load_config(Config, args.config, args.overrides)

@@ -102,7 +102,7 @@ class EvalConfig:
 class GuardConfig:
     enabled: bool = False
     """Watch the in-group diversity of each epoch's rollouts (no extra sampling) and act when it falls
-    (flowrl/training/guard.py); off: nothing is measured or logged."""
+    (flowrl/recipes/guard.py); off: nothing is measured or logged."""
     every: int = 1
     """Measure every this many epochs (the first warmup epochs are always measured)."""
     warmup: int = 2

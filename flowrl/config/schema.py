@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 from flowrl.config.forward import LOSS_CHOICES, NFT_CHOICES, NFTConfig  # noqa: F401  (re-exported)
 from flowrl.config.loader import check
@@ -362,6 +362,18 @@ class HrfConfig:
         return self.phase_epochs or sampling.window.shift_every
 
 
+def check_credit(credit: str, *, recipe: str, branch_steps: Sequence[int]) -> None:
+    """One-line :class:`~flowrl.config.ConfigError` for the other sections' settings dense credit
+    (:mod:`flowrl.algorithms.dense`) cannot run with (``train.loss=tmpo`` is refused by
+    ``TrainConfig.validate`` itself)."""
+    if credit == "terminal":
+        return
+    check(recipe == "grpo", "train.credit", f"{credit} credit needs per-step log-prob ratios, which recipe "
+          f"{recipe} has none of; use recipe grpo or train.credit=terminal")
+    check(not branch_steps, "train.credit", f"{credit} is not defined on tree rollouts (sampling.tree."
+          "branch_steps), whose edges take their advantage from the leaves below them; use train.credit=terminal")
+
+
 @dataclass
 class Config:
     seed: int = 0
@@ -473,8 +485,6 @@ class Config:
                   "train.loss=tmpo trains whole paths; BranchGRPO's pruning does not apply: set it to 0")
             check(not self.gardo.diversity, "gardo.diversity",
                   "train.loss=tmpo has no per-row advantage to weight; set gardo.diversity=false")
-        from flowrl.algorithms.dense import check_credit
-
         window = self.sampling.window
         batch_windows = window.size is not None and window.mode == "random"  # rows of an epoch: different windows
         check_credit(self.train.credit, recipe=self.recipe, branch_steps=self.sampling.tree.branch_steps)

@@ -47,7 +47,7 @@ def image_strip(images: torch.Tensor) -> bytes:
     from torchvision.utils import make_grid
     from PIL import Image
 
-    from flowrl.report import stills
+    from flowrl.media import stills
 
     images = stills(images)
     grid = make_grid(images.detach().float().cpu().clamp(0, 1), nrow=len(images), padding=2, pad_value=1.0)

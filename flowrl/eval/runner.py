@@ -38,8 +38,8 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
 def run_eval(config: str, overrides: list[str], checkpoints: list[str], out: str | None = None) -> Path:
     """Evaluate ``checkpoints`` (specs, see :mod:`flowrl.eval.checkpoints`); returns the report path."""
-    from flowrl.commands.sample import resolve_device
     from flowrl.config import Config, load_config
+    from flowrl.devices import resolve_device
     from flowrl.eval.checkpoints import parse_checkpoint
     from flowrl.eval.suites import load_suite
 
@@ -167,7 +167,8 @@ def _render_missing(policy, suite, todo: list[int], folder: Path, cfg, *, base: 
     from safetensors.torch import save_file
     from torchvision.utils import save_image
 
-    from flowrl.report import render, stills
+    from flowrl.eval.run_report import render
+    from flowrl.media import stills
 
     e, n = cfg.eval, cfg.eval.images_per_prompt
     folder.mkdir(parents=True, exist_ok=True)
@@ -209,7 +210,7 @@ def read_images(folder: Path, num_prompts: int, n: int) -> tuple[torch.Tensor, t
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from flowrl.report import clips
+    from flowrl.media import clips
 
     images = torch.stack([read_rgb(folder / f"p{i:04d}_{k:02d}.png") for i in range(num_prompts) for k in range(n)])
     files = [str(folder / f"p{i:04d}.latents.safetensors") for i in range(num_prompts)]
@@ -256,7 +257,7 @@ def load_reference(path: str, cfg) -> torch.Tensor:
 def score_all(cfg, suite, specs: list[EvalCheckpoint], images: dict[str, tuple], reference, device) -> dict:
     """results.json: the settings, and for each checkpoint its metrics and their change from the base."""
     from flowrl.eval.features import build_feature_network
-    from flowrl.recipes.build import build_rewards
+    from flowrl.rewards_api import build_rewards
 
     e, n = cfg.eval, cfg.eval.images_per_prompt
     rewards, weights = build_rewards(cfg.rewards, device) if cfg.rewards else ([], {})

@@ -120,7 +120,7 @@ class FluxKontextPolicy(FluxPolicy):
         sources. The source goes in already at the policy's size, with ``_auto_resize=False`` and
         ``max_area=height * width``: the pipeline then neither resizes the source to a preferred Kontext
         resolution nor changes the output size, so its tokens are the policy's."""
-        from flowrl.sampling.seeding import generators
+        from flowrl.seeding import generators
 
         paths, seeds = source_paths(metadata, len(prompts)), list(seeds)
         if len(seeds) != len(prompts) * group_size:

@@ -43,7 +43,7 @@ def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
     Under FSDP2 the sharded (DTensor) weights are gathered whole: every process must call this."""
     from peft.utils import get_peft_model_state_dict
 
-    from flowrl.training.sharded import full_state
+    from flowrl.sharded import full_state
 
     return full_state(get_peft_model_state_dict(transformer))
 

@@ -1,5 +1,6 @@
-"""What a run is built from, read off the config: the policy with its LoRA, the rewards, the prompt
-splits, the eval grid's prompts and the accelerator (with its tracker). ``start_run`` in
+"""What a run is built from, read off the config: the policy with its LoRA, the prompt splits, the eval
+grid's prompts and the accelerator (with its tracker); the rewards are built by
+:func:`flowrl.rewards_api.build_rewards`, which ``flowrl eval`` uses too. ``start_run`` in
 :mod:`flowrl.recipes.common` calls these; scripts that need one piece (a policy to benchmark, the
 prompt splits to fit a reward direction on) call them directly.
 """
@@ -13,11 +14,9 @@ import torch
 from accelerate import Accelerator
 
 from flowrl.config import Config, ConfigError, to_dict
-from flowrl.config.schema import RewardSpec
 from flowrl.data import PromptSet, load_prompts, train_test_split
 from flowrl.models import policy_from_config
 from flowrl.models.lora_io import load_lora_into
-from flowrl.rewards_api import accepts_keyword, build_reward
 
 
 def build_training_policy(cfg: Config, device):
@@ -32,29 +31,6 @@ def build_training_policy(cfg: Config, device):
     if m.gradient_checkpointing:
         policy.transformer.enable_gradient_checkpointing()
     return policy
-
-
-def build_rewards(specs: list[RewardSpec], device) -> tuple[list, dict[str, float]]:
-    """Instantiate the configured rewards -> (rewards, {training signal key: weight}).
-
-    The signal key is the reward's main score unless the spec names one of its sub-scores (a dense
-    partial score trains better than a sparse strict one when the base model rarely succeeds)."""
-    rewards, weights, built = [], {}, {}
-    for spec in specs:
-        kwargs = dict(spec.kwargs)
-        if device is not None and accepts_keyword(spec.name, "device"):
-            kwargs.setdefault("device", str(device))  # each process scores on its own accelerator
-        identity = (spec.name, repr(sorted(kwargs.items())))  # one instance scores every sub-score it is named for
-        if identity not in built:
-            built[identity] = build_reward(spec.name, **kwargs)
-            rewards.append(built[identity])
-        reward = built[identity]
-        key = spec.key or reward.name
-        if key != reward.name and not key.startswith(f"{reward.name}/"):
-            raise ValueError(f"reward '{spec.name}': key {key!r} is not one of its outputs "
-                             f"(use '{reward.name}' or '{reward.name}/<sub-score>')")
-        weights[key] = spec.weight
-    return rewards, weights
 
 
 def load_prompt_splits(cfg: Config) -> tuple[PromptSet, PromptSet]:

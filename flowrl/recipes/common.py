@@ -10,34 +10,33 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from flowrl.algorithms.advantages import zero_std_fraction
+from flowrl.algorithms.advantages import group_variances, zero_std_fraction
 from flowrl.algorithms.combine import COMBINERS
 from flowrl.algorithms.marble import MarbleBalancer
-from flowrl.recipes.build import (  # noqa: F401  (build_rewards, flat_config: re-exported for callers)
-    build_rewards, build_training_policy, eval_prompt_set, flat_config, load_prompt_splits, make_accelerator)
+from flowrl.recipes.build import (  # noqa: F401  (flat_config: re-exported for callers)
+    build_training_policy, eval_prompt_set, flat_config, load_prompt_splits, make_accelerator)
 from flowrl.recipes.plans import batch_plan, beta_split_scheduler, step_plan  # noqa: F401  (step_plan re-exported)
+from flowrl.recipes.guard import DiversityGuard, restore_weights
+from flowrl.recipes.run import Run, exported, named_snapshots
 from flowrl.recipes.snapshots import anchor_pull
 from flowrl.config import Config, ConfigError, check, save_config, to_dict
 from flowrl.data import PromptSet, epoch_prompt_indices, prompts_per_batch
 from flowrl.eval_tasks import stratified_prefix
 from flowrl.models.lora_io import lora_config_dict, lora_state_dict
 from flowrl.models.text_cache import attach_text_cache
-from flowrl.report import evaluate, render, write_report
-from flowrl.rewards_api import nan_summary
+from flowrl.eval.run_report import evaluate, render, write_report
+from flowrl.rewards_api import build_rewards, nan_summary
 from flowrl.sampling import StepPlan, chunked_rollout, concat_trajectories, rollout, root_seeds
-from flowrl.sampling.split_schedule import BetaSplitScheduler
-from flowrl.sampling.pilot import commit_candidates, join_committed, pilot_variances, slot_seeds
+from flowrl.sampling.pilot import commit_candidates, join_committed, slot_seeds
 from flowrl.training.ema import LoraEMA, ema_weights
-from flowrl.training.faults import FaultCounter, TrainingAborted, grad_norm as total_grad_norm
+from flowrl.training.faults import TrainingAborted, grad_norm as total_grad_norm
 from flowrl.training.lr import build_lr_scheduler
-from flowrl.training.guard import DiversityGuard, restore_weights
 from flowrl.training.metrics import MetricsLogger
 from flowrl.training.run_dir import check_run_dir, claim_run_dir
 from flowrl.training.stats import StatsAccumulator
@@ -61,7 +60,7 @@ def restore_checkpoint(cfg: Config, policy, optimizer, ema, *, rank: int, snapsh
     from flowrl.training.checkpoint import load_checkpoint
 
     from flowrl.training.ema import peft_key
-    from flowrl.training.sharded import like
+    from flowrl.sharded import like
 
     lora_state, trainer_state = load_checkpoint(cfg.run_dir, resume=cfg.train.resume, optimizer=optimizer, ema=ema,
                                                 rank=rank, snapshots=snapshots)
@@ -92,7 +91,8 @@ def eval_grid(policy, ema, prompts: PromptSet, cfg: Config, guidance: float, out
     Every process calls this (a sharded model needs all ranks for a forward); only ``save`` writes."""
     from torchvision.utils import save_image
 
-    from flowrl.report import render, stills
+    from flowrl.eval.run_report import render
+    from flowrl.media import stills
 
     n = cfg.log.eval_images_per_prompt
     with ema_weights(ema):
@@ -127,87 +127,6 @@ def export_final_lora(policy, ema, out_dir: Path, config_file: Path | None = Non
                             config_text=config_text, force=True)[0]
 
 
-@dataclass
-class Run:
-    """Everything an online RL loop holds across epochs, built the same way for every recipe."""
-
-    cfg: Config
-    accelerator: Accelerator
-    run_dir: Path
-    policy: object
-    params: list[torch.nn.Parameter]
-    optimizer: torch.optim.Optimizer
-    ema: LoraEMA | None
-    rewards: list
-    weights: dict[str, float]
-    train_prompts: PromptSet
-    test_prompts: PromptSet
-    eval_prompts: PromptSet
-    test_set: PromptSet
-    logger: MetricsLogger
-    guidance: float
-    start_epoch: int
-    counters: dict[str, float] = field(default_factory=dict)
-    marble: MarbleBalancer | None = None  # train.combine=marble: the per-reward advantage weights in force
-    reference: LoraEMA | None = None  # GARDO's adaptive reference: the adapter snapshot at the last reset
-    reference_resets: int = 0  # 0: the reference is still the base model (adapter off)
-    anchor: LoraEMA | None = None  # HRF: the adapter at the start of the current phase
-    guard: DiversityGuard | None = None  # guard.enabled: the diversity guard (flowrl/training/guard.py)
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None  # train.lr_scheduler, one step per optimizer step
-    faults: FaultCounter | None = None  # skipped non-finite steps and unscorable epochs (flowrl/training/faults.py)
-    split_scheduler: BetaSplitScheduler | None = None  # sampling.tree.schedule=beta: TMPO's adaptive split steps
-    eval_ema: LoraEMA | None = None  # nft.eval_ema_decay: the EMA eval and export use; ``ema`` is then the old policy
-    adapters: dict[str, LoraEMA] = field(default_factory=dict)  # further copies a recipe names (CRD: its sampler)
-
-    @property
-    def fault_counter(self) -> FaultCounter:
-        if self.faults is None:
-            t = self.cfg.train
-            self.faults = FaultCounter(max_skipped_steps=t.max_skipped_steps, max_nan_epochs=t.max_nan_epochs)
-        return self.faults
-
-    @property
-    def snapshots(self) -> dict[str, LoraEMA]:
-        """The adapter copies that checkpoints save and resume restores."""
-        best = self.guard.best if self.guard is not None and self.guard.best.tensors else None
-        return named_snapshots(self.reference, self.anchor, best, self.ema, self.eval_ema, self.adapters)
-
-    @property
-    def exported_ema(self) -> LoraEMA | None:
-        """The weights eval, the report, the export and checkpoints' ema.safetensors hold: the eval EMA where one is
-        kept, else ``ema``."""
-        return exported(self.ema, self.eval_ema)
-
-    @property
-    def eval_guidance(self) -> float:
-        """The guidance of eval grids, held-out scores and the report: log.eval_guidance_scale, else training's."""
-        scale = self.cfg.log.eval_guidance_scale
-        return self.guidance if scale is None else scale
-
-    @property
-    def beta(self) -> float:
-        """The KL beta in force: train.beta, or what the diversity guard raised it to."""
-        return self.cfg.train.beta if self.guard is None else self.guard.beta
-
-    @property
-    def guard_stopped(self) -> bool:
-        """Whether the diversity guard (guard.policy=stop) ended the run."""
-        return self.guard is not None and self.guard.stopped
-
-
-def named_snapshots(reference, anchor, guard_best, ema, eval_ema, adapters: dict) -> dict[str, LoraEMA]:
-    """{name: adapter copy} that checkpoints save beside ema.safetensors; ``ema`` is one of them, as "old", where
-    an eval EMA takes ema.safetensors (recipe nft)."""
-    old = ema if eval_ema is not None else None
-    return {name: s for name, s in (("reference", reference), ("anchor", anchor), ("guard_best", guard_best),
-                                    ("old", old), *adapters.items()) if s is not None}
-
-
-def exported(ema: LoraEMA | None, eval_ema: LoraEMA | None) -> LoraEMA | None:
-    """The EMA that eval and export use, and checkpoints save as ema.safetensors: the eval EMA where kept."""
-    return eval_ema if eval_ema is not None else ema
-
-
 def start_run(cfg: Config, accelerator: Accelerator | None = None, *, adapters: tuple[str, ...] = ()) -> Run:
     """Set up a run: processes, run directory and saved config, model + LoRA, optimizer, EMA, rewards,
     prompt splits, metrics logger and trackers, and the state of ``train.resume``.
@@ -237,7 +156,7 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, adapters: 
     policy.forward_module, optimizer = accelerator.prepare(policy.transformer, optimizer)
     params = policy.trainable_parameters()  # FSDP2 shards in place: the parameters are new (DTensor) objects
     if accelerator.is_fsdp2 and accelerator.is_main_process:
-        from flowrl.training.sharded import is_sharded
+        from flowrl.sharded import is_sharded
 
         tqdm.write(f"flowrl train: FSDP2 over {accelerator.num_processes} processes: "
                    f"{sum(map(is_sharded, params))} of {len(params)} LoRA tensors sharded")
@@ -410,7 +329,7 @@ def pilot_sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, nois
         n = pilot.num_rows
         signal = {k: pilot.rewards.get(k, torch.full((n,), math.nan)) for k in run.weights}  # a failed reward: NaN
         _, combined = COMBINERS[cfg.train.combine](signal, run.weights, pilot.prompt_ids.cpu(), lambda r, g: r)
-        variances = pilot_variances(combined, pilot.prompt_ids, len(pilot.prompts))  # [C]
+        variances = group_variances(combined, pilot.prompt_ids, len(pilot.prompts))  # [C]: a candidate is a group
         committed = commit_candidates(variances, s.prompts_per_batch)  # [P]
         skipped += len(pilot.prompts) - len(committed)
         flat += int((variances == 0).sum())

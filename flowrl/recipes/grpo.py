@@ -68,13 +68,13 @@ from flowrl.recipes.common import (  # noqa: F401  (re-exported for callers of t
     StatsAccumulator, end_epoch, finish_run, group_advantages, log_base_model, make_accelerator, optimizer_step,
     out_of_time, sample_and_score, start_run, step_plan,
 )
+from flowrl.recipes.guard import exported_weights, finite_mean, in_group_diversity
 from flowrl.recipes.snapshots import maybe_reset_reference, reference_weights, start_phase
 from flowrl.recipes.tmpo_paths import TmpoPaths
 from flowrl.rewards_api import AsyncScorer
 from flowrl.sampling import sde_step, transition
 from flowrl.sampling.steps import kl_std
 from flowrl.training.accumulate import micro_batch
-from flowrl.training.guard import exported_weights, finite_mean, in_group_diversity
 
 
 def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, float]:

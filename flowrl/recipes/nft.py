@@ -97,6 +97,7 @@ from flowrl.recipes.common import (
     StatsAccumulator, end_epoch, finish_run, group_advantages, log_base_model, optimizer_step, out_of_time,
     sample_and_score, start_run,
 )
+from flowrl.recipes.guard import exported_weights, finite_mean, in_group_diversity
 from flowrl.recipes.snapshots import start_phase
 from flowrl.rewards_api import AsyncScorer
 from flowrl.sampling import StepPlan
@@ -104,7 +105,6 @@ from flowrl.sampling.sa_solver import sa_solver_rollout
 from flowrl.algorithms.gardo import build_features
 from flowrl.training.accumulate import micro_batch
 from flowrl.training.ema import decay_schedule, ema_weights
-from flowrl.training.guard import exported_weights, finite_mean, in_group_diversity
 
 
 def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, float]:

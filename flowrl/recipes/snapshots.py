@@ -1,6 +1,6 @@
 """The adapter snapshots a recipe keeps besides its EMA: GARDO's adaptive KL reference and HRF's phase
 anchor. Each is a :class:`~flowrl.training.ema.LoraEMA` stepped at decay 0 (a copy of the live LoRA
-weights) when it moves; :class:`flowrl.recipes.common.Run` holds them and checkpoints save them by name.
+weights) when it moves; :class:`flowrl.recipes.run.Run` holds them and checkpoints save them by name.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 from flowrl.training.ema import ema_weights
 
 if TYPE_CHECKING:
-    from flowrl.recipes.common import Run, StatsAccumulator
+    from flowrl.recipes.run import Run
+    from flowrl.training.stats import StatsAccumulator
 
 
 def anchor_pull(run: Run) -> None:

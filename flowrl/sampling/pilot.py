@@ -10,8 +10,9 @@ epoch, so they are samples like the others. Uncommitted pilot rollouts are dropp
 
 Choices:
 - informativeness is the population variance of a candidate's finite pilot rewards (the combined
-  training signal); a candidate whose finite rewards are all equal, or that has none, has variance
-  exactly 0, the same test as ``policy/zero_std_groups``;
+  training signal; the recipe computes it with :func:`flowrl.algorithms.advantages.group_variances`,
+  a candidate being a group); a candidate whose finite rewards are all equal, or that has none, has
+  variance exactly 0, the same test as ``policy/zero_std_groups``;
 - candidates are ranked by variance, ties in candidate order, so a zero-variance candidate is
   committed only when fewer than ``num_commit`` candidates vary (the batch shape stays fixed), and
   the choice is a pure function of the rewards;
@@ -27,7 +28,6 @@ from typing import Sequence
 
 import torch
 
-from flowrl.algorithms.advantages import group_variances as pilot_variances  # noqa: F401  (a candidate is a group)
 from flowrl.sampling.rollout import root_seeds
 from flowrl.sampling.trajectory import Trajectory
 

@@ -23,9 +23,9 @@ import torch
 
 from flowrl.models.base import Policy, TextCond
 from flowrl.sampling.plan import StepPlan
-from flowrl.sampling.seeding import derive_seed, generators
 from flowrl.sampling.steps import ODE_SOLVERS, ScheduleSteps, StepKind, clean_prediction, euler_ode_step
 from flowrl.sampling.trajectory import Trajectory, concat_trajectories
+from flowrl.seeding import derive_seed, generators
 
 
 def root_seeds(seed: int, first_row: int, count: int) -> list[int]:

@@ -39,8 +39,8 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from flowrl.models.base import Policy, TextCond
 from flowrl.sampling.plan import StepPlan
-from flowrl.sampling.seeding import derive_seed, generators
 from flowrl.sampling.trajectory import Trajectory
+from flowrl.seeding import derive_seed, generators
 
 NOISE_WINDOW = (0.3, 0.9)  # AWM's t-range of the SDE noise
 

@@ -1,8 +1,10 @@
-"""What every CLIP-family reward shares: loading, tensor preprocessing, and batched embedding.
+"""What every CLIP flowrl runs shares: loading, tensor preprocessing, and batched embedding.
 
-Why one module: CLIPScore, PickScore, HPSv2 and the LAION aesthetic predictor are all "embed the
-image (and the prompt) with a CLIP, then compare or regress". Keeping one loading path and one
-preprocessing path means a fix (a dtype, a crop offset, a transformers API change) lands once.
+Why one module: CLIPScore, PickScore, HPSv2 and the LAION aesthetic predictor (``rewards/``) are all "embed
+the image (and the prompt) with a CLIP, then compare or regress", and GARDO's ``clip`` feature space
+(:mod:`flowrl.algorithms.gardo`) embeds the images alike, so it sits with the models, below both. Keeping
+one loading path and one preprocessing path means a fix (a dtype, a crop offset, a transformers API change)
+lands once.
 
 Preprocessing runs on tensors, on the reward's device: the images arrive as float [N,3,H,W] in
 [0,1] (often already on a GPU), so a PIL round trip per image would cost a device->host copy and
@@ -26,8 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from flowrl.rewards_api import IMAGE_TOLERANCE
-from rewards.base import resolve_device, resolve_dtype
+from flowrl.devices import resolve_device, resolve_dtype
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)  # CLIP's normalisation, used by all four rewards
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -193,26 +194,6 @@ class ClipBackbone:
     def cosine(self, images: torch.Tensor, texts: Sequence[str]) -> torch.Tensor:
         """[N] cosine similarity of each image with its own prompt, float32."""
         return (self.embed_images(images) * self.embed_texts(texts)).sum(-1)
-
-
-
-
-def score_finite(images: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """fn(images) -> [N]; rows holding NaN/inf are fed as zeros and scored NaN (could not score).
-
-    One pass over the pixels gives each row's min and max: NaN/inf rows show up as non-finite
-    extremes, and the finite rows must lie in [0,1] (same slack as check_images) or ValueError.
-    """
-    lo, hi = images.flatten(1).aminmax(dim=1)  # [N], [N]; NaN propagates, inf shows as +-inf
-    finite = torch.isfinite(lo) & torch.isfinite(hi)
-    if bool(finite.any()):
-        low, high = torch.stack([lo[finite].min(), hi[finite].max()]).tolist()
-        if low < -IMAGE_TOLERANCE or high > 1 + IMAGE_TOLERANCE:
-            raise ValueError(f"image values must lie in [0,1], got [{low:.4g}, {high:.4g}]")
-    if not bool(finite.all()):
-        images = torch.nan_to_num(images, nan=0.0, posinf=1.0, neginf=0.0)
-    out = fn(images)
-    return torch.where(finite.to(out.device), out, torch.full_like(out, float("nan")))
 
 
 # ---------------------------------------------------------------------------------- files

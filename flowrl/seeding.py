@@ -3,6 +3,9 @@
 Every random draw in a rollout comes from a generator seeded by a pure function of integers
 (run seed, epoch, global row index, step), so a row's image does not depend on batch size, on how
 rows are sharded across processes, or on what else ran before it.
+
+A low module of its own: the model families draw their initial noise with it and the samplers their
+step noise, and models sit below sampling.
 """
 
 from __future__ import annotations

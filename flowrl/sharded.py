@@ -13,6 +13,9 @@ DTensors of the same layout. A checkpoint must hold the same files a 1-process r
   (sharded) parameters after ``optimizer.load_state_dict``.
 
 Without DTensors every function is the identity (or a copy), so 1-process and DDP runs take the same path.
+
+A low module: the LoRA state of :mod:`flowrl.models.lora_io`, the EMA and the checkpoints all gather
+through it, and models sit below training.
 """
 
 from __future__ import annotations

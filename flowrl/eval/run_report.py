@@ -26,25 +26,11 @@ import torch
 
 from flowrl.data import PromptSet
 from flowrl.eval_tasks import by_task, paired_task_mean_gain, row_tasks
+from flowrl.media import stills
 from flowrl.rewards_api import score
 from flowrl.sampling import StepPlan, rollout, root_seeds
 from flowrl.training.ema import ema_weights
 from flowrl.training.metrics import read_metrics
-
-
-def stills(images: torch.Tensor) -> torch.Tensor:
-    """Images ``[N, 3, H, W]`` as they are; videos ``[N, T, 3, H, W]`` as film strips ``[N, 3, H, T * W]`` (the
-    frames side by side), so that grids, reports and PNG files show every frame of a video."""
-    if images.ndim == 5:
-        n, t, c, h, w = images.shape
-        return images.permute(0, 2, 3, 1, 4).reshape(n, c, h, t * w)
-    return images
-
-
-def clips(strips: torch.Tensor, frames: int) -> torch.Tensor:
-    """Inverse of :func:`stills` for videos: film strips ``[N, 3, H, T * W]`` -> clips ``[N, T, 3, H, W]``."""
-    n, c, h, width = strips.shape
-    return strips.reshape(n, c, h, frames, width // frames).permute(0, 3, 1, 2, 4)
 
 
 def render(policy, prompts: PromptSet, *, images_per_prompt: int, num_steps: int, guidance: float, seed: int,
