@@ -19,6 +19,7 @@ PROMPTS = ("a red square", "a blue circle", "two green squares", "a yellow circl
 EVAL_SEEDS = list(range(7000, 7016))
 
 
+@pytest.mark.slow
 def test_proxy_grpo_collapses_background_diversity(tmp_path, monkeypatch):
     policy, cfg, _ = train_on_prompts("configs/toy/grpo_proxy.yaml", PROMPTS, tmp_path, monkeypatch, epochs=30,
                                        overrides=["train.ema=false"])

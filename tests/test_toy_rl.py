@@ -40,6 +40,7 @@ RUNS = {  # config, epochs, overrides, the gain asked for in paired standard err
 RECIPES = os.environ.get("FLOWRL_TOY_RL_RECIPES", "nft").split(",")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_toy_rl_fixes_more_images_than_it_breaks(tmp_path, monkeypatch, recipe, seed):
