@@ -10,6 +10,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import pytest
 import torch
 
 from flowrl.toy.diversity import diversity
