@@ -1,0 +1,63 @@
+"""A table read straight from each run's metrics log: one row per run, one column per entry of ``columns``
+(``{header, key, at: first | last | change, format}``), each cell the mean ± s.e. over seeds.
+
+Why: the simplest comparison (train some configs, read one metric before and after) needs no Python of its
+own; its columns are data in the experiment file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flowrl.experiments.cells import CELL_NOTE, fmt_mean_se
+from flowrl.experiments.markdown import replace_section
+from flowrl.experiments.runs import gather
+from flowrl.experiments.spec import Experiment, ExperimentError
+from flowrl.training.metrics import read_metrics
+
+AT = ("first", "last", "change")
+
+
+def values(run_dir: Path) -> dict[str, tuple[float, float]]:
+    """{metric: (first value, last value)} over the run's metrics log."""
+    found: dict[str, tuple[float, float]] = {}
+    for record in read_metrics(run_dir):
+        for key, value in record.items():
+            if isinstance(value, (int, float)):
+                found[key] = (found[key][0] if key in found else value, value)
+    return found
+
+
+def cell(per_seed: dict[int, dict], column: dict) -> str:
+    first_last = [run.get(column["key"]) for run in per_seed.values()]
+    pick = {"first": lambda fl: fl[0], "last": lambda fl: fl[1], "change": lambda fl: fl[1] - fl[0]}[column["at"]]
+    spec = column.get("format", "+.3f" if column["at"] == "change" else ".3f")
+    return fmt_mean_se((None if fl is None else pick(fl) for fl in first_last), spec)
+
+
+def make(exp: Experiment) -> str | None:
+    p = exp.params
+    columns = p.get("columns") or []
+    for column in columns:
+        if not isinstance(column, dict) or "key" not in column or column.get("at", "last") not in AT:
+            raise ExperimentError(f"{exp.path}: each column must be {{header, key, at: first | last | change}}")
+        column.setdefault("at", "last")
+        column.setdefault("header", column["key"])
+    plan = {name: exp.seeds for name in exp.names()}
+    if not exp.table_only:
+        exp.train_seeds(plan)
+    if exp.dry_run:
+        return None
+    found = gather(exp.out, plan, values)
+    if not found:
+        raise SystemExit(f"{exp.path}: no finished run under {exp.out} for these runs and seeds")
+    title = f"## {p['section'] or p.get('title', exp.path.stem)}"
+    header = ["run", "seeds", *(c["header"] for c in columns)]
+    lines = [title, "", f"`{exp.command}`", "", CELL_NOTE, "", "| " + " | ".join(header) + " |",
+             "|" + "---|" * len(header)]
+    for name, per_seed in found.items():
+        lines.append(f"| {name} | {','.join(map(str, per_seed))} | " + " | ".join(cell(per_seed, c) for c in columns)
+                     + " |")
+    text = "\n".join(lines + [""])
+    replace_section(Path(p["results"]), text, title)
+    return text
