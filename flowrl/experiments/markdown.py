@@ -18,7 +18,10 @@ def replace_section(path: Path, text: str, section: str) -> None:
     path = Path(path)
     old = path.read_text() if path.exists() else ""
     pattern = re.compile(rf"^{re.escape(section)}\n.*?(?=^## |\Z)", re.S | re.M)
-    new = pattern.sub(lambda _: text, old) if pattern.search(old) else old.rstrip("\n") + "\n\n" + text
+    if pattern.search(old):
+        new = pattern.sub(lambda _: text, old)
+    else:
+        new = (old.rstrip("\n") + "\n\n" if old.strip() else "") + text
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(new)
 
