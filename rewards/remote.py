@@ -4,7 +4,7 @@ Why: some judges are too big, or need a different environment, to live in the tr
 The trainer sends each chunk of images to a server and gets scores back; the reward behaves like any
 local one (`flowrl.rewards_api.Reward`), so `score`/`AsyncScorer` and their error policy apply as is.
 
-Wire format, version 1 (also in docs/remote_reward.md; `scripts/reward_server.py` is the reference
+Wire format, version 1 (also in docs/remote_reward.md; `rewards/server.py` is the reference
 server)::
 
     POST {url}/score   Content-Type: application/json
@@ -429,7 +429,7 @@ class RemoteReward:
     def _start_hint(self) -> str:
         port = urllib.parse.urlparse(self.url).port or 8765
         reward = self.name if self.name != "remote" else "<name>"
-        return f"is the server running? start it with: python scripts/reward_server.py --port {port} --reward {reward}"
+        return f"is the server running? start it with: python -m rewards.server --port {port} --reward {reward}"
 
 
 def _server_message(err: urllib.error.HTTPError) -> str:

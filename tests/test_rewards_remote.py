@@ -3,7 +3,6 @@ batching, NaN passthrough, retries, timeouts, the total deadline against a trick
 connections, 4xx, health, and the CLI."""
 
 import contextlib
-import importlib.util
 import inspect
 import math
 import socket
@@ -11,21 +10,17 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 import rewards.remote as remote
 from flowrl.rewards_api import build_reward, score
+from rewards import server as reward_server
 from rewards.remote import RemoteReward, RemoteRewardError
 from rewards.simple import Brightness
 from tests.fault_helpers import trickle_server
 
-REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("reward_server", REPO / "scripts" / "reward_server.py")
-reward_server = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(reward_server)
 
 
 @contextlib.contextmanager
@@ -241,7 +236,7 @@ def test_connection_refused_is_one_line_after_max_retries(monkeypatch):
     msg = str(info.value)
     assert len(calls) == 3
     assert "\n" not in msg and "unreachable after 3 attempts: connection refused" in msg
-    assert f"scripts/reward_server.py --port {port} --reward geneval" in msg
+    assert f"python -m rewards.server --port {port} --reward geneval" in msg
 
 
 def test_backoff_is_exponential_and_capped(monkeypatch):
@@ -323,7 +318,7 @@ def test_health():
 
 
 def test_cli_serves_on_a_free_port():
-    proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "reward_server.py"), "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "rewards.server", "--port", "0",
                              "--reward", "brightness"], stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()

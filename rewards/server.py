@@ -3,7 +3,8 @@
 Why: it pins down the wire format with running code, lets a run use a reward from another process
 or machine, and gives tests a real server (with injectable slowness and failures) to talk to.
 
-    python scripts/reward_server.py --port 8765 --reward brightness [--reward toyeval ...]
+    python -m rewards.server --port 8765 --reward brightness [--reward toyeval ...]
+    flowrl-reward-server --port 8765 --reward brightness      # the same, as installed by pip
 
 ``--port 0`` picks a free port; the first line printed is ``serving [...] on http://HOST:PORT``.
 ``--delay S`` sleeps S seconds in every /score request (timeout tests); ``--fail-first N`` answers
@@ -21,17 +22,12 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any, Sequence
 
-_ROOT = str(Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:  # run as a script without the package installed
-    sys.path.insert(0, _ROOT)
+import torch
 
-import torch  # noqa: E402
-
-from flowrl.rewards_api import Reward, RewardError, build_reward, score  # noqa: E402
-from rewards.remote import IMAGE_FORMATS, WIRE_VERSION, decode_image  # noqa: E402
+from flowrl.rewards_api import Reward, RewardError, build_reward, score
+from rewards.remote import IMAGE_FORMATS, WIRE_VERSION, decode_image
 
 logger = logging.getLogger("flowrl.reward_server")
 
@@ -182,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         server = make_server(args.host, args.port, args.reward, args.delay, args.fail_first,
                              args.fail_status, args.on_error)
     except (ValueError, OSError) as err:
-        sys.exit(f"reward_server: {err}")
+        sys.exit(f"flowrl-reward-server: {err}")
     print(f"serving {[r.name for r in server.rewards]} on {server.url}", flush=True)
     try:
         server.serve_forever()
