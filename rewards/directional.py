@@ -5,7 +5,7 @@ rewards for every prompt (a house style, over-exposure, one background). Raising
 whatever the prompt asked, so RL drives every image there. D²-Align learns that direction with the
 reward frozen, then removes it from the reward during RL.
 
-How flowrl learns it (``fit_direction``, run by ``scripts/d2align_fit.py`` on base-model samples): a
+How flowrl learns it (``fit_direction``, run by ``python -m tools.d2align_fit`` on base-model samples): a
 ridge regression of each image's reward on its embedding *within its prompt's group* (both centred
 per group, a fixed-effects fit), ``delta = argmin sum_i (r_i - rbar_g - <e_i - ebar_g, delta>)^2 +
 ridge * n * |delta|^2``. ``delta`` is how the reward changes along the embedding averaged over prompts:
@@ -62,10 +62,10 @@ def load_direction(path: str | Path) -> tuple[torch.Tensor, dict[str, str]]:
 
     path = Path(path).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"direction file not found: {path} (write one with scripts/d2align_fit.py)")
+        raise FileNotFoundError(f"direction file not found: {path} (write one with python -m tools.d2align_fit)")
     with safe_open(str(path), framework="pt") as f:
         if "direction" not in f.keys():
-            raise ValueError(f"{path} holds no 'direction' tensor (write it with scripts/d2align_fit.py)")
+            raise ValueError(f"{path} holds no 'direction' tensor (write it with python -m tools.d2align_fit)")
         return f.get_tensor("direction"), dict(f.metadata() or {})
 
 

@@ -35,18 +35,15 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from typing import Callable
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch
 
-import torch  # noqa: E402
-
-from flowrl.rewards_api import Reward  # noqa: E402
+from flowrl.rewards_api import Reward
 
 PROMPTS = [
     "a red circle on a white table", "two blue squares in the sky", "a cute cat sitting on a chair",
@@ -201,7 +198,6 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((bench.name, batched, single))
         print(f"  {bench.name}: {batched:.1f} img/s batched, {single:.1f} img/s one-by-one", flush=True)
     if not wanted or "ocr" in wanted:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         from bench_rewards_ocr import ocr_benchmark
 
         ocr = ocr_benchmark(num_images=32, repeats=args.repeats)

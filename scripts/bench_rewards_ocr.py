@@ -20,15 +20,12 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
-
-from rewards.ocr import OcrReward  # noqa: E402
+from rewards.ocr import OcrReward
 
 WORDS = ("hello", "flow", "matching", "OPEN", "coffee", "Grand Opening", "STOP", "diffusion")
 

@@ -32,17 +32,14 @@ step (noise, log-prob, bookkeeping) that a larger transformer does not grow. The
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch
 
-import torch  # noqa: E402
-
-from flowrl.models import FAMILIES, build_policy  # noqa: E402
-from flowrl.sampling import rollout  # noqa: E402
+from flowrl.models import FAMILIES, build_policy
+from flowrl.sampling import rollout
 
 PROMPTS = [
     "a red circle on a white table",

@@ -15,12 +15,9 @@ Prints
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 

@@ -10,13 +10,10 @@ README's "ODE vs pipeline" column; tests/test_families.py asserts it stays under
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from flowrl.models import FAMILIES, build_policy  # noqa: E402
-from flowrl.sampling import rollout  # noqa: E402
+from flowrl.models import FAMILIES, build_policy
+from flowrl.sampling import rollout
 
 PROMPTS = ["a red circle", "two blue squares"]
 

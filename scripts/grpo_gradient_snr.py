@@ -15,19 +15,16 @@ The last rows do the same for the sums over step windows, which is what a window
 from __future__ import annotations
 
 import argparse
-import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch
 
-import torch  # noqa: E402
-
-from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS  # noqa: E402
-from flowrl.config import Config, load_config  # noqa: E402
-from flowrl.data import load_prompts  # noqa: E402
-from flowrl.eval_tasks import stratified_prefix  # noqa: E402
-from flowrl.recipes.build import build_training_policy  # noqa: E402
-from flowrl.sampling import StepPlan, rollout, root_seeds, sde_step  # noqa: E402
-from rewards.toyeval import ToyEval  # noqa: E402
+from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from flowrl.config import Config, load_config
+from flowrl.data import load_prompts
+from flowrl.eval_tasks import stratified_prefix
+from flowrl.recipes.build import build_training_policy
+from flowrl.sampling import StepPlan, rollout, root_seeds, sde_step
+from rewards.toyeval import ToyEval
 
 
 def step_gradients(policy, traj, advantages, guidance: float, noise_level: float) -> list[torch.Tensor]:

@@ -19,24 +19,20 @@ each computed by flowrl's own functions on small synthetic inputs with fixed see
 
 from __future__ import annotations
 
-import os
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-import torch  # noqa: E402
-from diffusers import FlowMatchEulerDiscreteScheduler  # noqa: E402
-
-from flowrl.algorithms.advantages import edge_advantages, grpo_advantages  # noqa: E402
-from flowrl.algorithms.awm import awm_policy_loss, matching_log_prob  # noqa: E402
-from flowrl.algorithms.branch import branch_advantages  # noqa: E402
-from flowrl.algorithms.losses import grpo_clip_loss  # noqa: E402
-from flowrl.algorithms.ratio_norm import (  # noqa: E402
+from flowrl.algorithms.advantages import edge_advantages, grpo_advantages
+from flowrl.algorithms.awm import awm_policy_loss, matching_log_prob
+from flowrl.algorithms.branch import branch_advantages
+from flowrl.algorithms.losses import grpo_clip_loss
+from flowrl.algorithms.ratio_norm import (
     batch_sensitivity_log_ratio, grpo_guard_log_ratio, grpo_guard_loss_scale, step_sensitivities,
 )
-from flowrl.algorithms.tmpo import softmax_tb_advantages, softmax_tb_gradient  # noqa: E402
-from flowrl.config.schema import NFTConfig, TrainConfig  # noqa: E402
-from flowrl.sampling import sde_step  # noqa: E402
-from flowrl.training.ema import decay_schedule  # noqa: E402
+from flowrl.algorithms.tmpo import softmax_tb_advantages, softmax_tb_gradient
+from flowrl.config.schema import NFTConfig, TrainConfig
+from flowrl.sampling import sde_step
+from flowrl.training.ema import decay_schedule
 
 SEED = 0
 

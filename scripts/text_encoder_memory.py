@@ -14,13 +14,11 @@ pass itself are not counted.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 PUBLISHED = {"sd3": ("SD3.5-Medium", ROOT / "configs/models/sd35_medium_text_encoders.json", 256),
              "flux": ("FLUX.1-dev", ROOT / "configs/models/flux1_dev_text_encoders.json", 512)}

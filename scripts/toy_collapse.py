@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from flowrl.config import Config, load_config  # noqa: E402
-from flowrl.commands.train import recipe_train  # noqa: E402
+from flowrl.config import Config, load_config
+from flowrl.commands.train import recipe_train
 
 RUNS = {"proxy, no KL": "configs/toy/grpo_proxy.yaml", "ToyEval + KL": "configs/toy/grpo.yaml"}
 DIVERSITY_KEYS = ("diversity/gt_mean", "diversity/background", "diversity/position", "diversity/size")

@@ -17,14 +17,11 @@ training only, not the held-out evaluations.
 from __future__ import annotations
 
 import argparse
-import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from flowrl.cli import DEFAULT_CONFIG  # noqa: E402
-from flowrl.config import Config, load_config  # noqa: E402
-from flowrl.commands.train import recipe_train  # noqa: E402
-from flowrl.training.metrics import read_metrics  # noqa: E402
+from flowrl.cli import DEFAULT_CONFIG
+from flowrl.config import Config, load_config
+from flowrl.commands.train import recipe_train
+from flowrl.training.metrics import read_metrics
 
 
 def main() -> None:

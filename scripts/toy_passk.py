@@ -20,17 +20,14 @@ over the task's prompts; "mixed" is the fraction of prompts whose group holds bo
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch
 
-import torch  # noqa: E402
-
-from flowrl.data import load_prompts  # noqa: E402
-from flowrl.eval_tasks import pass_at_k, stratified_prefix  # noqa: E402
-from flowrl.models import build_policy  # noqa: E402
-from flowrl.sampling import StepPlan, rollout, root_seeds  # noqa: E402
+from flowrl.data import load_prompts
+from flowrl.eval_tasks import pass_at_k, stratified_prefix
+from flowrl.models import build_policy
+from flowrl.sampling import StepPlan, rollout, root_seeds
 
 PROMPT_FILES = {"heldout": "assets/prompts/toy/heldout.jsonl", "train": "assets/prompts/toy/train.jsonl"}
 

@@ -11,16 +11,14 @@ from __future__ import annotations
 import argparse
 import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch
 
-import torch  # noqa: E402
-
-from flowrl.data import load_prompts  # noqa: E402
-from flowrl.eval_tasks import stratified_prefix  # noqa: E402
-from flowrl.models import build_policy  # noqa: E402
-from flowrl.models.lora_io import load_lora_into  # noqa: E402
-from flowrl.eval.run_report import write_report  # noqa: E402
-from rewards.toyeval import ToyEval  # noqa: E402
+from flowrl.data import load_prompts
+from flowrl.eval_tasks import stratified_prefix
+from flowrl.models import build_policy
+from flowrl.models.lora_io import load_lora_into
+from flowrl.eval.run_report import write_report
+from rewards.toyeval import ToyEval
 
 
 def main() -> None:

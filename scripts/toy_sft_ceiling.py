@@ -19,20 +19,17 @@ If this curve is slow too, the limit is how fast the model can change at this bu
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from flowrl.cli import DEFAULT_CONFIG  # noqa: E402
-from flowrl.config import Config, load_config  # noqa: E402
-from flowrl.data import epoch_prompt_indices  # noqa: E402
-from flowrl.recipes.common import StatsAccumulator, held_out_metrics, optimizer_step, start_run  # noqa: E402
-from flowrl.recipes.nft import forward_process_loss, schedule_timesteps  # noqa: E402
-from flowrl.toy.world import render_batch  # noqa: E402
+from flowrl.cli import DEFAULT_CONFIG
+from flowrl.config import Config, load_config
+from flowrl.data import epoch_prompt_indices
+from flowrl.recipes.common import StatsAccumulator, held_out_metrics, optimizer_step, start_run
+from flowrl.recipes.nft import forward_process_loss, schedule_timesteps
+from flowrl.toy.world import render_batch
 
 
 @torch.no_grad()

@@ -79,7 +79,7 @@ def test_correction_subtracts_the_shared_part_and_checks_its_inputs(tmp_path):
     save_direction(other, direction, reward="clipscore", metadata={})
     with pytest.raises(ValueError, match="fitted for reward 'clipscore', not 'toy_clip'"):
         DirectionalCorrection("toy_clip", str(other))
-    with pytest.raises(FileNotFoundError, match="scripts/d2align_fit.py"):
+    with pytest.raises(FileNotFoundError, match="tools.d2align_fit"):
         DirectionalCorrection("toy_clip", str(tmp_path / "missing.safetensors"))
 
 
@@ -93,7 +93,7 @@ def background_contrast(direction: torch.Tensor) -> float:
 @pytest.mark.parametrize("bias, low, high", [(1.0, 0.3, 1.0), (0.0, -0.15, 0.15)])
 def test_the_fit_finds_toy_clips_background_bias_and_only_it(tmp_path, bias, low, high):
     out = tmp_path / "toy_clip.safetensors"
-    result = subprocess.run([sys.executable, "scripts/d2align_fit.py", "configs/toy/grpo_clip.yaml", "--reward",
+    result = subprocess.run([sys.executable, "-m", "tools.d2align_fit", "configs/toy/grpo_clip.yaml", "--reward",
                              "toy_clip", "--reward-kwargs", json.dumps({"bias": bias}), "--prompts", "16", "--images",
                              "4", "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})

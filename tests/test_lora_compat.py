@@ -5,9 +5,7 @@ Would have caught: the default file at half strength in ComfyUI (no ``.alpha``, 
 the SD3 comfyui file refused by diffusers (``.alpha`` keys), and the missing base model in the header."""
 
 import hashlib
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +19,6 @@ from tests import comfyui_reference as comfy
 
 RANK, ALPHA = 4, 8.0  # scale 2, as in every shipped config
 CONFIG_TEXT = "model:\n  family: {family}\n  path: tiny\nseed: 0\n"
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _trained(family):
@@ -181,9 +178,8 @@ def test_flowrl_reads_an_export_back_as_the_trained_adapter(exported):
 
 
 def test_check_lora_compat_script(exported, capsys):
-    spec = importlib.util.spec_from_file_location("check_lora_compat", REPO / "scripts" / "check_lora_compat.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    assert script.main([str(exported["dir"])]) == 0
+    from tools import check_lora_compat
+
+    assert check_lora_compat.main([str(exported["dir"])]) == 0
     out = capsys.readouterr().out
     assert out.count("comfyui    keys") == 3 and "effective 2.0000" in out

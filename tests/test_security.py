@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCES = sorted(p for d in ("flowrl", "rewards", "scripts") for p in (REPO / d).rglob("*.py"))
+SOURCES = sorted(p for d in ("flowrl", "rewards", "scripts", "tools") for p in (REPO / d).rglob("*.py"))
 
 
 def _hits(pattern: str, *, unless: str | None = None):

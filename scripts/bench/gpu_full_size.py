@@ -69,10 +69,7 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before diffusers reads it: nothing here may download
 
 import torch  # noqa: E402
 from gpu_timing import (Bare, Clock, Memory, attempt, call_rows, capture_calls, count_flops,  # noqa: E402
@@ -81,6 +78,7 @@ from gpu_timing import (Bare, Clock, Memory, attempt, call_rows, capture_calls, 
 
 from flowrl.models import FAMILIES, policy_class  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[2]
 NO_GPU = "needs an NVIDIA GPU (found none); run with --quick --device cpu for a smoke test"
 LABELS = {"sd3": "SD3.5-Medium", "flux": "FLUX.1-dev", "flux_kontext": "FLUX.1-Kontext-dev",
           "flux2_klein": "FLUX.2-klein-4B", "qwen_image": "Qwen-Image", "z_image": "Z-Image-Turbo",

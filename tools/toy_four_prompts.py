@@ -1,8 +1,8 @@
 """Train a toy config on the four training prompts of tests/test_toy_rl.py and count, on 48 common
 ODE seeds per prompt, the images the run fixed and broke (strict ToyEval, paired before/after).
 
-    python scripts/toy_four_prompts.py configs/toy/nft.yaml --epochs 12 train.learning_rate=2e-3
-    python scripts/toy_four_prompts.py configs/toy/grpo.yaml --epochs 12 "rewards=[{name: toyeval}]" train.beta=0
+    python -m tools.toy_four_prompts configs/toy/nft.yaml --epochs 12 train.learning_rate=2e-3
+    python -m tools.toy_four_prompts configs/toy/grpo.yaml --epochs 12 "rewards=[{name: toyeval}]" train.beta=0
 
 Prints the rollouts' strict score per epoch and ``strict before -> after, fixed, broken, s.e.`` with
 s.e. = (fixed - broken) / sqrt(fixed + broken).
@@ -12,19 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import tempfile
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import pytest
 
-import pytest  # noqa: E402
-
-from rewards.toyeval import ToyEval  # noqa: E402
-from tests.test_toy_rl import PROMPTS  # noqa: E402
-from tests.toy_runs import ode_images, paired_gain, train_on_prompts  # noqa: E402
+from rewards.toyeval import ToyEval
+from tests.test_toy_rl import PROMPTS
+from tests.toy_runs import ode_images, paired_gain, train_on_prompts
 
 
 def main() -> None:

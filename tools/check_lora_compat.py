@@ -1,4 +1,4 @@
-"""Does each exported LoRA file load at the trained scale in each loader? ``check_lora_compat.py RUN_DIR``.
+"""Does each exported LoRA file load at the trained scale in each loader? ``python -m tools.check_lora_compat RUN_DIR``.
 
 For every ``*.safetensors`` in ``RUN_DIR/lora`` (or in an export dir given directly) and each loader -- diffusers
 ``load_lora_weights``, ComfyUI (the re-implementation in tests/comfyui_reference.py: key map, alpha rule,
@@ -8,7 +8,8 @@ weights against a manual merge ``W + (alpha / r) B A`` of the trained adapter.
 
 The trained adapter is the run's latest checkpoint (its EMA weights when kept, as RUN_DIR/lora holds them);
 an export dir without a run falls back to the diffusers file read back through flowrl (weaker: self-referential).
-The reference loaders live in tests/ (they are test oracles, not runtime code): run from the repository root.
+The reference loaders live in tests/ (they are test oracles, not runtime code), which is why this is a tool run
+from the repository root with ``python -m`` rather than part of the package.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests import comfyui_reference as comfy  # noqa: E402
+from tests import comfyui_reference as comfy
 
 
 def trained_adapter(run_dir: Path, export_dir: Path) -> tuple[dict, dict, str]:

@@ -5,7 +5,7 @@ task where prompts carry one) from the base model, embeds and scores them with `
 writes the within-prompt ridge fit of the score on the embedding (``rewards/directional.py``) to
 ``--out``. Train with it through the ``d2align`` reward:
 
-    python scripts/d2align_fit.py configs/toy/grpo_clip.yaml --reward toy_clip --out runs/d2/toy_clip.safetensors
+    python -m tools.d2align_fit configs/toy/grpo_clip.yaml --reward toy_clip --out runs/d2/toy_clip.safetensors
     flowrl train configs/toy/grpo_clip.yaml \\
         'rewards=[{name: d2align, kwargs: {reward: toy_clip, direction: runs/d2/toy_clip.safetensors}}]'
 
@@ -17,19 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch
 
-import torch  # noqa: E402
-
-from flowrl.config import Config, load_config  # noqa: E402
-from flowrl.eval_tasks import stratified_prefix  # noqa: E402
-from flowrl.recipes.build import build_training_policy, load_prompt_splits  # noqa: E402
-from flowrl.eval.run_report import render  # noqa: E402
-from flowrl.rewards_api import build_reward  # noqa: E402
-from rewards.directional import fit_direction, save_direction  # noqa: E402
+from flowrl.config import Config, load_config
+from flowrl.eval.run_report import render
+from flowrl.eval_tasks import stratified_prefix
+from flowrl.recipes.build import build_training_policy, load_prompt_splits
+from flowrl.rewards_api import build_reward
+from rewards.directional import fit_direction, save_direction
 
 
 def main() -> None:
