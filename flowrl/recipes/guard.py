@@ -19,7 +19,7 @@ Choices:
 
 The state (start measurements, last firing, live beta, best score and epoch) is JSON and rides in the
 checkpoint's trainer state. Run: ``flowrl train configs/toy/grpo_proxy.yaml guard.enabled=true
-guard.policy=stop``; ``scripts/toy_guard.py`` measures it against an unguarded run.
+guard.policy=stop``; ``python -m flowrl.experiments experiments/guard.yaml`` measures it against an unguarded run.
 """
 
 from __future__ import annotations
