@@ -296,12 +296,19 @@ GARDO_REWARDS = "rewards=[{name: brightness}, {name: 'tests.reward_fixtures:RedM
     (["gardo.kl_fraction=0.1", "rewards=[{name: brightness}]"], "there are none: add a reward with weight 0"),
     (["gardo.kl_fraction=0.1", GARDO_REWARDS, "train.beta=0"], "train.beta's KL, which is 0"),
     (["gardo.diversity=true", "recipe=nft"], "use recipe grpo"),
-    (["gardo.features=resnet"], "unknown feature space 'resnet'"),
     (["gardo.auxiliary=[clip]", GARDO_REWARDS], r"\['clip'\] are not reward keys"),
 ])
 def test_gardo_config_errors_name_the_keys(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(Config, SMOKE, overrides)
+
+
+@pytest.mark.parametrize("key", ["gardo", "guard"])
+def test_an_unknown_feature_space_is_one_line_naming_the_key(key):
+    from flowrl.recipes.names import check_names
+
+    with pytest.raises(ConfigError, match=f"config key '{key}.features': unknown feature space 'resnet'"):
+        check_names(load_config(Config, SMOKE, [f"{key}.features=resnet"]))
 
 
 @pytest.mark.parametrize("name, kwargs, message", [

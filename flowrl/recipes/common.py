@@ -21,6 +21,7 @@ from flowrl.algorithms.combine import COMBINERS
 from flowrl.algorithms.marble import MarbleBalancer
 from flowrl.recipes.build import (  # noqa: F401  (flat_config: re-exported for callers)
     build_training_policy, eval_prompt_set, flat_config, load_prompt_splits, make_accelerator)
+from flowrl.recipes.names import check_names
 from flowrl.recipes.plans import batch_plan, beta_split_scheduler, step_plan  # noqa: F401  (step_plan re-exported)
 from flowrl.recipes.guard import DiversityGuard, restore_weights
 from flowrl.recipes.run import Run, exported, named_snapshots
@@ -133,6 +134,7 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, adapters: 
 
     ``adapters``: names of adapter copies the recipe keeps (``run.adapters``), each starting as the initial
     weights, saved by checkpoints as ``<name>.safetensors`` and restored on resume."""
+    check_names(cfg)
     accelerator = accelerator or make_accelerator(cfg)
     run_dir = Path(cfg.run_dir)
     check_run_dir(run_dir, resume=bool(cfg.train.resume), overwrite=cfg.train.overwrite)
