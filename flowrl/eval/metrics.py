@@ -52,6 +52,12 @@ def _group_rows(group_ids: torch.Tensor | None, n: int, device: torch.device) ->
     return [(index == g).nonzero()[:, 0] for g in range(count)]
 
 
+def per_group(values: torch.Tensor, group_ids: torch.Tensor | None, statistic) -> torch.Tensor:
+    """``statistic(rows)`` (a 0-d tensor) of each group's rows of ``values`` ``[N, ...]`` -> ``[G]``, in the order of
+    the sorted unique ids (None: all rows are one group): how every in-group score here is taken."""
+    return torch.stack([statistic(values[rows]) for rows in _group_rows(group_ids, len(values), values.device)])
+
+
 def pairwise_cosine_distance(features: torch.Tensor, group_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Per group, the mean of ``1 - cos(f_i, f_j)`` over ordered pairs ``i != j`` (GARDO's in-group diversity).
 
