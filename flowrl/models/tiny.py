@@ -11,7 +11,11 @@ nearly all in their 49408-token embedding tables). Nothing is downloaded: config
 are written in code and the tokenizers are built locally (CLIP from the BPE file
 shipped inside ``open_clip``, T5 from a small fixed Unigram vocabulary).
 
-Weights are a pure function of ``seed``: each component is initialised under its
+The parts (``tiny_sd3_transformer``, ``tiny_vae``, ``tiny_clip_text_encoder``,
+``tiny_t5_encoder``, ``sd3_pipeline_of``) take their sizes as arguments and draw from the global RNG;
+``scripts/train_toy_model.py`` builds the shipped toy model from them with its own sizes and seeds.
+
+The pipelines' weights are a pure function of ``seed``: each component is initialised under its
 own seed inside ``torch.random.fork_rng``, so the caller's global RNG is untouched.
 Everything is float32, in eval mode, on CPU. The images are noise, of course.
 
@@ -204,7 +208,8 @@ def tiny_t5_encoder(d_model: int, *, layers: int = 2, heads: int = 4, d_kv: int 
     initialised from the global RNG; ``d_kv`` defaults to ``d_model // 4``, ``d_ff`` to ``2 * d_model``."""
     config = T5Config(
         vocab_size=len(_t5_vocab()), d_model=d_model, d_kv=d_kv or d_model // 4, d_ff=d_ff or 2 * d_model,
-        num_layers=layers, num_heads=heads, relative_attention_num_buckets=8, relative_attention_max_distance=max_distance,
+        num_layers=layers, num_heads=heads,
+        relative_attention_num_buckets=8, relative_attention_max_distance=max_distance,
         feed_forward_proj="gated-gelu", dropout_rate=0.0, is_encoder_decoder=False,
     )
     return T5EncoderModel(config)
@@ -242,7 +247,8 @@ def tiny_sd3_transformer(*, sample_size: int = TINY_SD3_RESOLUTION // TINY_VAE_S
     32x32 patches (512 px), text of the tiny SD3's widths."""
     return SD3Transformer2DModel(
         sample_size=sample_size, patch_size=patch_size, in_channels=latent_channels, out_channels=latent_channels,
-        num_layers=layers, attention_head_dim=head_dim, num_attention_heads=heads, caption_projection_dim=head_dim * heads,
+        num_layers=layers, attention_head_dim=head_dim, num_attention_heads=heads,
+        caption_projection_dim=head_dim * heads,
         joint_attention_dim=joint_attention_dim, pooled_projection_dim=pooled_projection_dim,
         pos_embed_max_size=pos_embed_max_size, qk_norm=qk_norm,
     )
