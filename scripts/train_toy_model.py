@@ -81,15 +81,18 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diffusers import (  # noqa: E402
-    AutoencoderKL,
-    FlowMatchEulerDiscreteScheduler,
-    SD3Transformer2DModel,
-    StableDiffusion3Pipeline,
-)
-from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel  # noqa: E402
+from diffusers import AutoencoderKL, SD3Transformer2DModel, StableDiffusion3Pipeline  # noqa: E402
+from transformers import CLIPTextModelWithProjection, T5EncoderModel  # noqa: E402
 
-from flowrl.models.tiny import clip_tokenizer_for, tiny_t5_tokenizer  # noqa: E402
+from flowrl.models.tiny import (  # noqa: E402
+    clip_tokenizer_for,
+    sd3_pipeline_of,
+    tiny_clip_text_encoder,
+    tiny_sd3_transformer,
+    tiny_t5_encoder,
+    tiny_t5_tokenizer,
+    tiny_vae,
+)
 from flowrl.toy import captions  # noqa: E402
 from flowrl.toy import prompts as toy_prompts  # noqa: E402
 from flowrl.toy.world import render_batch  # noqa: E402
@@ -119,12 +122,8 @@ def make_tokenizers():
 
 
 def make_text_encoder(width: int, vocab: dict[str, int]) -> CLIPTextModelWithProjection:
-    config = CLIPTextConfig(
-        vocab_size=len(vocab), hidden_size=width, intermediate_size=2 * width, projection_dim=width,
-        num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=TEXT_LEN, hidden_act="quick_gelu",
-        bos_token_id=vocab["<|startoftext|>"], eos_token_id=vocab["<|endoftext|>"], pad_token_id=1,
-    )
-    return CLIPTextModelWithProjection(config)
+    """A CLIP text encoder over the grammar-cut vocabulary, for prompts of at most TEXT_LEN tokens."""
+    return tiny_clip_text_encoder(width, vocab=vocab, max_positions=TEXT_LEN)
 
 
 def make_vae(channels: tuple[int, ...] = VAE_CHANNELS) -> AutoencoderKL:
@@ -132,14 +131,8 @@ def make_vae(channels: tuple[int, ...] = VAE_CHANNELS) -> AutoencoderKL:
     # (A 3-level 8x8x4 VAE trained for 5 min reconstructed only 17% of held-out scenes ToyEval-correctly;
     # 2-level ones need thousands of steps to keep the corners of 6-10 px shapes: see the module docstring.
     # (32, 32) channels: 0.8 MB of weights.)
-    return AutoencoderKL(
-        in_channels=3, out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * len(channels),
-        up_block_types=("UpDecoderBlock2D",) * len(channels),
-        block_out_channels=channels, layers_per_block=1, norm_num_groups=8,
-        latent_channels=LATENT_CHANNELS, sample_size=RESOLUTION, mid_block_add_attention=False,
-        use_quant_conv=False, use_post_quant_conv=False, scaling_factor=1.0, shift_factor=0.0,
-    )
+    return tiny_vae(channels=channels, norm_groups=8, latent_channels=LATENT_CHANNELS, sample_size=RESOLUTION,
+                    mid_block_attention=False)
 
 
 ARCH = {"patch": 2, "heads": 3, "layers": 4}  # transformer shape: width = 32 x heads = 96
@@ -147,16 +140,13 @@ ARCH = {"patch": 2, "heads": 3, "layers": 4}  # transformer shape: width = 32 x 
 
 def make_transformer(patch: int, heads: int, layers: int) -> SD3Transformer2DModel:
     width = sum(CLIP_WIDTHS)
-    return SD3Transformer2DModel(
+    return tiny_sd3_transformer(
         sample_size=RESOLUTION // 2,  # default height = 16 * vae_scale_factor(2) = 32 px
         # patch 2: 64 image tokens of 2x2x4 = 16 values, each 4x4 pixels, so a 6-10 px shape spans
         # several tokens. Tokens must stay narrower than the model: the velocity carries the noise of
         # every latent value, and 256-value tokens squeezed through width 96 left visible noise.
-        patch_size=patch,
-        in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS,
-        num_layers=layers, attention_head_dim=32, num_attention_heads=heads, caption_projection_dim=32 * heads,
-        joint_attention_dim=width, pooled_projection_dim=width, pos_embed_max_size=16,
-        qk_norm="rms_norm",
+        patch_size=patch, latent_channels=LATENT_CHANNELS, layers=layers, heads=heads, head_dim=32,
+        joint_attention_dim=width, pooled_projection_dim=width, pos_embed_max_size=16, qk_norm="rms_norm",
     )
 
 
@@ -166,13 +156,9 @@ def make_null_t5() -> T5EncoderModel:
     Plain ``StableDiffusion3Pipeline.from_pretrained`` refuses a directory without text_encoder_3,
     so we ship this stand-in: its embeddings equal the zeros diffusers uses when the T5 is absent.
     """
-    tok = tiny_t5_tokenizer()
-    config = T5Config(vocab_size=len(tok), d_model=sum(CLIP_WIDTHS), d_kv=8, d_ff=8, num_layers=1, num_heads=1,
-                      relative_attention_num_buckets=8, relative_attention_max_distance=16,
-                      feed_forward_proj="gated-gelu", dropout_rate=0.0, is_encoder_decoder=False)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = T5EncoderModel(config)
+        model = tiny_t5_encoder(sum(CLIP_WIDTHS), layers=1, heads=1, d_kv=8, d_ff=8, max_distance=16)
     with torch.no_grad():
         model.encoder.final_layer_norm.weight.zero_()
     return model.eval()
@@ -180,11 +166,7 @@ def make_null_t5() -> T5EncoderModel:
 
 def build_pipeline(transformer, vae, te1, te2) -> StableDiffusion3Pipeline:
     tok, tok_2 = make_tokenizers()
-    return StableDiffusion3Pipeline(
-        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=SHIFT),
-        vae=vae, text_encoder=te1, tokenizer=tok, text_encoder_2=te2, tokenizer_2=tok_2,
-        text_encoder_3=make_null_t5(), tokenizer_3=tiny_t5_tokenizer(),
-    )
+    return sd3_pipeline_of(transformer, vae, (te1, te2, make_null_t5()), (tok, tok_2, tiny_t5_tokenizer()), shift=SHIFT)
 
 
 # -------------------------------------------------------------------------------- data

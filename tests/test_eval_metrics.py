@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from flowrl.algorithms.advantages import zero_std_fraction
 from flowrl.eval.features import FEATURE_NETWORKS, build_feature_network
-from flowrl.eval.metrics import (fid_kid, group_vendi, latent_gmd, pairwise_cosine_distance, reward_means,
-                                 vendi_score, zero_std_fraction)
+from flowrl.eval.metrics import fid_kid, group_vendi, latent_gmd, pairwise_cosine_distance, reward_means, vendi_score
 
 # ------------------------------------------------------------------------------------------------ diversity
 
@@ -117,8 +117,10 @@ def test_zero_std_fraction_hand_case():
     group_ids = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 4, 4])
     # group 0 flat; group 1 std 0.5 (NaN ignored); group 2 has one finite reward, not counted; group 3 flat
     # within tol; group 4 std 0.5: two flat groups of four counted.
-    assert zero_std_fraction(rewards, group_ids) == pytest.approx(0.5)
+    assert zero_std_fraction(rewards, group_ids, tol=1e-6) == pytest.approx(0.5)  # flowrl eval's rule
     assert zero_std_fraction(rewards, group_ids, tol=1e-9) == pytest.approx(0.25)
+    # training's rule: exact ties only, and a group with fewer than two finite rewards is flat (it teaches nothing)
+    assert zero_std_fraction(rewards, group_ids) == pytest.approx(2 / 5)
 
 
 def test_reward_means_split_trained_and_held_out():

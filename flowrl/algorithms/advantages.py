@@ -15,6 +15,7 @@ or the mean over the leaves below each edge (:func:`edge_advantages`).
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -71,13 +72,36 @@ def group_variances(rewards: torch.Tensor, group_ids: torch.Tensor, num_groups: 
     return variances
 
 
-def zero_std_fraction(rewards: torch.Tensor, group_ids: torch.Tensor) -> float:
-    """Fraction of groups whose finite rewards are all equal (or absent): their group-normalised
-    advantages are 0, so their rollouts teach GRPO nothing (``policy/zero_std_groups``)."""
-    if not group_ids.numel():
-        return 0.0
-    _, inverse = torch.unique(group_ids, return_inverse=True)
-    return float((group_variances(rewards, inverse, int(inverse.max()) + 1) == 0).double().mean())
+def zero_std_fraction(rewards: torch.Tensor, group_ids: torch.Tensor, *, tol: float | None = None) -> float:
+    """Fraction of the groups (``group_ids`` [N]) whose rewards ``rewards`` [N] do not vary: their
+    group-normalised advantages are 0, so their rollouts teach GRPO nothing. Range [0, 1], lower is better.
+
+    Two rules, for two questions, chosen by ``tol``:
+
+    - ``tol=None`` (training's ``policy/zero_std_groups``: which of this batch's groups give no gradient):
+      a group is flat when its finite rewards are exactly equal, or fewer than two (no float threshold,
+      as :func:`group_variances`); every group counts, 0.0 without rows.
+    - ``tol`` a float (``flowrl eval``'s ``diversity/zero_std_prompts``: has the model collapsed to one
+      answer per prompt): a group is flat when the population std of its non-NaN rewards is <= tol, so
+      near-ties count too; a group with fewer than two such rewards has no spread to measure and is left
+      out, an infinite reward makes the std NaN (not flat); NaN when no group is left.
+    """
+    if tol is None:
+        if not group_ids.numel():
+            return 0.0
+        _, inverse = torch.unique(group_ids, return_inverse=True)
+        return float((group_variances(rewards, inverse, int(inverse.max()) + 1) == 0).double().mean())
+    rewards = rewards.detach().double().reshape(-1)  # [N]
+    group_ids = torch.as_tensor(group_ids, device=rewards.device)
+    flat, counted = 0, 0
+    for group in torch.unique(group_ids):
+        values = rewards[group_ids == group]
+        values = values[~values.isnan()]
+        if len(values) < 2:
+            continue
+        counted += 1
+        flat += int(float(values.std(correction=0)) <= tol)
+    return flat / counted if counted else math.nan
 
 
 def edge_advantages(row_advantages: torch.Tensor, edge_ids: torch.Tensor) -> torch.Tensor:

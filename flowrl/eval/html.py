@@ -1,9 +1,10 @@
-"""Self-contained HTML pages for ``flowrl eval`` and the end-of-run report.
+"""Self-contained HTML pages for ``flowrl eval`` (:mod:`flowrl.eval.report`) and the end-of-run report
+(:mod:`flowrl.eval.run_report`): the pieces both pages are made of.
 
 One file, images and plots inlined as base64 PNG, no scripts and no network: it opens from a laptop,
 a cluster's scratch disk or a CI artifact alike. The pieces are plain functions returning HTML strings:
 a metric table with deltas against a baseline column, an image grid per prompt with the prompt text
-and one labelled row per model, and a matplotlib figure.
+and one labelled row per model (and which prompts get one), and a matplotlib figure.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import math
 from typing import Sequence
 
 import torch
+
+from flowrl.data import round_robin
 
 STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 1200px;
@@ -74,6 +77,19 @@ def prompt_grid(prompt: str, rows: Sequence[tuple[str, torch.Tensor]], note: str
                      f'{img(image_strip(images), f"{label}: {prompt}")}</div>' for label, images in rows)
     caption = f' <span class="note">{escape(note)}</span>' if note else ""
     return f'<div class="prompt"><h3>{escape(prompt)}{caption}</h3>{strips}</div>'
+
+
+def grid_order(tasks: list, count: int) -> list[int]:
+    """The prompts shown as grids: ``count`` of them, an equal share per task (round-robin)."""
+    labels = [t if t is not None else "" for t in tasks]
+    return round_robin(labels)[:count]
+
+
+def prompt_grids(prompts: Sequence[str], tasks: Sequence, shown: Sequence[int], rows) -> str:
+    """The grids of the prompts ``shown`` (indices into ``prompts``), in columns: ``rows(i)`` gives prompt i's
+    ``(label, images)`` rows, its task (if any) is the note beside the prompt."""
+    grids = "".join(prompt_grid(prompts[i], rows(i), note=str(tasks[i] or "")) for i in shown)
+    return f"<div class='grids'>{grids}</div>"
 
 
 def number(value: float | None, digits: int = 4) -> str:

@@ -6,7 +6,6 @@ measure that from several sides:
 - ``pairwise_cosine_distance``: in-group mean pairwise cosine distance of image features (GARDO's diversity);
 - ``vendi_score`` / ``group_vendi``: the effective number of distinct samples (Friedman & Dieng's Vendi score);
 - ``latent_gmd``: a power mean of pairwise latent distances (the latent-space diversity TMPO reports);
-- ``zero_std_fraction``: the share of groups whose rewards are all equal, so GRPO's advantage is zero;
 - ``fid_kid``: FID and KID against a reference set, through torchmetrics, with any feature network;
 - ``reward_means``: trained versus held-out reward means, the first check for reward hacking.
 
@@ -51,6 +50,12 @@ def _group_rows(group_ids: torch.Tensor | None, n: int, device: torch.device) ->
     """The row indices of each group, in the order of the sorted unique ids."""
     index, count = _group_index(group_ids, n, device)
     return [(index == g).nonzero()[:, 0] for g in range(count)]
+
+
+def per_group(values: torch.Tensor, group_ids: torch.Tensor | None, statistic) -> torch.Tensor:
+    """``statistic(rows)`` (a 0-d tensor) of each group's rows of ``values`` ``[N, ...]`` -> ``[G]``, in the order of
+    the sorted unique ids (None: all rows are one group): how every in-group score here is taken."""
+    return torch.stack([statistic(values[rows]) for rows in _group_rows(group_ids, len(values), values.device)])
 
 
 def pairwise_cosine_distance(features: torch.Tensor, group_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -143,25 +148,6 @@ def _power_mean(d: torch.Tensor, p: float) -> torch.Tensor:
     if p == 0:
         return d.log().mean().exp()
     return d.pow(p).mean().pow(1.0 / p)
-
-
-def zero_std_fraction(rewards: torch.Tensor, group_ids: torch.Tensor, tol: float = 1e-6) -> float:
-    """Fraction of groups whose rewards have population std <= tol: the groups where GRPO's advantage is zero.
-
-    rewards ``[N]``, group_ids ``[N]``. NaN rewards are ignored; groups with fewer than two finite rewards
-    are not counted. Such groups give no learning signal: either the model has collapsed to one answer or
-    the reward is saturated. Range [0, 1], lower = more groups the policy can learn from; NaN with no
-    countable group."""
-    rewards = rewards.detach().double().reshape(-1)  # [N]
-    flat, counted = 0, 0
-    for rows in _group_rows(group_ids, len(rewards), rewards.device):
-        values = rewards[rows]
-        values = values[~values.isnan()]
-        if len(values) < 2:
-            continue
-        counted += 1
-        flat += int(float(values.std(correction=0)) <= tol)
-    return flat / counted if counted else math.nan
 
 
 def reward_means(scores: dict[str, torch.Tensor], trained: set[str]) -> dict[str, float]:

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import torch
 
-from flowrl.data import round_robin
 from flowrl.eval import html
 
 HEADLINE = ("diversity/cosine", "diversity/vendi", "diversity/latent_gmd", "diversity/zero_std_prompts", "toy/gt_mean",
@@ -70,12 +69,6 @@ def tradeoff_plot(metrics: dict[str, dict[str, float]], x_key: str, y_key: str) 
     return data
 
 
-def grid_order(tasks: list, count: int) -> list[int]:
-    """The prompts shown as grids: ``count`` of them, an equal share per task (round-robin)."""
-    labels = [t if t is not None else "" for t in tasks]
-    return round_robin(labels)[:count]
-
-
 def is_main_score(key: str) -> bool:
     """``reward/<name>`` or ``held_out/<name>``, not a sub-score (``held_out/toyeval/color``) or a task split."""
     prefix, _, name = key.partition("/")
@@ -106,13 +99,10 @@ def write_eval_report(out_dir: Path, results: dict, suite, images: dict[str, tor
     y_key = main_reward(results)
     if y_key is not None and "diversity/cosine" in flat:
         sections.append(("Trade-off", html.img(tradeoff_plot(metrics, "diversity/cosine", y_key), "trade-off plot")))
-    shown = grid_order(results["tasks"], grid_prompts)
-    grids = "".join(html.prompt_grid(suite.prompts[i], [(label, pictures[i * n:(i + 1) * n])
-                                                          for label, pictures in images.items()],
-                                     note=str(results["tasks"][i] or ""))
-                    for i in shown)
-    sections.append((f"Samples ({len(shown)} of {len(suite)} prompts, same seeds in every row)",
-                     f"<div class='grids'>{grids}</div>"))
+    shown = html.grid_order(results["tasks"], grid_prompts)
+    grids = html.prompt_grids(suite.prompts, results["tasks"], shown,
+                              lambda i: [(label, pictures[i * n:(i + 1) * n]) for label, pictures in images.items()])
+    sections.append((f"Samples ({len(shown)} of {len(suite)} prompts, same seeds in every row)", grids))
     by_task = task_tables(metrics, base, results["tasks"])
     if by_task:
         sections.append(("By task (the mean over tasks is GenEval's overall score)",

@@ -184,7 +184,6 @@ def html_report(run_dir: Path, results: dict, prompts: PromptSet, before: torch.
                 images_per_prompt: int, curve: Path | None, grid_prompts: int = 12) -> Path:
     """``report.html`` in the layout of ``flowrl eval``: table, curve, labelled grids per prompt."""
     from flowrl.eval import html
-    from flowrl.eval.report import grid_order
 
     n, columns = images_per_prompt, {"base": results["before"], "trained": results["after"]}
     keys = list(results["before"])
@@ -197,14 +196,12 @@ def html_report(run_dir: Path, results: dict, prompts: PromptSet, before: torch.
     if curve is not None:
         sections.append(("Training curve", html.img(curve.read_bytes(), "reward curve")))
     tasks = [m.get("task") for m in prompts.metadata]
-    shown = grid_order(tasks, grid_prompts)
+    shown = html.grid_order(tasks, grid_prompts)
     k = min(n, GRID_IMAGES)  # a row of 24 images would shrink each to a few pixels
-    grids = "".join(html.prompt_grid(prompts.prompts[i], [("base", before[i * n:i * n + k]),
-                                                          ("trained", after[i * n:i * n + k])],
-                                     note=str(tasks[i] or "")) for i in shown)
+    grids = html.prompt_grids(prompts.prompts, tasks, shown,
+                              lambda i: [("base", before[i * n:i * n + k]), ("trained", after[i * n:i * n + k])])
     sections.append((f"Samples ({len(shown)} of {len(prompts)} held-out prompts, {k} of {n} images each, same seeds "
-                     "in both rows)",
-                     f"<div class='grids'>{grids}</div>"))
+                     "in both rows)", grids))
     sections.append(("All metrics", f"<details><summary>{len(keys)} metrics</summary>"
                                     f"{html.metric_table(columns, keys, base='base')}</details>"))
     intro = (f"{len(prompts)} held-out prompts × {n} images, ODE, the same seeds before (base model) and after "

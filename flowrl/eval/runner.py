@@ -311,7 +311,8 @@ def score_all(cfg, suite, specs: list[EvalCheckpoint], images: dict[str, tuple],
 
 def reward_metrics(rewards, trained: set[str], images, suite, n: int, group_ids) -> dict[str, float]:
     """Reward means (``reward/*`` trained, ``held_out/*`` not), per task, and the zero-std prompt share."""
-    from flowrl.eval.metrics import reward_means, zero_std_fraction
+    from flowrl.algorithms.advantages import zero_std_fraction
+    from flowrl.eval.metrics import reward_means
     from flowrl.eval_tasks import by_task, row_tasks
     from flowrl.rewards_api import score
 
@@ -334,7 +335,7 @@ def reward_metrics(rewards, trained: set[str], images, suite, n: int, group_ids)
             out[f"{'reward' if name in trained else 'held_out'}/{key}"] = value
     main = next(iter(sorted(trained)), next(iter(scores), None))
     if main is not None:
-        out["diversity/zero_std_prompts"] = zero_std_fraction(scores[main], group_ids)
+        out["diversity/zero_std_prompts"] = zero_std_fraction(scores[main], group_ids, tol=1e-6)
     return out
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from flowrl.data import PromptSet, load_prompts
+from flowrl.eval.metrics import pairwise_cosine_distance, per_group
 
 AXES = ("identity", "style", "layout", "tonal")
 STYLE_PROBES = ("a photograph", "an oil painting", "a watercolor painting", "a pencil sketch", "an anime drawing",
@@ -48,11 +49,6 @@ def prompt_axes(metadata: dict) -> list[str]:
     """The axes a prompt leaves free: ``metadata["axes"]`` (a list) or ``metadata["axis"]`` (one)."""
     axes = metadata.get("axes", metadata.get("axis", []))
     return [axes] if isinstance(axes, str) else list(axes)
-
-
-def _per_group(values: torch.Tensor, group_ids: torch.Tensor, statistic) -> torch.Tensor:
-    """``statistic(rows)`` of each group's rows of ``values`` ``[N, ...]``, groups in sorted id order -> ``[G]``."""
-    return torch.stack([statistic(values[group_ids == g]) for g in torch.unique(group_ids)])
 
 
 def _spread(rows: torch.Tensor) -> torch.Tensor:
@@ -83,7 +79,7 @@ def foreground_centroids(images: torch.Tensor) -> torch.Tensor:
 def layout_spread(images: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """Per group ``[G]``: spread of foreground centroids over positions uniform in the frame (about 1);
     0 when every image puts its content in the same place."""
-    return _per_group(foreground_centroids(images), group_ids, _spread) / UNIFORM_SPREAD
+    return per_group(foreground_centroids(images), group_ids, _spread) / UNIFORM_SPREAD
 
 
 def tonal_statistics(images: torch.Tensor) -> torch.Tensor:
@@ -95,7 +91,7 @@ def tonal_statistics(images: torch.Tensor) -> torch.Tensor:
 
 def tonal_spread(images: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """Per group ``[G]``: sqrt(var(brightness) + var(contrast)), in [0, ~0.7]; 0 for one tone throughout."""
-    return _per_group(tonal_statistics(images), group_ids, _spread)
+    return per_group(tonal_statistics(images), group_ids, _spread)
 
 
 def style_dispersion(probabilities: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
@@ -105,7 +101,7 @@ def style_dispersion(probabilities: torch.Tensor, group_ids: torch.Tensor) -> to
         p = rows.mean(dim=0).clamp_min(1e-12)
         return -(p * p.log()).sum() / math.log(probabilities.shape[1])
 
-    return _per_group(probabilities.double(), group_ids, entropy).float()
+    return per_group(probabilities.double(), group_ids, entropy).float()
 
 
 class StyleProbe:
@@ -140,8 +136,6 @@ def axis_scores(images: torch.Tensor, group_ids: torch.Tensor, group_axes: dict[
     ``group_axes`` maps each group id to its prompt's free axes. Style needs ``style_probe`` (images ->
     ``[N, K]`` probabilities) and identity an ``identity_network`` (images -> features); an axis some
     prompt names but no model scores is returned in the second list."""
-    from flowrl.eval.metrics import pairwise_cosine_distance
-
     ids = torch.unique(group_ids).tolist()
     wanted = [a for a in AXES if any(a in group_axes.get(g, []) for g in ids)]
     scorers = {"layout": lambda: layout_spread(images, group_ids), "tonal": lambda: tonal_spread(images, group_ids)}

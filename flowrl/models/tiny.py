@@ -11,7 +11,11 @@ nearly all in their 49408-token embedding tables). Nothing is downloaded: config
 are written in code and the tokenizers are built locally (CLIP from the BPE file
 shipped inside ``open_clip``, T5 from a small fixed Unigram vocabulary).
 
-Weights are a pure function of ``seed``: each component is initialised under its
+The parts (``tiny_sd3_transformer``, ``tiny_vae``, ``tiny_clip_text_encoder``,
+``tiny_t5_encoder``, ``sd3_pipeline_of``) take their sizes as arguments and draw from the global RNG;
+``scripts/train_toy_model.py`` builds the shipped toy model from them with its own sizes and seeds.
+
+The pipelines' weights are a pure function of ``seed``: each component is initialised under its
 own seed inside ``torch.random.fork_rng``, so the caller's global RNG is untouched.
 Everything is float32, in eval mode, on CPU. The images are noise, of course.
 
@@ -154,12 +158,17 @@ def clip_tokenizer_for(texts, pad_token: str = "<|endoftext|>",
     return CLIPTokenizer(vocab=_clip_vocab(kept), merges=kept, pad_token=pad_token, model_max_length=model_max_length)
 
 
-def _clip_text_model(cls, hidden: int, projection: int):
-    vocab, _ = _clip_bpe()
+def tiny_clip_text_encoder(width: int, *, vocab: dict[str, int] | None = None, max_positions: int = CLIP_MAX_LENGTH,
+                           cls=CLIPTextModelWithProjection) -> CLIPTextModel | CLIPTextModelWithProjection:
+    """A 2-layer CLIP text encoder of ``width`` (projection of the same width), initialised from the global RNG.
+
+    ``vocab``: the tokenizer's vocabulary (default: CLIP's full 49408 ids; a model trained on a closed grammar
+    passes the cut one of :func:`clip_tokenizer_for`); ``max_positions``: the longest token sequence."""
+    vocab = vocab if vocab is not None else _clip_bpe()[0]
     config = CLIPTextConfig(
-        vocab_size=len(vocab), hidden_size=hidden, intermediate_size=2 * hidden,
-        projection_dim=projection, num_hidden_layers=2, num_attention_heads=2,
-        max_position_embeddings=CLIP_MAX_LENGTH, hidden_act="quick_gelu",
+        vocab_size=len(vocab), hidden_size=width, intermediate_size=2 * width,
+        projection_dim=width, num_hidden_layers=2, num_attention_heads=2,
+        max_position_embeddings=max_positions, hidden_act="quick_gelu",
         bos_token_id=vocab["<|startoftext|>"], eos_token_id=vocab["<|endoftext|>"], pad_token_id=1,
     )
     return cls(config)
@@ -193,23 +202,30 @@ def tiny_t5_tokenizer() -> T5TokenizerFast:
     return T5TokenizerFast(vocab=list(_t5_vocab()), extra_ids=100, model_max_length=T5_MODEL_MAX_LENGTH)
 
 
-def _t5_encoder(d_model: int) -> T5EncoderModel:
-    config = T5Config(  # v1.1 flavour, as in t5-v1_1-xxl: gated-gelu, no dropout
-        vocab_size=len(_t5_vocab()), d_model=d_model, d_kv=d_model // 4, d_ff=2 * d_model,
-        num_layers=2, num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=32,
+def tiny_t5_encoder(d_model: int, *, layers: int = 2, heads: int = 4, d_kv: int | None = None, d_ff: int | None = None,
+                    max_distance: int = 32) -> T5EncoderModel:
+    """A T5 v1.1 encoder (gated-gelu, no dropout, as t5-v1_1-xxl) over :func:`tiny_t5_tokenizer`'s vocabulary,
+    initialised from the global RNG; ``d_kv`` defaults to ``d_model // 4``, ``d_ff`` to ``2 * d_model``."""
+    config = T5Config(
+        vocab_size=len(_t5_vocab()), d_model=d_model, d_kv=d_kv or d_model // 4, d_ff=d_ff or 2 * d_model,
+        num_layers=layers, num_heads=heads,
+        relative_attention_num_buckets=8, relative_attention_max_distance=max_distance,
         feed_forward_proj="gated-gelu", dropout_rate=0.0, is_encoder_decoder=False,
     )
     return T5EncoderModel(config)
 
 
 # ---------------------------------------------------------------------------- VAE
-def _vae(scaling_factor: float, shift_factor: float) -> AutoencoderKL:
-    """4-level VAE (x8 downsampling), 16 latent channels, no quant convs (as SD3/FLUX)."""
+def tiny_vae(scaling_factor: float = 1.0, shift_factor: float = 0.0, *, channels: tuple[int, ...] = (8, 16, 16, 16),
+             norm_groups: int = 4, latent_channels: int = TINY_LATENT_CHANNELS, sample_size: int = TINY_SD3_RESOLUTION,
+             mid_block_attention: bool = True) -> AutoencoderKL:
+    """A VAE of ``len(channels)`` levels (each but the last halves the size: the default 4 levels give x8 and
+    16 latent channels, as SD3/FLUX), one layer per block, no quant convs; initialised from the global RNG."""
     return AutoencoderKL(
         in_channels=3, out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(8, 16, 16, 16), layers_per_block=1, norm_num_groups=4,
-        latent_channels=TINY_LATENT_CHANNELS, sample_size=TINY_SD3_RESOLUTION,
+        down_block_types=("DownEncoderBlock2D",) * len(channels), up_block_types=("UpDecoderBlock2D",) * len(channels),
+        block_out_channels=channels, layers_per_block=1, norm_num_groups=norm_groups,
+        latent_channels=latent_channels, sample_size=sample_size, mid_block_add_attention=mid_block_attention,
         scaling_factor=scaling_factor, shift_factor=shift_factor,
         use_quant_conv=False, use_post_quant_conv=False,
     )
@@ -221,30 +237,50 @@ def _vae(scaling_factor: float, shift_factor: float) -> AutoencoderKL:
 _SD3_CLIP_L, _SD3_CLIP_G, _SD3_T5 = 16, 32, 64
 
 
-def tiny_sd3_pipeline(seed: int = 0) -> StableDiffusion3Pipeline:
-    """SD3-medium layout (MMDiT, 2 CLIP + T5, shift 3.0) with tiny random weights."""
-    transformer = _seeded(seed, 0, lambda: SD3Transformer2DModel(
-        sample_size=TINY_SD3_RESOLUTION // TINY_VAE_SCALE_FACTOR,  # 8 -> default height 64
-        patch_size=2, in_channels=TINY_LATENT_CHANNELS, out_channels=TINY_LATENT_CHANNELS,
-        num_layers=2, attention_head_dim=16, num_attention_heads=2, caption_projection_dim=32,
-        joint_attention_dim=_SD3_T5, pooled_projection_dim=_SD3_CLIP_L + _SD3_CLIP_G,
-        pos_embed_max_size=32,  # up to 32x32 patches = 512 px
-    ))
-    vae = _seeded(seed, 1, lambda: _vae(scaling_factor=1.5305, shift_factor=0.0609))
-    text_encoder = _seeded(seed, 2, lambda: _clip_text_model(CLIPTextModelWithProjection, _SD3_CLIP_L, _SD3_CLIP_L))
-    text_encoder_2 = _seeded(seed, 3, lambda: _clip_text_model(CLIPTextModelWithProjection, _SD3_CLIP_G, _SD3_CLIP_G))
-    text_encoder_3 = _seeded(seed, 4, lambda: _t5_encoder(_SD3_T5))
+def tiny_sd3_transformer(*, sample_size: int = TINY_SD3_RESOLUTION // TINY_VAE_SCALE_FACTOR,
+                         patch_size: int = 2, latent_channels: int = TINY_LATENT_CHANNELS, layers: int = 2,
+                         heads: int = 2, head_dim: int = 16, joint_attention_dim: int = _SD3_T5,
+                         pooled_projection_dim: int = _SD3_CLIP_L + _SD3_CLIP_G, pos_embed_max_size: int = 32,
+                         qk_norm: str | None = None) -> SD3Transformer2DModel:
+    """An MMDiT of ``layers`` joint blocks of ``heads`` x ``head_dim`` channels (the caption projection as wide),
+    initialised from the global RNG. The defaults: 8x8 latents (default height 64 px) in 2x2 patches, up to
+    32x32 patches (512 px), text of the tiny SD3's widths."""
+    return SD3Transformer2DModel(
+        sample_size=sample_size, patch_size=patch_size, in_channels=latent_channels, out_channels=latent_channels,
+        num_layers=layers, attention_head_dim=head_dim, num_attention_heads=heads,
+        caption_projection_dim=head_dim * heads,
+        joint_attention_dim=joint_attention_dim, pooled_projection_dim=pooled_projection_dim,
+        pos_embed_max_size=pos_embed_max_size, qk_norm=qk_norm,
+    )
+
+
+def sd3_pipeline_of(transformer, vae, text_encoders, tokenizers, *, shift: float = 3.0) -> StableDiffusion3Pipeline:
+    """An SD3 pipeline of these networks: ``text_encoders`` / ``tokenizers`` are the (CLIP-L, CLIP-G, T5)
+    triples, the scheduler is SD3's flow-matching Euler with ``shift``."""
+    (text_encoder, text_encoder_2, text_encoder_3), (tokenizer, tokenizer_2, tokenizer_3) = text_encoders, tokenizers
     return StableDiffusion3Pipeline(
         transformer=transformer,
-        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift),
         vae=vae,
         text_encoder=text_encoder,
-        tokenizer=tiny_clip_tokenizer(),
+        tokenizer=tokenizer,
         text_encoder_2=text_encoder_2,
-        tokenizer_2=tiny_clip_tokenizer(pad_token="!"),  # the bigG tokenizer pads with "!" (id 0)
+        tokenizer_2=tokenizer_2,
         text_encoder_3=text_encoder_3,
-        tokenizer_3=tiny_t5_tokenizer(),
+        tokenizer_3=tokenizer_3,
     )
+
+
+def tiny_sd3_pipeline(seed: int = 0) -> StableDiffusion3Pipeline:
+    """SD3-medium layout (MMDiT, 2 CLIP + T5, shift 3.0) with tiny random weights."""
+    transformer = _seeded(seed, 0, tiny_sd3_transformer)
+    vae = _seeded(seed, 1, lambda: tiny_vae(scaling_factor=1.5305, shift_factor=0.0609))
+    text_encoder = _seeded(seed, 2, lambda: tiny_clip_text_encoder(_SD3_CLIP_L))
+    text_encoder_2 = _seeded(seed, 3, lambda: tiny_clip_text_encoder(_SD3_CLIP_G))
+    text_encoder_3 = _seeded(seed, 4, lambda: tiny_t5_encoder(_SD3_T5))
+    return sd3_pipeline_of(transformer, vae, (text_encoder, text_encoder_2, text_encoder_3),
+                           (tiny_clip_tokenizer(), tiny_clip_tokenizer(pad_token="!"),  # bigG pads with "!" (id 0)
+                            tiny_t5_tokenizer()), shift=3.0)
 
 
 # --------------------------------------------------------------------------- FLUX
@@ -263,9 +299,9 @@ def tiny_flux_pipeline(seed: int = 0) -> FluxPipeline:
         joint_attention_dim=_FLUX_T5, pooled_projection_dim=_FLUX_CLIP,
         guidance_embeds=True, axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
     ))
-    vae = _seeded(seed, 1, lambda: _vae(scaling_factor=0.3611, shift_factor=0.1159))
-    text_encoder = _seeded(seed, 2, lambda: _clip_text_model(CLIPTextModel, _FLUX_CLIP, _FLUX_CLIP))
-    text_encoder_2 = _seeded(seed, 3, lambda: _t5_encoder(_FLUX_T5))
+    vae = _seeded(seed, 1, lambda: tiny_vae(scaling_factor=0.3611, shift_factor=0.1159))
+    text_encoder = _seeded(seed, 2, lambda: tiny_clip_text_encoder(_FLUX_CLIP, cls=CLIPTextModel))
+    text_encoder_2 = _seeded(seed, 3, lambda: tiny_t5_encoder(_FLUX_T5))
     scheduler = FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True,
         base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096,

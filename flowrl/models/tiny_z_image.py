@@ -15,7 +15,7 @@ from __future__ import annotations
 from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
 from transformers import Qwen3Config, Qwen3Model
 
-from flowrl.models.tiny import TINY_LATENT_CHANNELS, _seeded, _vae
+from flowrl.models.tiny import TINY_LATENT_CHANNELS, _seeded, tiny_vae
 from flowrl.models.tiny_qwen import tiny_qwen_tokenizer
 
 TINY_Z_IMAGE_RESOLUTION = 64  # 64 px -> 8x8 latent -> 4x4 = 16 image tokens (2x2 patches)
@@ -45,7 +45,7 @@ def tiny_z_image_pipeline(seed: int = 0) -> ZImagePipeline:
         cap_feat_dim=_QWEN_WIDTH, rope_theta=256.0, t_scale=1000.0,
         axes_dims=[4, 6, 6], axes_lens=[256, 64, 64],  # caption positions come first on axis 0: > max length + 1
     ))
-    vae = _seeded(seed, 1, lambda: _vae(scaling_factor=0.3611, shift_factor=0.1159))
+    vae = _seeded(seed, 1, lambda: tiny_vae(scaling_factor=0.3611, shift_factor=0.1159))
     text_encoder = _seeded(seed, 2, lambda: _qwen3_encoder(len(tokenizer), tokenizer.pad_token_id))
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
     return ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
