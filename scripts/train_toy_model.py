@@ -71,20 +71,16 @@ import copy
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from diffusers import AutoencoderKL, SD3Transformer2DModel, StableDiffusion3Pipeline
+from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from diffusers import AutoencoderKL, SD3Transformer2DModel, StableDiffusion3Pipeline  # noqa: E402
-from transformers import CLIPTextModelWithProjection, T5EncoderModel  # noqa: E402
-
-from flowrl.models.tiny import (  # noqa: E402
+from flowrl.models.tiny import (
     clip_tokenizer_for,
     sd3_pipeline_of,
     tiny_clip_text_encoder,
@@ -93,9 +89,9 @@ from flowrl.models.tiny import (  # noqa: E402
     tiny_t5_tokenizer,
     tiny_vae,
 )
-from flowrl.toy import captions  # noqa: E402
-from flowrl.toy import prompts as toy_prompts  # noqa: E402
-from flowrl.toy.world import render_batch  # noqa: E402
+from flowrl.toy import captions
+from flowrl.toy import prompts as toy_prompts
+from flowrl.toy.world import render_batch
 
 RESOLUTION = 32
 LATENT_CHANNELS = 4
