@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from flowrl.experiments.runs import STATE_LINES, run_all, run_state, seed_dir, train
+from flowrl.experiments.runs import STATE_LINES, gather, run_all, run_state, seed_dir, train
 
 FLOATS = ("budget_s", "tune_budget_s", "gain", "max_drop")
 """Parameters kept as floats (so ``train.time_limit_s=330.0`` reads the same from the file and from a flag)."""
@@ -114,6 +114,20 @@ class Experiment:
         """Train each run of ``plan`` ({name: seeds}) into ``OUT/<name>_s<seed>``."""
         self.train([(name, seed, seed_dir(self.out, name, seed), [], {}) for name, seeds in plan.items()
                     for seed in seeds])
+
+    def results(self, read, what: str = "runs") -> dict[str, dict[int, Any]] | None:
+        """Train every run of every seed that is not finished (none with --table-only), then {name: {seed:
+        read(run directory)}} over the finished ones; None on --dry-run, which only lists them."""
+        plan = {name: self.seeds for name in self.names()}
+        if not self.table_only:
+            self.prepare()
+            self.train_seeds(plan)
+        if self.dry_run:
+            return None
+        found = gather(self.out, plan, read)
+        if not found:
+            raise SystemExit(f"{self.path}: no finished run under {self.out} for these {what} and seeds")
+        return found
 
     def prepare(self) -> None:
         """Make each ``prepare`` file that is not there yet (e.g. a fitted reward direction), in order."""

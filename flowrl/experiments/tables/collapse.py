@@ -14,7 +14,6 @@ from pathlib import Path
 
 from flowrl.experiments.cells import CELL_NOTE, fmt_mean_se
 from flowrl.experiments.markdown import replace_section
-from flowrl.experiments.runs import gather
 from flowrl.experiments.spec import Experiment
 from flowrl.training.metrics import read_metrics
 
@@ -81,15 +80,9 @@ def table(results: dict[str, dict[int, dict]], p: dict, command: str, config: st
 
 
 def make(exp: Experiment) -> str | None:
-    plan = {name: exp.seeds for name in exp.names()}
-    if not exp.table_only:
-        exp.prepare()  # the D²-Align direction, fitted once on base-model samples
-        exp.train_seeds(plan)
-    if exp.dry_run:
+    results = exp.results(summary, "methods")  # prepares the D²-Align direction first, fitted on base samples
+    if results is None:
         return None
-    results = gather(exp.out, plan, summary)
-    if not results:
-        raise SystemExit(f"{exp.path}: no finished run under {exp.out} for these methods and seeds")
     plot_path = Path(exp.params["results"]).parent / "results_collapse.png"
     plot_path.parent.mkdir(parents=True, exist_ok=True)
     plot(results, plot_path)

@@ -11,7 +11,6 @@ from pathlib import Path
 
 from flowrl.experiments.cells import CELL_NOTE, fmt_mean_se
 from flowrl.experiments.markdown import replace_section
-from flowrl.experiments.runs import gather
 from flowrl.experiments.spec import Experiment, ExperimentError
 from flowrl.training.metrics import read_metrics
 
@@ -43,14 +42,9 @@ def make(exp: Experiment) -> str | None:
             raise ExperimentError(f"{exp.path}: each column must be {{header, key, at: first | last | change}}")
         column.setdefault("at", "last")
         column.setdefault("header", column["key"])
-    plan = {name: exp.seeds for name in exp.names()}
-    if not exp.table_only:
-        exp.train_seeds(plan)
-    if exp.dry_run:
+    found = exp.results(values)
+    if found is None:
         return None
-    found = gather(exp.out, plan, values)
-    if not found:
-        raise SystemExit(f"{exp.path}: no finished run under {exp.out} for these runs and seeds")
     title = f"## {p['section'] or p.get('title', exp.path.stem)}"
     header = ["run", "seeds", *(c["header"] for c in columns)]
     lines = [title, "", f"`{exp.command}`", "", CELL_NOTE, "", "| " + " | ".join(header) + " |",

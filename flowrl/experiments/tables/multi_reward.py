@@ -13,7 +13,6 @@ from pathlib import Path
 
 from flowrl.experiments.cells import CELL_NOTE, fmt_mean_se
 from flowrl.experiments.markdown import replace_section
-from flowrl.experiments.runs import gather
 from flowrl.experiments.spec import Experiment
 from flowrl.training.metrics import read_metrics
 
@@ -63,14 +62,9 @@ def table(results: dict[str, dict[int, dict]], p: dict, command: str) -> str:
 
 
 def make(exp: Experiment) -> str | None:
-    plan = {name: exp.seeds for name in exp.names()}
-    if not exp.table_only:
-        exp.train_seeds(plan)
-    if exp.dry_run:
+    results = exp.results(summary, "combiners")
+    if results is None:
         return None
-    results = gather(exp.out, plan, summary)
-    if not results:
-        raise SystemExit(f"{exp.path}: no finished run under {exp.out} for these combiners and seeds")
     text = table(results, exp.params, exp.command)
     replace_section(Path(exp.params["results"]), text, text.splitlines()[0])
     return text
