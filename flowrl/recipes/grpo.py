@@ -69,7 +69,10 @@ from flowrl.recipes.common import (  # noqa: F401  (re-exported for callers of t
     out_of_time, sample_and_score, start_run, step_plan,
 )
 from flowrl.recipes.guard import exported_weights, finite_mean, in_group_diversity
-from flowrl.recipes.snapshots import maybe_reset_reference, reference_weights, start_phase
+from flowrl.recipes.extras import snapshot
+from flowrl.recipes.plans import beta_split_scheduler
+from flowrl.recipes.run import Run
+from flowrl.recipes.snapshots import GardoReference
 from flowrl.recipes.tmpo_paths import TmpoPaths
 from flowrl.rewards_api import AsyncScorer
 from flowrl.sampling import sde_step, transition
@@ -80,7 +83,7 @@ from flowrl.training.accumulate import micro_batch
 def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, float]:
     """Run the GRPO loop described by ``cfg``; returns the last epoch's metrics as a flat dict."""
     # 0. Set-up: processes, run directory, model + LoRA, optimizer, EMA, rewards, prompts, resume.
-    run = start_run(cfg, accelerator)
+    run = start_run(cfg, accelerator, extras=GRPO_EXTRAS)
     accelerator, policy, ema = run.accelerator, run.policy, run.ema
     rank, world, guidance = accelerator.process_index, accelerator.num_processes, run.guidance
     s, t = cfg.sampling, cfg.train
@@ -93,16 +96,19 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                desc="grpo", dynamic_ncols=True)
     features = build_features(cfg.gardo.features, cfg.gardo.feature_kwargs) if cfg.gardo.diversity else None
     auxiliary = cfg.gardo.auxiliary or [key for key, w in run.weights.items() if w == 0]
-    guard_features = build_features(cfg.guard.features, cfg.guard.feature_kwargs) if run.guard else None
+    marble, guard = run.extras.get("marble"), run.extras.get("guard")
+    gardo_reference, split_scheduler = run.extras.get("reference_resets"), run.extras.get("split_scheduler")
+    reference = None if gardo_reference is None else partial(gardo_reference.weights, policy)  # None: the base model
+    guard_features = build_features(cfg.guard.features, cfg.guard.feature_kwargs) if guard else None
     metrics: dict[str, float] = {}
     log_base_model(run)
     for epoch in bar:
         epoch_start = time.perf_counter()
-        plan = step_plan(s, epoch, cfg.seed, run.split_scheduler)
+        plan = step_plan(s, epoch, cfg.seed, split_scheduler)
         if t.loss == "tmpo":  # BranchGRPO's split noise is GRPO's; TMPO's splits draw the step's own noise
             plan = replace(plan, split_noise_scale=1.0)
         depth_backup = bool(plan.branch_steps) and t.loss != "tmpo" and s.tree.backup == "depth_standardised"
-        phase_metrics = start_phase(run, epoch)  # HRF: a new phase re-anchors the weights
+        phase_metrics = run.begin_epoch(epoch)  # HRF: a new phase re-anchors the weights
 
         # 1-3. Sample prompts, roll out groups, score batch b while batch b+1 is sampled.
         traj, sample_done, reward_done = sample_and_score(
@@ -122,8 +128,8 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         trained[:, [k for k in range(traj.num_stored_steps) if noise_at(k) == 0]] = False  # ODE steps between splits
         trained_cols = [k for k in range(traj.num_stored_steps) if trained[:, k].any()]
         scored_adv = combined_adv.where(torch.isfinite(combined), torch.tensor(float("nan")))  # [N_all] NaN: unscored
-        if run.split_scheduler is not None:
-            run.split_scheduler.observe(scored_adv)  # TMPO's split scheduler follows R
+        if split_scheduler is not None:
+            split_scheduler.observe(scored_adv)  # TMPO's split scheduler follows R
         paths = TmpoPaths(run, traj, trained_cols, [noise_at(k) for k in trained_cols],
                           scored_adv[local]) if t.loss == "tmpo" else None
         row_adv = combined_adv[local].clamp(-t.advantage_clip, t.advantage_clip)
@@ -142,7 +148,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         traj.advantages = edges_of(combined_adv[local])  # [N, K]
         # Diversity guard: these rollouts' in-group diversity against its start; past guard.max_drop it warns,
         # raises the live KL beta (run.beta, this epoch's update on) or stops the run after this epoch.
-        guard_metrics = {} if run.guard is None or not run.guard.due(epoch) else run.guard.observe(
+        guard_metrics = {} if guard is None or not guard.due(epoch) else guard.observe(
             epoch, in_group_diversity(guard_features(traj.images, traj.final_latents), traj.group_ids, accelerator),
             reward=finite_mean(combined), weights=lambda: exported_weights(policy, ema))
         # ratio_norm batch_sensitivity: each trained step's velocity sensitivity over their mean. ratio_norm runs
@@ -177,7 +183,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
             stats.add_scalar("perf/dense_s", time.perf_counter() - dense_start, reduce="max")
 
         # MARBLE: each weighted reward's own clipped advantage on every edge, balanced per optimizer step.
-        per_reward = None if run.marble is None else {
+        per_reward = None if marble is None else {
             name: edges_of(adv[local])  # [N, K]
             for name, adv in reward_advantages({key: gathered[key] for key in run.weights}, run.weights, all_groups,
                                                partial(estimator, std_scope=t.std_scope)).items()}
@@ -205,7 +211,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                                                        on_policy=inner == 0 and chunk_index == 0,
                                                        ratio_norm=t.ratio_norm, sensitivity=sensitivity.get(k),
                                                        kl_gate=kl_gate,
-                                                       reference=lambda: reference_weights(run))
+                                                       reference=reference)
                             accelerator.backward(loss_sum * world / max(weight, 1.0))
 
                 if paths is not None:
@@ -214,13 +220,13 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                     chunk_backward(traj.advantages, stats)
                 else:
                     step = (epoch * t.inner_epochs + inner) * t.optimizer_steps_per_epoch + chunk_index
-                    balanced_backward(run.marble, run.params, step, per_reward, chunk_backward, stats,
+                    balanced_backward(marble, run.params, step, per_reward, chunk_backward, stats,
                                       StatsAccumulator)
                 optimizer_step(run, stats)
                 if ema is not None:  # steps so far: train.ema_start_step / ema_every / ema_warmup count them
                     done = (epoch * t.inner_epochs + inner) * t.optimizer_steps_per_epoch + chunk_index + 1
                     ema.scheduled_step(done, start=t.ema_start_step, every=t.ema_every, warmup=t.ema_warmup)
-        reference_metrics = maybe_reset_reference(run, epoch, stats)  # GARDO's adaptive reference
+        reference_metrics = {} if gardo_reference is None else gardo_reference.after_update(run, epoch, stats)
         train_done = time.perf_counter()
 
         # 8. Log, render eval grids, checkpoint.
@@ -229,16 +235,28 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         metrics = end_epoch(run, epoch, gathered=gathered, combined=combined, group_ids=all_groups, stats=stats,
                             extra={"advantages/abs_mean": advantage_size, "policy/trained_fraction": trained_fraction,
                                    **gardo_metrics(distances, kl_gate), **reference_metrics, **phase_metrics,
-                                   **guard_metrics, **traj.sampling_metrics,
-                                   **(run.split_scheduler.metrics() if run.split_scheduler else {})},
+                                   **guard_metrics, **traj.sampling_metrics},
                             rollouts=traj.rollouts_sampled,
                             times=(epoch_start, sample_done, reward_done, train_done), bar=bar)
-        if out_of_time(run) or run.guard_stopped:
+        if out_of_time(run) or run.stopped:
             break
 
     # 9. Export the final adapter (EMA weights when kept) and report before/after on held-out prompts.
     scorer.close()
     return finish_run(run, metrics)
+
+
+def gardo_reference(run: Run) -> GardoReference | None:
+    """gardo.reset_every / reset_kl: GARDO's adaptive KL reference."""
+    g = run.cfg.gardo
+    if g.reset_every is None and g.reset_kl is None:
+        return None
+    return GardoReference(snapshot(run), reset_every=g.reset_every, reset_kl=g.reset_kl)
+
+
+# The recipe's own run extras, by trainer-state name (flowrl/recipes/extras.py has the common ones).
+GRPO_EXTRAS = {"reference_resets": gardo_reference,
+               "split_scheduler": lambda run: beta_split_scheduler(run.cfg.sampling)}  # TMPO's adaptive splits
 
 
 def gardo_weighted(advantages: torch.Tensor, distances: torch.Tensor | None) -> torch.Tensor:

@@ -98,20 +98,21 @@ from flowrl.recipes.common import (
     sample_and_score, start_run,
 )
 from flowrl.recipes.guard import exported_weights, finite_mean, in_group_diversity
-from flowrl.recipes.snapshots import start_phase
+from flowrl.recipes.run import AdapterCopies, Run
 from flowrl.rewards_api import AsyncScorer
 from flowrl.sampling import StepPlan
 from flowrl.sampling.sa_solver import sa_solver_rollout
 from flowrl.algorithms.gardo import build_features
 from flowrl.training.accumulate import micro_batch
-from flowrl.training.ema import decay_schedule, ema_weights
+from flowrl.training.ema import LoraEMA, decay_schedule, ema_weights
 
 
 def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, float]:
     """Run the forward-process loop (DiffusionNFT, AWM or CRD) described by ``cfg``; returns the last epoch's
     metrics as a flat dict."""
     n = cfg.nft
-    run = start_run(cfg, accelerator, adapters=() if n.sampler_schedule() is None else ("sampler",))
+    run = start_run(cfg, accelerator, extras={"adapters": adapter_copies},
+                    eval_ema_decay=n.choice("eval_ema_decay"))
     accelerator, policy, ema = run.accelerator, run.policy, run.ema  # ema: the old adapter (run.eval_ema: eval's)
     rank, world = accelerator.process_index, accelerator.num_processes
     s, t = cfg.sampling, cfg.train
@@ -125,7 +126,8 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
     sa_solver = n.choice("sampler") == "sa_solver"
     rollout_fn = functools.partial(sa_solver_rollout, noise_window=tuple(n.sa_noise_window)) if sa_solver else None
     rollout_noise = n.sa_noise_level if sa_solver else 0.0  # the ODE's is 0
-    rollout_ema = run.adapters.get("sampler", ema) if n.choice("rollout_weights") == "old" else None  # CRD: its own
+    sampler = run.extras["adapters"].copies.get("sampler")  # CRD's rollout adapter
+    rollout_ema = (sampler or ema) if n.choice("rollout_weights") == "old" else None  # CRD: its own
     eval_every_step = n.choice("eval_ema_every") == "step"  # DiffusionNFT's; AWM folds once per epoch
     loss_options = dict(weighting=n.awm_weighting, power=n.awm_ghuber_power, clip_range=n.awm_clip_range) \
         if n.loss == "awm" else {}
@@ -134,12 +136,13 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
     scorer = AsyncScorer(run.rewards, on_error=t.reward_errors, asynchronous=t.async_rewards)
     bar = tqdm(range(run.start_epoch, t.epochs), disable=not (cfg.log.progress and accelerator.is_main_process),
                desc="nft", dynamic_ncols=True)
-    guard_features = build_features(cfg.guard.features, cfg.guard.feature_kwargs) if run.guard else None
+    marble, guard = run.extras.get("marble"), run.extras.get("guard")
+    guard_features = build_features(cfg.guard.features, cfg.guard.feature_kwargs) if guard else None
     metrics: dict[str, float] = {}
     log_base_model(run)
     for epoch in bar:
         epoch_start = time.perf_counter()
-        phase_metrics = start_phase(run, epoch)  # HRF: a new phase re-anchors the weights
+        phase_metrics = run.begin_epoch(epoch)  # HRF: a new phase re-anchors the weights
 
         # 1. Rollouts (ODE with the old adapter or CRD's sampler; AWM: SA-Solver with the trained one), scored
         #    while the next batch samples.
@@ -154,12 +157,12 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         keep = torch.isfinite(combined[local])  # [N]
         # Diversity guard: these rollouts' in-group diversity against its start; past guard.max_drop it warns,
         # raises the live KL beta toward the base model (run.beta) or stops the run after this epoch.
-        guard_metrics = {} if run.guard is None or not run.guard.due(epoch) else run.guard.observe(
+        guard_metrics = {} if guard is None or not guard.due(epoch) else guard.observe(
             epoch, in_group_diversity(guard_features(traj.images, traj.final_latents), traj.group_ids, accelerator),
             reward=finite_mean(combined), weights=lambda: exported_weights(policy, run.exported_ema))
         # MARBLE: each weighted reward's own advantage, clipped the same way, balanced per optimizer step.
         # Advantages are per (sample, t) pair from here: pair p has sample p % N's ([pairs] = tiled [N]).
-        per_reward = None if run.marble is None else {
+        per_reward = None if marble is None else {
             name: (adv[local].clamp(-t.advantage_clip, t.advantage_clip) / t.advantage_clip).repeat(
                 n.timesteps_per_sample)
             for name, adv in reward_advantages({key: gathered[key] for key in run.weights}, run.weights, all_groups,
@@ -226,7 +229,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                     chunk_backward(clipped.repeat(n.timesteps_per_sample), stats)
                 else:
                     step = (epoch * t.inner_epochs + inner) * t.optimizer_steps_per_epoch + chunk_index
-                    balanced_backward(run.marble, run.params, step, per_reward, chunk_backward, stats,
+                    balanced_backward(marble, run.params, step, per_reward, chunk_backward, stats,
                                       StatsAccumulator)
                 optimizer_step(run, stats)
                 if run.eval_ema is not None and eval_every_step:  # DiffusionNFT's eval EMA: every optimizer step
@@ -236,8 +239,8 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         # of the optimizer steps so far.
         steps_so_far = (epoch + 1) * t.inner_epochs * t.optimizer_steps_per_epoch
         ema.blend(decay_schedule(steps_so_far, n.choice("old_decay")))
-        if "sampler" in run.adapters:
-            run.adapters["sampler"].blend(decay_schedule(steps_so_far, n.sampler_schedule()))
+        if sampler is not None:
+            sampler.blend(decay_schedule(steps_so_far, n.sampler_schedule()))
         if run.eval_ema is not None and not eval_every_step:  # AWM's: min(decay, (1 + s) / (10 + s)), once an epoch
             run.eval_ema.scheduled_step(steps_so_far, start=0, warmup="flow_grpo")
         train_done = time.perf_counter()
@@ -249,11 +252,20 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                             extra={**weight_size, **phase_metrics, **guard_metrics, **traj.sampling_metrics},
                             rollouts=traj.rollouts_sampled, times=(epoch_start, sample_done, reward_done, train_done),
                             bar=bar)
-        if out_of_time(run) or run.guard_stopped:
+        if out_of_time(run) or run.stopped:
             break
 
     scorer.close()
     return finish_run(run, metrics)
+
+
+def adapter_copies(run: Run) -> AdapterCopies:
+    """The adapter copies checkpoints keep besides ema.safetensors (which holds the eval EMA): the old adapter
+    (``run.ema``) as "old", and loss crd's own rollout adapter as "sampler", starting as the initial weights."""
+    copies = {"old": run.ema} if run.ema is not None and run.eval_ema is not None else {}
+    if run.cfg.nft.sampler_schedule() is not None:
+        copies["sampler"] = LoraEMA(run.policy.named_trainable_parameters(), decay=0.0)  # blended on its schedule
+    return AdapterCopies(copies)
 
 
 def schedule_timesteps(schedule: torch.Tensor, num_rows: int, *, seed: list[int]) -> torch.Tensor:
