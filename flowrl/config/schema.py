@@ -290,9 +290,10 @@ class TrainConfig:
         check(0 <= self.ema_decay < 1, "ema_decay", "must be in [0, 1)")
         from flowrl.algorithms.combine import COMBINERS
         from flowrl.algorithms.losses import POLICY_LOSSES
+        from flowrl.algorithms.tmpo import PATH_LOSSES
 
-        check(self.loss in POLICY_LOSSES, "loss", f"unknown policy loss {self.loss!r}; choose one of "
-              f"{sorted(POLICY_LOSSES)}")
+        losses = {**POLICY_LOSSES, **PATH_LOSSES}
+        check(self.loss in losses, "loss", f"unknown policy loss {self.loss!r}; choose one of {sorted(losses)}")
         check(self.combine in COMBINERS, "combine", f"unknown reward combiner {self.combine!r}; choose one of "
               f"{sorted(COMBINERS)}")
         check(self.tmpo_beta > 0, "tmpo_beta", "must be > 0")
