@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from tqdm.auto import tqdm
 
+from flowrl.algorithms.combine import COMBINERS, marble_initial
 from flowrl.algorithms.marble import MarbleBalancer
 from flowrl.recipes.guard import DiversityGuard
 from flowrl.recipes.run import Run
@@ -30,9 +31,10 @@ def snapshot(run: Run, *, taken: bool = True) -> AdapterSnapshot:
 
 
 def marble(run: Run) -> MarbleBalancer | None:
-    """train.combine=marble: the per-reward advantage weights in force."""
+    """train.combine=marble: the per-reward advantage weights in force (the combiner starts from its initial
+    weights; the balancer moves them per optimizer step)."""
     t = run.cfg.train
-    if t.combine != "marble":
+    if COMBINERS[t.combine] is not marble_initial:
         return None
     return MarbleBalancer({k: w for k, w in run.weights.items() if w != 0}, refresh_every=t.marble.refresh_every,
                           ema=t.marble.ema)
