@@ -259,9 +259,11 @@ class TrainConfig:
     """Epochs in a row in which every trained reward is NaN (nothing could be scored: a dead reward server under
     reward_errors=nan) before the run stops with an error; such an epoch trains on nothing (loss 0)."""
 
+    def __post_init__(self):
+        if isinstance(self.ratio_norm, bool):  # true names the method the option was written for (not in validate:
+            self.ratio_norm = "grpo_guard" if self.ratio_norm else "none"  # validation changes nothing)
+
     def validate(self):
-        if isinstance(self.ratio_norm, bool):  # true names the method the option was written for
-            self.ratio_norm = "grpo_guard" if self.ratio_norm else "none"
         for key in ("epochs", "batches_per_epoch", "inner_epochs", "optimizer_steps_per_epoch", "micro_batch_size"):
             check(getattr(self, key) >= 1, key, "must be >= 1")
         check(self.learning_rate > 0, "learning_rate", "must be > 0")
@@ -503,11 +505,6 @@ class Config:
               "use auto, cpu, cuda or cuda:N")
         check(bool(self.rewards), "rewards", "is empty, so nothing trains: list at least one reward, e.g. "
               "rewards=[{name: brightness}]")
-        if self.device.startswith("cuda"):
-            import torch
-
+        if self.device.startswith("cuda"):  # whether this machine has it is checked when the run starts
             index = self.device.partition(":")[2]
             check(index == "" or index.isdigit(), "device", f"{self.device!r}: use cuda or cuda:N")
-            count = torch.cuda.device_count()
-            check(count > int(index or 0), "device", f"{self.device} is not available: this machine has "
-                  f"{count} CUDA device(s); use device=auto or cpu" + (f", or cuda:0..{count - 1}" if count else ""))

@@ -78,6 +78,7 @@ def make_accelerator(cfg: Config) -> Accelerator:
     Launched with an FSDP2 accelerate config on the CPU (``fsdp2_cpu_2proc.yaml``), the gloo processes
     shard the transformer too (:func:`_fsdp2_on_cpu`). A DeepSpeed launch without CUDA or without the
     deepspeed package is a one-line error here, before accelerate or anything else starts."""
+    check_device_available(cfg.device)
     on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
     log_with = None if cfg.log.backend == "none" else cfg.log.backend
     if log_with and not importlib.util.find_spec(log_with):  # accelerate would only warn and log nothing
@@ -89,6 +90,17 @@ def make_accelerator(cfg: Config) -> Accelerator:
     if on_cpu and _env_flag("ACCELERATE_USE_FSDP") and accelerator.num_processes > 1:
         _fsdp2_on_cpu(accelerator)
     return accelerator
+
+
+def check_device_available(device: str) -> None:
+    """A ``device`` of cuda or cuda:N that this machine lacks is a one-line ConfigError, before anything starts.
+    Here and not in config validation, which stays pure: a config is checked the same on any machine."""
+    if not device.startswith("cuda"):
+        return
+    index, count = device.partition(":")[2], torch.cuda.device_count()
+    if count <= int(index or 0):
+        raise ConfigError(f"config key 'device': {device} is not available: this machine has {count} CUDA device(s); "
+                          "use device=auto or cpu" + (f", or cuda:0..{count - 1}" if count else ""), key="device")
 
 
 def _env_flag(name: str) -> bool:
