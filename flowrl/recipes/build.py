@@ -13,6 +13,7 @@ import os
 import torch
 from accelerate import Accelerator
 
+from flowrl.algorithms.combine import COMBINERS, marble_initial
 from flowrl.config import Config, ConfigError, to_dict
 from flowrl.data import PromptSet, load_prompts, train_test_split
 from flowrl.models import policy_from_config
@@ -134,7 +135,7 @@ def check_deepspeed_launch(cfg: Config, on_cpu: bool):
                           "optimizer state cannot be checkpointed or exported yet); use "
                           "configs/accelerate/fsdp2_sd3.yaml or fsdp2_flux.yaml, which shard the same weights, "
                           "or deepspeed_zero2.yaml")
-    if cfg.train.combine == "marble":
+    if COMBINERS[cfg.train.combine] is marble_initial:
         raise ConfigError("config key 'train.combine': marble reads per-reward gradients off the parameters, which "
                           "DeepSpeed keeps in its own buffers; use DDP or FSDP2 launches for it", key="train.combine")
     if cfg.train.resume:
