@@ -16,6 +16,7 @@ from flowrl.commands.train import recipe_train
 from flowrl.config import Config, ConfigError, load_config
 from flowrl.models.lora_io import lora_state_dict, read_lora
 from flowrl.recipes.guard import DiversityGuard, guard_score, in_group_diversity, raised_beta, relative_drop
+from flowrl.training.ema import AdapterSnapshot
 from flowrl.training.metrics import read_metrics
 from tests.toy_runs import train_on_prompts
 
@@ -25,7 +26,8 @@ SMOKE = "configs/smoke/sd3_tiny.yaml"
 def make_guard(**overrides) -> tuple[DiversityGuard, list[str]]:
     lines: list[str] = []
     kwargs = dict(every=1, warmup=2, max_drop=0.3, policy="warn", beta=0.0, beta_factor=2.0, beta_floor=0.04,
-                  cooldown=3, diversity_weight=1.0, write=lines.append)
+                  cooldown=3, diversity_weight=1.0, write=lines.append,
+                  best=AdapterSnapshot([("w", torch.nn.Parameter(torch.zeros(1)))], taken=False))
     return DiversityGuard(**{**kwargs, **overrides}), lines
 
 
@@ -93,7 +95,7 @@ def test_stop_keeps_the_best_reward_diversity_measurement():
         metrics = feed(guard, diversities, rewards)
         assert fired_epochs(metrics) == [3] and guard.stopped
         assert guard.best_epoch == best and metrics[-1]["diversity/best_epoch"] == best
-        assert torch.equal(guard.best.tensors["w"], torch.tensor([float(best)]))  # that epoch's weights
+        assert guard.best.taken and torch.equal(guard.best.state_tensors()["w"], torch.tensor([float(best)]))  # that epoch's weights
 
 
 def test_state_round_trips_through_json():

@@ -21,7 +21,7 @@ from flowrl.algorithms.marble import MarbleBalancer, balanced_backward, measure_
 from flowrl.commands.train import run_train
 from flowrl.config import Config, ConfigError, load_config
 from flowrl.recipes.common import StatsAccumulator
-from flowrl.recipes.nft import nft_forward_loss
+from flowrl.recipes.nft import NftLoss
 
 GROUPS = torch.tensor([0, 0, 1, 1])
 
@@ -167,8 +167,7 @@ def nft_backward(model, old, x, target):
     def backward(advantage, stats=None):
         velocity = model(x)
         sigma = torch.full((x.shape[0],), 0.5, dtype=torch.float64)
-        loss = nft_forward_loss(velocity, old(x).detach(), target, advantage, sigma, strength=1.0, adaptive=False,
-                                awm_kl=1.0)
+        loss = NftLoss(strength=1.0, adaptive=False)(velocity, old(x).detach(), target, advantage, sigma)
         loss.sum().backward()
     return backward
 

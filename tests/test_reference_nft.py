@@ -17,7 +17,7 @@ from flowrl.algorithms.crd import crd_weights, implicit_reward
 from flowrl.config import Config, load_config
 from flowrl.config.schema import NFTConfig
 from flowrl.recipes.common import StatsAccumulator
-from flowrl.recipes.nft import forward_process_loss, implicit_log_ratio, noised_sample, train
+from flowrl.recipes.nft import CrdLoss, forward_process_loss, implicit_log_ratio, noised_sample, train
 from flowrl.training.ema import LoraEMA, decay_schedule
 
 
@@ -238,9 +238,9 @@ def test_crd_gradient_is_the_reference_loss_gradient(crd_beta, adaptive):
                           num_rows=3, beta=crd_beta)
     scale = NFTConfig(loss="crd", crd_beta=crd_beta).policy_loss_scale(advantage_clip=5.0)
     assert scale == pytest.approx(5.0 / crd_beta)
-    loss = forward_process_loss(policy, old, X0, None, weights, torch.ones(3), guidance=1.0, strength=1.0,
-                                adaptive=adaptive, beta=kl_beta, noise_seed=SEED, stats=StatsAccumulator(),
-                                sigma=SIGMA, loss="crd", scale=scale, kl_guidance=anchor_guidance,
+    loss = forward_process_loss(policy, old, X0, None, weights, torch.ones(3), guidance=1.0, beta=kl_beta,
+                                noise_seed=SEED, stats=StatsAccumulator(), sigma=SIGMA,
+                                loss=CrdLoss(adaptive=adaptive, beta=crd_beta), scale=scale, kl_guidance=anchor_guidance,
                                 kl_weights=reward_adaptive_kl_weights(a, kl_beta)) / 3
     loss.backward()
     ours = policy.w.grad.clone()

@@ -35,9 +35,9 @@ def grpo_clip_loss(log_probs, old_log_probs, advantages, *, clip_low: float, cli
     return loss, stats
 
 
-# "tmpo" names TMPO's path-level loss (flowrl.algorithms.tmpo), which the GRPO recipe trains over whole paths
-# (flowrl.recipes.tmpo_paths) instead of per transition; the entry makes the name a valid train.loss.
-POLICY_LOSSES: dict[str, Callable] = {"grpo-clip": grpo_clip_loss, "tmpo": grpo_clip_loss}
+# Per-transition losses by train.loss name. TMPO's path-level loss (flowrl.algorithms.tmpo.PATH_LOSSES) is the
+# other kind of train.loss: the GRPO recipe trains it over whole paths (flowrl.recipes.tmpo_paths).
+POLICY_LOSSES: dict[str, Callable] = {"grpo-clip": grpo_clip_loss}
 
 
 def gaussian_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:

@@ -111,7 +111,8 @@ class MarbleBalancer:
             stats[f"marble/worst_cos_negative_{label}"] = float(worst < 0)
         return stats
 
-    def weight_metrics(self) -> dict[str, float]:
+    def metrics(self) -> dict[str, float]:
+        """The advantage weights in force, to log each epoch."""
         return {f"marble/weight/{name}": float(w) for name, w in zip(self.names, self.weights)}
 
     def combine(self, advantages: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -117,3 +117,7 @@ def reference_term(path_log_probs: torch.Tensor, reference_log_probs: torch.Tens
     """``((log P - log P_ref) / S)^2`` per path [K]: the release's length-normalised reference constraint."""
     steps = max(num_steps, 1)
     return (path_log_probs / steps - reference_log_probs / steps) ** 2
+
+
+# Path-level losses by train.loss name (the per-transition ones are flowrl.algorithms.losses.POLICY_LOSSES).
+PATH_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]] = {"tmpo": path_surrogate}

@@ -259,9 +259,11 @@ class TrainConfig:
     """Epochs in a row in which every trained reward is NaN (nothing could be scored: a dead reward server under
     reward_errors=nan) before the run stops with an error; such an epoch trains on nothing (loss 0)."""
 
+    def __post_init__(self):
+        if isinstance(self.ratio_norm, bool):  # true names the method the option was written for (not in validate:
+            self.ratio_norm = "grpo_guard" if self.ratio_norm else "none"  # validation changes nothing)
+
     def validate(self):
-        if isinstance(self.ratio_norm, bool):  # true names the method the option was written for
-            self.ratio_norm = "grpo_guard" if self.ratio_norm else "none"
         for key in ("epochs", "batches_per_epoch", "inner_epochs", "optimizer_steps_per_epoch", "micro_batch_size"):
             check(getattr(self, key) >= 1, key, "must be >= 1")
         check(self.learning_rate > 0, "learning_rate", "must be > 0")
@@ -402,9 +404,6 @@ class Config:
 
     def validate_gardo(self):
         g, gated = self.gardo, self.gardo.kl_fraction < 1
-        resets = g.reset_every is not None or g.reset_kl is not None
-        check(self.recipe == "grpo" or not (gated or g.diversity or resets), "gardo",
-              "gardo's options act on GRPO's advantages and KL: use recipe grpo")
         for key, used in (("kl_fraction", gated), ("reset_every", g.reset_every is not None),
                           ("reset_kl", g.reset_kl is not None)):
             check(not used or self.train.beta > 0, f"gardo.{key}", "acts on train.beta's KL, which is 0: set "
@@ -424,10 +423,8 @@ class Config:
         trained = [r.name for r in self.rewards if r.weight != 0]
         check(bool(trained) or not self.rewards, "rewards", "every reward has weight 0, so nothing trains: give at "
               "least one a nonzero weight")
+        RECIPE_CHECKS[self.recipe](self)  # what the recipe needs of the shared sections
         self.validate_gardo()
-        check(not (self.recipe == "nft" and self.nft.loss == "crd" and self.train.combine == "marble"), "train.combine",
-              "marble balances advantage-weighted gradients, and nft.loss=crd weights each sample by its reward-"
-              "matching residual instead: use train.combine=weighted or gdpo with crd")
         check(self.hrf.anchor_weight == 0 or self.hrf.phase_epochs is not None or self.sampling.window.mode == "sliding"
               and self.sampling.window.size is not None, "hrf.phase_epochs",
               "hrf.anchor_weight needs phases: set hrf.phase_epochs, or a sliding SDE window (sampling.window.size and "
@@ -436,53 +433,14 @@ class Config:
             warnings.warn(f"train.combine=marble balances several rewards, but only {trained} trains (nonzero "
                           "weight); using train.combine=weighted", stacklevel=2)
             self.train.combine = "weighted"
-        t = self.train
-        check(self.recipe != "nft" or (t.ema_start_step, t.ema_every, t.ema_warmup) == (1, 1, "none"),
-              "train.ema_every",
-              "recipe nft's train.ema is its old policy, stepped once per epoch on nft.old_decay (its eval EMA is "
-              "nft.eval_ema_decay): leave train.ema_start_step, ema_every and ema_warmup at 1, 1, none")
-        check(self.recipe != "nft" or self.train.ema, "train.ema",
-              "recipe nft keeps its old adapter as train.ema: set train.ema=true")
-        check(self.recipe != "nft" or self.nft.choice("timestep_schedule") != "sampling"
-              or self.nft.timesteps_per_sample <= self.sampling.num_steps, "nft.timesteps_per_sample",
-              f"exceeds the {self.sampling.num_steps} sigmas of the sampling schedule; lower it or set "
-              "nft.timestep_schedule=uniform")
-        n = self.nft
-        check(self.recipe != "nft" or n.choice("timestep_schedule") != "stratified"
-              or int(self.sampling.num_steps * n.stratified_fraction) >= 2, "nft.stratified_fraction",
-              f"leaves no sigma between the first and the last of sampling.num_steps={self.sampling.num_steps}: "
-              "raise it or the steps")
-        check(self.recipe != "nft" or n.choice("sampler") != "sa_solver" or self.sampling.num_steps >= 2,
-              "sampling.num_steps", "SA-Solver rollouts need at least 2 steps (nft.sampler=sa_solver)")
-        check(self.recipe != "nft" or n.choice("sampler") != "sa_solver" or not self.sampling.pilot.candidates,
-              "sampling.pilot.candidates", "Pilot-Commit rolls out with the Euler/SDE loop, not SA-Solver: set it to 0 "
-              "or nft.sampler=ode")
-        check(self.recipe != "nft" or (self.train.loss == "grpo-clip" and self.train.ratio_norm == "none"),
-              "train.loss",
-              "train.loss=tmpo and train.ratio_norm act on log-prob ratios, which recipe nft has none of; use "
-              "recipe grpo")
         check(self.train.ratio_norm != "grpo_guard" or self.sampling.kind == "sde", "train.ratio_norm",
               f"grpo_guard's |dt| reweighting is defined for SDE steps, not sampling.kind={self.sampling.kind}: use "
               "sampling.kind=sde, or train.ratio_norm=batch_sensitivity")
-        if self.train.loss == "tmpo":
-            tree = self.sampling.tree
-            check(t.beta == 0, "train.beta", "train.loss=tmpo regularises with train.tmpo_ref_weight, not the KL; "
-                  "set train.beta=0")
-            check(t.ratio_norm == "none", "train.ratio_norm", "train.loss=tmpo has its own RatioNorm weights; "
-                  "set train.ratio_norm=none")
-            check(not (tree.prune_width or tree.prune_depth), "sampling.tree.prune_width",
-                  "train.loss=tmpo trains whole paths; BranchGRPO's pruning does not apply: set it to 0")
-            check(not self.gardo.diversity, "gardo.diversity",
-                  "train.loss=tmpo has no per-row advantage to weight; set gardo.diversity=false")
         window = self.sampling.window
         batch_windows = window.size is not None and window.mode == "random"  # rows of an epoch: different windows
-        check_credit(self.train.credit, recipe=self.recipe, branch_steps=self.sampling.tree.branch_steps)
         check(not (batch_windows and self.train.ratio_norm == "batch_sensitivity"), "train.ratio_norm",
               "batch_sensitivity scales each stored column by its step's sensitivity, but sampling.window.mode=random draws a window per "
               "rollout batch, so a column holds different steps: use sampling.window.mode=random_per_epoch")
-        check(not (batch_windows and self.train.loss == "tmpo"), "sampling.window.mode",
-              "train.loss=tmpo scores each stored column at one step, but mode random draws a window per rollout "
-              "batch: use sampling.window.mode=random_per_epoch")
         check(self.sampling.group_size >= 2 or self.train.advantage == "mean", "sampling.group_size",
               "group advantages need at least 2 trajectories per prompt")
         check(not self.guard.enabled or self.sampling.group_size >= 2, "guard.enabled",
@@ -491,11 +449,59 @@ class Config:
               "use auto, cpu, cuda or cuda:N")
         check(bool(self.rewards), "rewards", "is empty, so nothing trains: list at least one reward, e.g. "
               "rewards=[{name: brightness}]")
-        if self.device.startswith("cuda"):
-            import torch
-
+        if self.device.startswith("cuda"):  # whether this machine has it is checked when the run starts
             index = self.device.partition(":")[2]
             check(index == "" or index.isdigit(), "device", f"{self.device!r}: use cuda or cuda:N")
-            count = torch.cuda.device_count()
-            check(count > int(index or 0), "device", f"{self.device} is not available: this machine has "
-                  f"{count} CUDA device(s); use device=auto or cpu" + (f", or cuda:0..{count - 1}" if count else ""))
+
+
+def check_grpo_recipe(cfg: Config) -> None:
+    """Recipe grpo's constraints on the shared sections: TMPO's path loss and dense credit's limits."""
+    from flowrl.algorithms.tmpo import PATH_LOSSES
+
+    t, tree, window = cfg.train, cfg.sampling.tree, cfg.sampling.window
+    if t.loss in PATH_LOSSES:  # trained over whole paths: no KL, no per-step normalisation, pruning or row weights
+        check(t.beta == 0, "train.beta", "train.loss=tmpo regularises with train.tmpo_ref_weight, not the KL; "
+              "set train.beta=0")
+        check(t.ratio_norm == "none", "train.ratio_norm", "train.loss=tmpo has its own RatioNorm weights; "
+              "set train.ratio_norm=none")
+        check(not (tree.prune_width or tree.prune_depth), "sampling.tree.prune_width",
+              "train.loss=tmpo trains whole paths; BranchGRPO's pruning does not apply: set it to 0")
+        check(not cfg.gardo.diversity, "gardo.diversity",
+              "train.loss=tmpo has no per-row advantage to weight; set gardo.diversity=false")
+        check(not (window.size is not None and window.mode == "random"), "sampling.window.mode",
+              "train.loss=tmpo scores each stored column at one step, but mode random draws a window per rollout "
+              "batch: use sampling.window.mode=random_per_epoch")
+    check_credit(t.credit, recipe=cfg.recipe, branch_steps=tree.branch_steps)
+
+
+def check_nft_recipe(cfg: Config) -> None:
+    """Recipe nft's constraints on the shared sections: no log-prob ratios (so no GARDO, TMPO, ratio_norm or dense
+    credit), train.ema as its old adapter, and its timesteps and sampler against the sampling schedule."""
+    g, n, t, s = cfg.gardo, cfg.nft, cfg.train, cfg.sampling
+    check(not (g.kl_fraction < 1 or g.diversity or g.reset_every is not None or g.reset_kl is not None), "gardo",
+          "gardo's options act on GRPO's advantages and KL: use recipe grpo")
+    check(not (n.loss == "crd" and t.combine == "marble"), "train.combine",
+          "marble balances advantage-weighted gradients, and nft.loss=crd weights each sample by its reward-"
+          "matching residual instead: use train.combine=weighted or gdpo with crd")
+    check((t.ema_start_step, t.ema_every, t.ema_warmup) == (1, 1, "none"), "train.ema_every",
+          "recipe nft's train.ema is its old policy, stepped once per epoch on nft.old_decay (its eval EMA is "
+          "nft.eval_ema_decay): leave train.ema_start_step, ema_every and ema_warmup at 1, 1, none")
+    check(t.ema, "train.ema", "recipe nft keeps its old adapter as train.ema: set train.ema=true")
+    check(n.choice("timestep_schedule") != "sampling" or n.timesteps_per_sample <= s.num_steps,
+          "nft.timesteps_per_sample", f"exceeds the {s.num_steps} sigmas of the sampling schedule; lower it or set "
+          "nft.timestep_schedule=uniform")
+    check(n.choice("timestep_schedule") != "stratified" or int(s.num_steps * n.stratified_fraction) >= 2,
+          "nft.stratified_fraction", f"leaves no sigma between the first and the last of sampling.num_steps="
+          f"{s.num_steps}: raise it or the steps")
+    check(n.choice("sampler") != "sa_solver" or s.num_steps >= 2, "sampling.num_steps",
+          "SA-Solver rollouts need at least 2 steps (nft.sampler=sa_solver)")
+    check(n.choice("sampler") != "sa_solver" or not s.pilot.candidates, "sampling.pilot.candidates",
+          "Pilot-Commit rolls out with the Euler/SDE loop, not SA-Solver: set it to 0 or nft.sampler=ode")
+    check(t.loss == "grpo-clip" and t.ratio_norm == "none", "train.loss",
+          "train.loss=tmpo and train.ratio_norm act on log-prob ratios, which recipe nft has none of; use "
+          "recipe grpo")
+    check_credit(t.credit, recipe=cfg.recipe, branch_steps=s.tree.branch_steps)
+
+
+# config.recipe -> its checks of the shared sections (Config.validate calls the one the run names).
+RECIPE_CHECKS = {"grpo": check_grpo_recipe, "nft": check_nft_recipe}

@@ -13,6 +13,7 @@ import os
 import torch
 from accelerate import Accelerator
 
+from flowrl.algorithms.combine import COMBINERS, marble_initial
 from flowrl.config import Config, ConfigError, to_dict
 from flowrl.data import PromptSet, load_prompts, train_test_split
 from flowrl.models import policy_from_config
@@ -78,6 +79,7 @@ def make_accelerator(cfg: Config) -> Accelerator:
     Launched with an FSDP2 accelerate config on the CPU (``fsdp2_cpu_2proc.yaml``), the gloo processes
     shard the transformer too (:func:`_fsdp2_on_cpu`). A DeepSpeed launch without CUDA or without the
     deepspeed package is a one-line error here, before accelerate or anything else starts."""
+    check_device_available(cfg.device)
     on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
     log_with = None if cfg.log.backend == "none" else cfg.log.backend
     if log_with and not importlib.util.find_spec(log_with):  # accelerate would only warn and log nothing
@@ -89,6 +91,17 @@ def make_accelerator(cfg: Config) -> Accelerator:
     if on_cpu and _env_flag("ACCELERATE_USE_FSDP") and accelerator.num_processes > 1:
         _fsdp2_on_cpu(accelerator)
     return accelerator
+
+
+def check_device_available(device: str) -> None:
+    """A ``device`` of cuda or cuda:N that this machine lacks is a one-line ConfigError, before anything starts.
+    Here and not in config validation, which stays pure: a config is checked the same on any machine."""
+    if not device.startswith("cuda"):
+        return
+    index, count = device.partition(":")[2], torch.cuda.device_count()
+    if count <= int(index or 0):
+        raise ConfigError(f"config key 'device': {device} is not available: this machine has {count} CUDA device(s); "
+                          "use device=auto or cpu" + (f", or cuda:0..{count - 1}" if count else ""), key="device")
 
 
 def _env_flag(name: str) -> bool:
@@ -122,7 +135,7 @@ def check_deepspeed_launch(cfg: Config, on_cpu: bool):
                           "optimizer state cannot be checkpointed or exported yet); use "
                           "configs/accelerate/fsdp2_sd3.yaml or fsdp2_flux.yaml, which shard the same weights, "
                           "or deepspeed_zero2.yaml")
-    if cfg.train.combine == "marble":
+    if COMBINERS[cfg.train.combine] is marble_initial:
         raise ConfigError("config key 'train.combine': marble reads per-reward gradients off the parameters, which "
                           "DeepSpeed keeps in its own buffers; use DDP or FSDP2 launches for it", key="train.combine")
     if cfg.train.resume:

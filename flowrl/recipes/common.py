@@ -18,14 +18,12 @@ from tqdm.auto import tqdm
 
 from flowrl.algorithms.advantages import group_variances, zero_std_fraction
 from flowrl.algorithms.combine import COMBINERS
-from flowrl.algorithms.marble import MarbleBalancer
 from flowrl.recipes.build import (  # noqa: F401  (flat_config: re-exported for callers)
     build_training_policy, eval_prompt_set, flat_config, load_prompt_splits, make_accelerator)
+from flowrl.recipes.extras import COMMON_EXTRAS, LAST_EXTRAS, ExtraBuilder
 from flowrl.recipes.names import check_names
-from flowrl.recipes.plans import batch_plan, beta_split_scheduler, step_plan  # noqa: F401  (step_plan re-exported)
-from flowrl.recipes.guard import DiversityGuard, restore_weights
-from flowrl.recipes.run import Run, exported, named_snapshots
-from flowrl.recipes.snapshots import anchor_pull
+from flowrl.recipes.plans import batch_plan, step_plan  # noqa: F401  (step_plan re-exported)
+from flowrl.recipes.run import Run
 from flowrl.config import Config, ConfigError, check, save_config, to_dict
 from flowrl.data import PromptSet, epoch_prompt_indices, prompts_per_batch
 from flowrl.eval_tasks import stratified_prefix
@@ -37,7 +35,6 @@ from flowrl.sampling import StepPlan, chunked_rollout, concat_trajectories, roll
 from flowrl.sampling.pilot import commit_candidates, join_committed, slot_seeds
 from flowrl.training.ema import LoraEMA, ema_weights
 from flowrl.training.faults import TrainingAborted, grad_norm as total_grad_norm
-from flowrl.training.lr import build_lr_scheduler
 from flowrl.training.metrics import MetricsLogger
 from flowrl.training.run_dir import check_run_dir, claim_run_dir
 from flowrl.training.stats import StatsAccumulator
@@ -71,17 +68,20 @@ def restore_checkpoint(cfg: Config, policy, optimizer, ema, *, rank: int, snapsh
     return trainer_state
 
 
-def save_run_checkpoint(cfg: Config, policy, optimizer, ema, accelerator, *, epoch: int,
-                        counters: dict | None = None, extra: dict | None = None, snapshots: dict | None = None) -> Path:
-    """``extra``: JSON-safe recipe state (MARBLE's coefficients) restored with the trainer state."""
+def save_run_checkpoint(run: Run, *, epoch: int) -> Path:
+    """The run's checkpoint after epoch ``epoch``: LoRA, optimizer, exported EMA, the counters and every extra's
+    state (trainer_state.json) and snapshots (``<name>.safetensors``; a snapshot that holds nothing yet is left
+    out). A failed write (a full disk) raises TrainingAborted; the previous checkpoint stays the latest one."""
     from flowrl.training.checkpoint import save_checkpoint
 
+    cfg, policy, accelerator = run.cfg, run.policy, run.accelerator
     return save_checkpoint(
         cfg.run_dir, epoch, lora_state=lora_state_dict(policy.transformer), lora_config=lora_config_dict(policy.transformer),
-        optimizer=optimizer, ema=ema, trainer_state={"epoch": epoch, **(counters or {}), **(extra or {})},
-        config=to_dict(cfg),
+        optimizer=run.optimizer, ema=run.exported_ema,
+        trainer_state={"epoch": epoch, **run.counters, **run.trainer_state()}, config=to_dict(cfg),
         rank=accelerator.process_index, world_size=accelerator.num_processes, barrier=accelerator.wait_for_everyone,
-        keep_last=cfg.train.keep_checkpoints, snapshots=snapshots,
+        keep_last=cfg.train.keep_checkpoints,
+        snapshots={name: copy for name, copy in run.snapshots.items() if getattr(copy, "taken", True)},
     )
 
 
@@ -128,12 +128,14 @@ def export_final_lora(policy, ema, out_dir: Path, config_file: Path | None = Non
                             config_text=config_text, force=True)[0]
 
 
-def start_run(cfg: Config, accelerator: Accelerator | None = None, *, adapters: tuple[str, ...] = ()) -> Run:
+def start_run(cfg: Config, accelerator: Accelerator | None = None, *, extras: dict[str, ExtraBuilder] | None = None,
+              eval_ema_decay: float | None = None) -> Run:
     """Set up a run: processes, run directory and saved config, model + LoRA, optimizer, EMA, rewards,
-    prompt splits, metrics logger and trackers, and the state of ``train.resume``.
+    prompt splits, metrics logger and trackers, the run's extras, and the state of ``train.resume``.
 
-    ``adapters``: names of adapter copies the recipe keeps (``run.adapters``), each starting as the initial
-    weights, saved by checkpoints as ``<name>.safetensors`` and restored on resume."""
+    ``extras``: {name: builder} of the recipe's own extras, built after the common ones
+    (:mod:`flowrl.recipes.extras`); ``eval_ema_decay``: keep a separate EMA of that decay for eval, the report,
+    the export and ``ema.safetensors`` (recipe nft), ``run.ema`` staying the one the recipe steps."""
     check_names(cfg)
     accelerator = accelerator or make_accelerator(cfg)
     run_dir = Path(cfg.run_dir)
@@ -162,8 +164,6 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, adapters: 
 
         tqdm.write(f"flowrl train: FSDP2 over {accelerator.num_processes} processes: "
                    f"{sum(map(is_sharded, params))} of {len(params)} LoRA tensors sharded")
-    scheduler = build_lr_scheduler(optimizer, t.lr_scheduler, warmup_steps=t.lr_warmup_steps,  # not prepared: one
-                                   total_steps=t.epochs * t.inner_epochs * t.optimizer_steps_per_epoch)  # step a step
     ema = LoraEMA(policy.named_trainable_parameters(), decay=t.ema_decay) if t.ema else None
     rewards, weights = build_rewards(cfg.rewards, accelerator.device)
     train_prompts, test_prompts = load_prompt_splits(cfg)
@@ -184,50 +184,25 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, adapters: 
         accelerator.init_trackers(cfg.log.project, config=flat_config(cfg), init_kwargs={"wandb": {
             "name": cfg.log.run_name or run_dir.name, "tags": list(cfg.log.wandb_tags),
             **({"entity": cfg.log.wandb_entity} if cfg.log.wandb_entity else {})}})  # other trackers ignore it
-    g = cfg.gardo
-    snapshot = lambda: LoraEMA(policy.named_trainable_parameters(), decay=0.0)  # noqa: E731  (copies the weights)
-    reference = snapshot() if g.reset_every is not None or g.reset_kl is not None else None
-    anchor = snapshot() if cfg.hrf.anchor_weight > 0 else None
-    eval_decay = cfg.nft.choice("eval_ema_decay") if cfg.recipe == "nft" else None
-    eval_ema = LoraEMA(policy.named_trainable_parameters(), decay=eval_decay) if eval_decay is not None else None
-    gd = cfg.guard
-    guard = DiversityGuard(every=gd.every, warmup=gd.warmup, max_drop=gd.max_drop, policy=gd.policy, beta=t.beta,
-                           beta_factor=gd.beta_factor, beta_floor=gd.beta_floor, cooldown=gd.cooldown,
-                           diversity_weight=gd.diversity_weight,
-                           write=tqdm.write if accelerator.is_main_process else None) if gd.enabled else None
-    copies = {name: snapshot() for name in adapters}
-    snapshots = named_snapshots(reference, anchor, guard.best if guard else None, ema, eval_ema, copies)
-    resumed = restore_checkpoint(cfg, policy, optimizer, exported(ema, eval_ema), rank=accelerator.process_index,
-                                 snapshots=snapshots) if t.resume else {"epoch": -1}
-    if "lr_scheduler" in resumed:
-        scheduler.load_state_dict(resumed["lr_scheduler"])
-    start_epoch = int(resumed["epoch"]) + 1
-    logger.truncate_after(start_epoch - 1)
-    if guard is not None and "guard" in resumed:
-        guard.load_state_dict(resumed["guard"])
-        if guard.stopped:  # the guard ended this run: resuming only exports and reports its best weights
-            start_epoch = t.epochs
-    marble = None
-    if t.combine == "marble":
-        marble = MarbleBalancer({k: w for k, w in weights.items() if w != 0}, refresh_every=t.marble.refresh_every,
-                                ema=t.marble.ema)
-        if "marble" in resumed:
-            marble.load_state_dict(resumed["marble"])
-    split_scheduler = beta_split_scheduler(cfg.sampling)
-    if split_scheduler is not None and "split_scheduler" in resumed:
-        split_scheduler.load_state_dict(resumed["split_scheduler"])
+    eval_ema = None if eval_ema_decay is None else LoraEMA(policy.named_trainable_parameters(), decay=eval_ema_decay)
     run = Run(
         cfg=cfg, accelerator=accelerator, run_dir=run_dir, policy=policy, params=params, optimizer=optimizer, ema=ema,
         rewards=rewards, weights=weights, train_prompts=train_prompts, test_prompts=test_prompts,
         eval_prompts=eval_prompt_set(cfg, test_prompts),
         test_set=stratified_prefix(test_prompts, cfg.log.test_prompts), logger=logger,
-        guidance=cfg.sampling.guidance_scale if (t.cfg or policy.guidance_in_model) else 1.0, start_epoch=start_epoch,
-        counters={"rollouts": resumed.get("rollouts", 0), "train_wall_s": resumed.get("train_wall_s", 0.0)},
-        marble=marble, reference=reference, reference_resets=int(resumed.get("reference_resets", 0)), anchor=anchor,
-        guard=guard, scheduler=scheduler, split_scheduler=split_scheduler, eval_ema=eval_ema, adapters=copies,
+        guidance=cfg.sampling.guidance_scale if (t.cfg or policy.guidance_in_model) else 1.0, start_epoch=0,
+        exported_ema=eval_ema,
     )
-    if "faults" in resumed:  # skipped steps and NaN epochs in a row go on counting across the restart
-        run.fault_counter.load_state_dict(resumed["faults"])
+    for name, build in {**COMMON_EXTRAS, **(extras or {}), **LAST_EXTRAS}.items():
+        extra = build(run)
+        if extra is not None:
+            run.extras[name] = extra
+    resumed = restore_checkpoint(cfg, policy, optimizer, run.exported_ema, rank=accelerator.process_index,
+                                 snapshots=run.snapshots) if t.resume else {"epoch": -1}
+    run.load_trainer_state(resumed)
+    run.counters = {"rollouts": resumed.get("rollouts", 0), "train_wall_s": resumed.get("train_wall_s", 0.0)}
+    run.start_epoch = t.epochs if run.stopped else int(resumed["epoch"]) + 1  # stopped: only export and report
+    logger.truncate_after(int(resumed["epoch"]))
     return run
 
 
@@ -390,24 +365,23 @@ def optimizer_step(run: Run, stats: StatsAccumulator) -> None:
     """Clip the accumulated gradients (``train.max_grad_norm``, 0: no clipping), step, clear them;
     the pre-clip norm goes into ``stats``. A non-finite norm (NaN/inf loss or gradient) skips the step with the
     gradients zeroed, so the weights stay finite; ``train.max_skipped_steps`` in a row stop the run."""
-    if run.anchor is not None:
-        anchor_pull(run)
+    for before_step in run.hook("before_step"):  # HRF's pull toward its anchor
+        before_step(run)
     max_norm = run.cfg.train.max_grad_norm
     grad_norm = run.accelerator.clip_grad_norm_(run.params, max_norm) if max_norm > 0 else None
     norm = float(grad_norm) if grad_norm is not None else float(total_grad_norm(run.params))
-    if run.fault_counter.step(norm):  # after the all-reduce: every process sees the same norm and skips alike
+    scheduler = run.extras["lr_scheduler"]
+    if run.faults.step(norm):  # after the all-reduce: every process sees the same norm and skips alike
         if run.accelerator.is_main_process:
             tqdm.write(f"flowrl train: warning: non-finite gradient (norm {norm}); optimizer step skipped "
-                       f"({run.fault_counter.skipped_in_a_row} in a row, train.max_skipped_steps="
+                       f"({run.faults.skipped_in_a_row} in a row, train.max_skipped_steps="
                        f"{run.cfg.train.max_skipped_steps})")
         run.optimizer.zero_grad(set_to_none=True)
-        if run.scheduler is not None:
-            run.scheduler.step()  # the schedule stays a function of the step index
+        scheduler.step()  # the schedule stays a function of the step index
         return
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
-    if run.scheduler is not None:
-        run.scheduler.step()
+    scheduler.step()
     if grad_norm is not None:
         stats.add_scalar("optim/grad_norm", float(grad_norm))
 
@@ -429,14 +403,13 @@ def end_epoch(run: Run, epoch: int, *, gathered: dict[str, torch.Tensor], combin
     metrics.update(extra)
     aborted = None
     try:  # every trained reward NaN: nothing trained this epoch (a dead reward server under reward_errors=nan)
-        warning = run.fault_counter.epoch(gathered, [k for k, w in run.weights.items() if w != 0], epoch=epoch)
+        warning = run.faults.epoch(gathered, [k for k, w in run.weights.items() if w != 0], epoch=epoch)
     except TrainingAborted as error:
         warning, aborted = None, error
     if warning and accelerator.is_main_process:
         tqdm.write(warning)
-    metrics.update(run.fault_counter.metrics())
-    if run.marble is not None:
-        metrics.update(run.marble.weight_metrics())
+    for extra_metrics in run.hook("metrics"):  # MARBLE's weights, TMPO's split scheduler, the fault counts
+        metrics.update(extra_metrics())
     metrics["optim/lr"] = run.optimizer.param_groups[0]["lr"]
     metrics["perf/sample_s"] = sample_done - epoch_start
     metrics["perf/reward_wait_s"] = reward_done - sample_done
@@ -447,7 +420,7 @@ def end_epoch(run: Run, epoch: int, *, gathered: dict[str, torch.Tensor], combin
     if aborted is not None:  # logged, but no checkpoint of this epoch: the last one on disk stays the latest
         run.logger.log(metrics, step=epoch)
         raise aborted
-    last = out_of_time(run) or run.guard_stopped  # the run ends after this epoch, before train.epochs
+    last = out_of_time(run) or run.stopped  # the run ends after this epoch, before train.epochs
     if cfg.log.test_every and ((epoch + 1) % cfg.log.test_every == 0 or last):  # the curve's last point
         metrics.update(held_out_metrics(run.policy, run.exported_ema, run.rewards, run.test_set, cfg, run.eval_guidance,
                                         accelerator))
@@ -457,19 +430,7 @@ def end_epoch(run: Run, epoch: int, *, gathered: dict[str, torch.Tensor], combin
     metrics["perf/epoch_s"] = time.perf_counter() - epoch_start
     run.logger.log(metrics, step=epoch)  # before the checkpoint: a resumed run redoes later epochs only
     if epoch + 1 == t.epochs or last or (t.checkpoint_every and (epoch + 1) % t.checkpoint_every == 0):
-        extra = {"marble": run.marble.state_dict()} if run.marble else {}
-        if run.scheduler is not None:
-            extra["lr_scheduler"] = run.scheduler.state_dict()
-        if run.reference is not None:
-            extra["reference_resets"] = run.reference_resets
-        if run.guard is not None:
-            extra["guard"] = run.guard.state_dict()
-        if run.split_scheduler is not None:
-            extra["split_scheduler"] = run.split_scheduler.state_dict()
-        extra["faults"] = run.fault_counter.state_dict()  # a resumed run counts on (in a row across the restart)
-        # A failed write (a full disk) raises TrainingAborted; the previous checkpoint stays the latest one.
-        save_run_checkpoint(cfg, run.policy, run.optimizer, run.exported_ema, accelerator, epoch=epoch,
-                            counters=run.counters, extra=extra, snapshots=run.snapshots)
+        save_run_checkpoint(run, epoch=epoch)
     bar.set_postfix(reward=f"{metrics['reward/combined_mean']:.3f}", loss=f"{metrics.get('loss/total', 0):.4f}",
                     sample=f"{metrics['perf/sample_s']:.1f}s", train=f"{metrics['perf/train_s']:.1f}s")
     return metrics
@@ -484,8 +445,8 @@ def out_of_time(run: Run) -> bool:
 def finish_run(run: Run, metrics: dict) -> dict[str, float]:
     """Export the final adapter (EMA weights when kept) and report before/after on held-out prompts."""
     cfg, accelerator = run.cfg, run.accelerator
-    if run.guard_stopped and run.guard.best.tensors:  # export and report the best reward-diversity weights
-        restore_weights(run.policy, run.exported_ema, run.guard.best.tensors)
+    for finish in run.hook("finish"):  # the diversity guard: export and report the best reward-diversity weights
+        finish(run)
     if cfg.train.export_lora:  # every rank gathers (FSDP2), the main one writes
         export_final_lora(run.policy, run.exported_ema, run.run_dir / "lora", write=accelerator.is_main_process)
     if cfg.log.report_prompts:

@@ -39,8 +39,9 @@ Run: ``flowrl train configs/smoke/sd3_tiny.yaml`` (CPU, seconds) or
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
+from typing import Callable
 
 import numpy as np
 import torch
@@ -69,7 +70,10 @@ from flowrl.recipes.common import (  # noqa: F401  (re-exported for callers of t
     out_of_time, sample_and_score, start_run, step_plan,
 )
 from flowrl.recipes.guard import exported_weights, finite_mean, in_group_diversity
-from flowrl.recipes.snapshots import maybe_reset_reference, reference_weights, start_phase
+from flowrl.recipes.extras import snapshot
+from flowrl.recipes.plans import beta_split_scheduler
+from flowrl.recipes.run import Run
+from flowrl.recipes.snapshots import GardoReference
 from flowrl.recipes.tmpo_paths import TmpoPaths
 from flowrl.rewards_api import AsyncScorer
 from flowrl.sampling import sde_step, transition
@@ -80,38 +84,45 @@ from flowrl.training.accumulate import micro_batch
 def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, float]:
     """Run the GRPO loop described by ``cfg``; returns the last epoch's metrics as a flat dict."""
     # 0. Set-up: processes, run directory, model + LoRA, optimizer, EMA, rewards, prompts, resume.
-    run = start_run(cfg, accelerator)
+    run = start_run(cfg, accelerator, extras=GRPO_EXTRAS)
     accelerator, policy, ema = run.accelerator, run.policy, run.ema
     rank, world, guidance = accelerator.process_index, accelerator.num_processes, run.guidance
     s, t = cfg.sampling, cfg.train
     rollout_batch = s.rollout_chunk or s.prompts_per_batch * s.group_size  # rows per model batch: the look-ahead's
     estimator = ADVANTAGE_ESTIMATORS[t.advantage]
-    policy_loss = POLICY_LOSSES[t.loss]
+    objective = OBJECTIVES[t.loss]  # per transition (grpo-clip) or over whole paths (tmpo)
+    policy_loss = POLICY_LOSSES.get(t.loss)  # the per-transition loss; None where the objective trains paths
+    credit = CREDIT[t.credit]
     clip_high = t.clip_range if t.clip_range_high is None else t.clip_range_high
     scorer = AsyncScorer(run.rewards, on_error=t.reward_errors, asynchronous=t.async_rewards)
     bar = tqdm(range(run.start_epoch, t.epochs), disable=not (cfg.log.progress and accelerator.is_main_process),
                desc="grpo", dynamic_ncols=True)
     features = build_features(cfg.gardo.features, cfg.gardo.feature_kwargs) if cfg.gardo.diversity else None
     auxiliary = cfg.gardo.auxiliary or [key for key, w in run.weights.items() if w == 0]
-    guard_features = build_features(cfg.guard.features, cfg.guard.feature_kwargs) if run.guard else None
+    marble, guard = run.extras.get("marble"), run.extras.get("guard")
+    gardo_reference, split_scheduler = run.extras.get("reference_resets"), run.extras.get("split_scheduler")
+    reference = None if gardo_reference is None else partial(gardo_reference.weights, policy)  # None: the base model
+    guard_features = build_features(cfg.guard.features, cfg.guard.feature_kwargs) if guard else None
     metrics: dict[str, float] = {}
     log_base_model(run)
     for epoch in bar:
         epoch_start = time.perf_counter()
-        plan = step_plan(s, epoch, cfg.seed, run.split_scheduler)
-        if t.loss == "tmpo":  # BranchGRPO's split noise is GRPO's; TMPO's splits draw the step's own noise
+        plan = step_plan(s, epoch, cfg.seed, split_scheduler)
+        if objective.own_split_noise:  # BranchGRPO's split noise is GRPO's; TMPO's splits draw the step's own noise
             plan = replace(plan, split_noise_scale=1.0)
-        depth_backup = bool(plan.branch_steps) and t.loss != "tmpo" and s.tree.backup == "depth_standardised"
-        phase_metrics = start_phase(run, epoch)  # HRF: a new phase re-anchors the weights
+        # Tree edges: sampling.tree.backup (BranchGRPO's per-tree, per-step z-scores, or the mean leaf advantage);
+        # without a tree, or for an objective that trains whole paths, each edge is its row's.
+        backup = EDGE_BACKUPS[s.tree.backup if plan.branch_steps and objective.backs_up_edges else "leaf_mean"]
+        phase_metrics = run.begin_epoch(epoch)  # HRF: a new phase re-anchors the weights
 
         # 1-3. Sample prompts, roll out groups, score batch b while batch b+1 is sampled.
         traj, sample_done, reward_done = sample_and_score(
             run, scorer, epoch, plan=plan, noise_level=s.noise_level, kind=s.kind,
-            same_noise_in_group=s.same_noise_in_group, store_x0_preds=t.credit == "dense_cosine",
-            store_means=t.ratio_norm == "grpo_guard" or t.loss == "tmpo", batch_windows=True)
+            same_noise_in_group=s.same_noise_in_group, store_x0_preds=credit.store_x0_preds,
+            store_means=t.ratio_norm == "grpo_guard" or objective.store_means, batch_windows=True)
 
         # 4. Advantages over whole groups: gather every process's rewards, keep this process's slice.
-        #    TMPO takes that (unclipped) as its reward R and trains whole paths (TmpoPaths) on Softmax-TB.
+        #    TMPO's objective takes that (unclipped) as its reward R and trains whole paths (TmpoPaths) on Softmax-TB.
         gathered, combined_adv, combined, local, all_groups = group_advantages(run, traj, estimator)
         # Each row's own window (Flow-GRPO-Fast draws one per batch): which of its stored steps train [N, K].
         skip_last = t.skip_last_step if t.skip_last_step is not None else s.window.size is None
@@ -122,10 +133,9 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         trained[:, [k for k in range(traj.num_stored_steps) if noise_at(k) == 0]] = False  # ODE steps between splits
         trained_cols = [k for k in range(traj.num_stored_steps) if trained[:, k].any()]
         scored_adv = combined_adv.where(torch.isfinite(combined), torch.tensor(float("nan")))  # [N_all] NaN: unscored
-        if run.split_scheduler is not None:
-            run.split_scheduler.observe(scored_adv)  # TMPO's split scheduler follows R
-        paths = TmpoPaths(run, traj, trained_cols, [noise_at(k) for k in trained_cols],
-                          scored_adv[local]) if t.loss == "tmpo" else None
+        if split_scheduler is not None:
+            split_scheduler.observe(scored_adv)  # TMPO's split scheduler follows R
+        update = objective(run, traj, trained_cols, [noise_at(k) for k in trained_cols], scored_adv[local])
         row_adv = combined_adv[local].clamp(-t.advantage_clip, t.advantage_clip)
         # GARDO: positive advantages times the nearest-neighbour distance in the group; the KL gate.
         distances = None if features is None else nearest_neighbour_distances(
@@ -136,13 +146,11 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
             scores = uncertainty(combined, {key: gathered[key] for key in auxiliary}, all_groups)  # [N_all]
             kl_gate = gated_rows(scores, cfg.gardo.kl_fraction)[local]  # [N]
         scored = torch.isfinite(combined[local])  # [N]
-        # Tree edges: BranchGRPO's per-tree, per-step z-scores of the mean leaf rewards, or the mean leaf advantage.
-        edges_of = partial(tree_edge_advantages, traj=traj, scored=scored, distances=distances,
-                           clip=t.advantage_clip, depth_standardised=depth_backup)
+        edges_of = partial(backup, traj=traj, scored=scored, distances=distances, clip=t.advantage_clip)
         traj.advantages = edges_of(combined_adv[local])  # [N, K]
         # Diversity guard: these rollouts' in-group diversity against its start; past guard.max_drop it warns,
         # raises the live KL beta (run.beta, this epoch's update on) or stops the run after this epoch.
-        guard_metrics = {} if run.guard is None or not run.guard.due(epoch) else run.guard.observe(
+        guard_metrics = {} if guard is None or not guard.due(epoch) else guard.observe(
             epoch, in_group_diversity(guard_features(traj.images, traj.final_latents), traj.group_ids, accelerator),
             reward=finite_mean(combined), weights=lambda: exported_weights(policy, ema))
         # ratio_norm batch_sensitivity: each trained step's velocity sensitivity over their mean. ratio_norm runs
@@ -156,28 +164,14 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         mask &= trained
         trained_fraction = float(mask.float().mean())  # stored transitions that train (first visit, scored, unpruned)
 
-        # 5. Dense credit (train.credit): per-step advantages in place of the row's one on every trained step.
+        # 5. Credit (train.credit): terminal keeps each edge's advantage; dense rules put per-step advantages in
+        #    place of the row's one on every trained step.
         stats = StatsAccumulator()
-        dense_start = time.perf_counter()
-        if t.credit == "dense_cosine":
-            traj.advantages = cosine_credit(policy, traj, row_adv, trained, guidance=guidance,
-                                            batch_size=rollout_batch)
-        elif t.credit == "dense_ode":
-            traj.advantages, gains = ode_credit(
-                policy, traj, scorer, trained_cols, all_groups, local, accelerator=accelerator,
-                schedule=policy.sigmas(s.num_steps), guidance=guidance, weights=run.weights,
-                combine=COMBINERS[t.combine], estimator=partial(estimator, std_scope=t.std_scope),
-                clip=t.advantage_clip, steps=t.dense_lookahead, batch_size=rollout_batch)
-            mask &= torch.isfinite(gains)  # a look-ahead that could not be scored trains nothing
-            stats.add("reward/dense_gain_mean", gains.nan_to_num().flatten(), mask.flatten().float())
-        if t.credit != "terminal":
-            stats.add("advantages/dense_abs_mean", traj.advantages.abs().flatten(), mask.flatten().float())
-            share, has_credit = top_step_share(traj.advantages, mask)
-            stats.add("advantages/dense_top_share", share, has_credit.float())
-            stats.add_scalar("perf/dense_s", time.perf_counter() - dense_start, reduce="max")
+        mask = credit.assign(CreditInputs(run, traj, scorer, row_adv, trained, trained_cols, all_groups, local,
+                                          estimator, rollout_batch), mask, stats)
 
         # MARBLE: each weighted reward's own clipped advantage on every edge, balanced per optimizer step.
-        per_reward = None if run.marble is None else {
+        per_reward = None if marble is None else {
             name: edges_of(adv[local])  # [N, K]
             for name, adv in reward_advantages({key: gathered[key] for key in run.weights}, run.weights, all_groups,
                                                partial(estimator, std_scope=t.std_scope)).items()}
@@ -185,8 +179,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         # 6-7. Inner passes: shuffled chunks -> micro-batches x trained steps -> one optimizer step per chunk.
         for inner in range(t.inner_epochs):
             order = np.random.default_rng([cfg.seed, epoch, inner, rank, 0x7EA1]).permutation(traj.num_rows)
-            chunks = np.array_split(order, t.optimizer_steps_per_epoch) if paths is None else \
-                paths.chunks(order, t.optimizer_steps_per_epoch)  # TMPO: whole groups
+            chunks = update.chunks(order, t.optimizer_steps_per_epoch)  # TMPO: whole groups
             for chunk_index, chunk in enumerate(chunks):
                 chunk = torch.as_tensor(chunk, dtype=torch.long)
                 weight = accelerator.reduce(mask[chunk].sum().float().to(accelerator.device), "sum").item()
@@ -205,35 +198,35 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                                                        on_policy=inner == 0 and chunk_index == 0,
                                                        ratio_norm=t.ratio_norm, sensitivity=sensitivity.get(k),
                                                        kl_gate=kl_gate,
-                                                       reference=lambda: reference_weights(run))
+                                                       reference=reference)
                             accelerator.backward(loss_sum * world / max(weight, 1.0))
 
-                if paths is not None:
-                    paths.backward(chunk, stats, on_policy=inner == 0 and chunk_index == 0)
-                elif per_reward is None:
-                    chunk_backward(traj.advantages, stats)
-                else:
-                    step = (epoch * t.inner_epochs + inner) * t.optimizer_steps_per_epoch + chunk_index
-                    balanced_backward(run.marble, run.params, step, per_reward, chunk_backward, stats,
-                                      StatsAccumulator)
+                def transitions_backward() -> None:  # the per-transition update, MARBLE-balanced where on
+                    if per_reward is None:
+                        chunk_backward(traj.advantages, stats)
+                    else:
+                        step = (epoch * t.inner_epochs + inner) * t.optimizer_steps_per_epoch + chunk_index
+                        balanced_backward(marble, run.params, step, per_reward, chunk_backward, stats,
+                                          StatsAccumulator)
+
+                update.backward(chunk, stats, on_policy=inner == 0 and chunk_index == 0,
+                                transitions=transitions_backward)
                 optimizer_step(run, stats)
                 if ema is not None:  # steps so far: train.ema_start_step / ema_every / ema_warmup count them
                     done = (epoch * t.inner_epochs + inner) * t.optimizer_steps_per_epoch + chunk_index + 1
                     ema.scheduled_step(done, start=t.ema_start_step, every=t.ema_every, warmup=t.ema_warmup)
-        reference_metrics = maybe_reset_reference(run, epoch, stats)  # GARDO's adaptive reference
+        reference_metrics = {} if gardo_reference is None else gardo_reference.after_update(run, epoch, stats)
         train_done = time.perf_counter()
 
         # 8. Log, render eval grids, checkpoint.
-        advantage_size = paths.advantage_abs_mean if paths is not None else \
-            float(combined_adv.clamp(-t.advantage_clip, t.advantage_clip).abs().mean())
+        advantage_size = update.advantage_size(combined_adv, t.advantage_clip)
         metrics = end_epoch(run, epoch, gathered=gathered, combined=combined, group_ids=all_groups, stats=stats,
                             extra={"advantages/abs_mean": advantage_size, "policy/trained_fraction": trained_fraction,
                                    **gardo_metrics(distances, kl_gate), **reference_metrics, **phase_metrics,
-                                   **guard_metrics, **traj.sampling_metrics,
-                                   **(run.split_scheduler.metrics() if run.split_scheduler else {})},
+                                   **guard_metrics, **traj.sampling_metrics},
                             rollouts=traj.rollouts_sampled,
                             times=(epoch_start, sample_done, reward_done, train_done), bar=bar)
-        if out_of_time(run) or run.guard_stopped:
+        if out_of_time(run) or run.stopped:
             break
 
     # 9. Export the final adapter (EMA weights when kept) and report before/after on held-out prompts.
@@ -241,19 +234,140 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
     return finish_run(run, metrics)
 
 
+def gardo_reference(run: Run) -> GardoReference | None:
+    """gardo.reset_every / reset_kl: GARDO's adaptive KL reference."""
+    g = run.cfg.gardo
+    if g.reset_every is None and g.reset_kl is None:
+        return None
+    return GardoReference(snapshot(run), reset_every=g.reset_every, reset_kl=g.reset_kl)
+
+
+# The recipe's own run extras, by trainer-state name (flowrl/recipes/extras.py has the common ones).
+GRPO_EXTRAS = {"reference_resets": gardo_reference,
+               "split_scheduler": lambda run: beta_split_scheduler(run.cfg.sampling)}  # TMPO's adaptive splits
+
+
 def gardo_weighted(advantages: torch.Tensor, distances: torch.Tensor | None) -> torch.Tensor:
     return advantages if distances is None else diversity_weighted(advantages, distances)
 
 
-def tree_edge_advantages(row_advantages: torch.Tensor, *, traj, scored: torch.Tensor, distances: torch.Tensor | None,
-                         clip: float, depth_standardised: bool) -> torch.Tensor:
-    """[N] unclipped row advantages -> [N, K] the advantage each stored edge trains on, GARDO-weighted: BranchGRPO's
-    per-tree, per-step z-scores (clipped after), or each edge's mean clipped leaf advantage (a broadcast without a
-    tree)."""
-    if depth_standardised:
-        return branch_advantages(gardo_weighted(row_advantages, distances), scored, traj.edge_ids, traj.parent,
-                                 clip=clip)
+def leaf_mean_edges(row_advantages: torch.Tensor, *, traj, scored: torch.Tensor, distances: torch.Tensor | None,
+                    clip: float) -> torch.Tensor:
+    """[N] unclipped row advantages -> [N, K] each stored edge's mean clipped, GARDO-weighted leaf advantage (a
+    broadcast without a tree)."""
     return edge_advantages(gardo_weighted(row_advantages.clamp(-clip, clip), distances), traj.edge_ids)
+
+
+def depth_standardised_edges(row_advantages: torch.Tensor, *, traj, scored: torch.Tensor,
+                             distances: torch.Tensor | None, clip: float) -> torch.Tensor:
+    """[N] unclipped row advantages -> [N, K] BranchGRPO's per-tree, per-step z-scores of the mean GARDO-weighted
+    leaf advantages below each edge, clipped after."""
+    return branch_advantages(gardo_weighted(row_advantages, distances), scored, traj.edge_ids, traj.parent,
+                             clip=clip)
+
+
+# sampling.tree.backup: the advantage each stored edge trains on, one signature.
+EDGE_BACKUPS = {"leaf_mean": leaf_mean_edges, "depth_standardised": depth_standardised_edges}
+
+
+class TransitionObjective:
+    """``train.loss`` grpo-clip (:data:`POLICY_LOSSES`): the loss of each stored transition on its edge's advantage
+    (:func:`transition_loss`), the edges backed up by ``sampling.tree.backup``. The other objective,
+    :class:`~flowrl.recipes.tmpo_paths.TmpoPaths`, has the same interface and trains whole paths."""
+
+    own_split_noise = False  # tree splits draw BranchGRPO's scaled split noise
+    store_means = False  # the rollout's step means are not needed (ratio_norm grpo_guard asks for them itself)
+    backs_up_edges = True  # tree edges train on sampling.tree.backup's advantages
+
+    def __init__(self, run, traj, columns: list[int], noise_levels: list[float], rewards: torch.Tensor):
+        pass  # everything it needs is the recipe's per-transition update
+
+    def chunks(self, order: np.ndarray, count: int) -> list[np.ndarray]:
+        """Rows of the epoch in ``count`` chunks, one optimizer step each."""
+        return np.array_split(order, count)
+
+    def backward(self, chunk: torch.Tensor, stats: StatsAccumulator, *, on_policy: bool, transitions) -> None:
+        """Accumulate one chunk's gradient: ``transitions()``, the recipe's per-transition update."""
+        transitions()
+
+    def advantage_size(self, combined_advantages: torch.Tensor, clip: float) -> float:
+        """The epoch's ``advantages/abs_mean``: the mean clipped row advantage."""
+        return float(combined_advantages.clamp(-clip, clip).abs().mean())
+
+
+# train.loss: what one epoch trains, built per epoch from its rollouts.
+OBJECTIVES = {"grpo-clip": TransitionObjective, "tmpo": TmpoPaths}
+
+
+@dataclass
+class CreditInputs:
+    """What a credit rule reads of one epoch."""
+
+    run: Run
+    traj: object
+    scorer: AsyncScorer
+    row_advantages: torch.Tensor  # [N] clipped, GARDO-weighted
+    trained: torch.Tensor  # [N, K] bool: the stored steps each row trains
+    columns: list[int]  # the trained stored steps
+    all_groups: torch.Tensor  # [N_all] every process's group ids
+    local: slice  # this process's rows of N_all
+    estimator: Callable  # train.advantage's
+    batch_size: int  # rows per model batch
+
+
+@dataclass(frozen=True)
+class Credit:
+    """A credit rule (``train.credit``): ``assign(inputs, mask, stats) -> mask`` leaves in ``traj.advantages`` [N, K]
+    what each trained step trains on and returns the mask [N, K] of the steps that train; ``store_x0_preds``: it
+    reads the rollout's x0 predictions."""
+
+    assign: Callable
+    store_x0_preds: bool = False
+
+
+def terminal_credit(inputs: CreditInputs, mask: torch.Tensor, stats: StatsAccumulator) -> torch.Tensor:
+    """Every trained step keeps its edge's advantage."""
+    return mask
+
+
+def cosine_dense_credit(inputs: CreditInputs, mask: torch.Tensor, stats: StatsAccumulator) -> torch.Tensor:
+    """dense_cosine: the row's advantage split over its steps by their x0-prediction gains (:func:`cosine_credit`)."""
+    run = inputs.run
+    inputs.traj.advantages = cosine_credit(run.policy, inputs.traj, inputs.row_advantages, inputs.trained,
+                                           guidance=run.guidance, batch_size=inputs.batch_size)
+    return mask
+
+
+def ode_dense_credit(inputs: CreditInputs, mask: torch.Tensor, stats: StatsAccumulator) -> torch.Tensor:
+    """dense_ode: each step's group-normalised reward gain from ODE look-ahead (:func:`ode_credit`); a look-ahead
+    that could not be scored trains nothing."""
+    run, traj, t = inputs.run, inputs.traj, inputs.run.cfg.train
+    traj.advantages, gains = ode_credit(
+        run.policy, traj, inputs.scorer, inputs.columns, inputs.all_groups, inputs.local,
+        accelerator=run.accelerator, schedule=run.policy.sigmas(run.cfg.sampling.num_steps), guidance=run.guidance,
+        weights=run.weights, combine=COMBINERS[t.combine], estimator=partial(inputs.estimator, std_scope=t.std_scope),
+        clip=t.advantage_clip, steps=t.dense_lookahead, batch_size=inputs.batch_size)
+    mask &= torch.isfinite(gains)
+    stats.add("reward/dense_gain_mean", gains.nan_to_num().flatten(), mask.flatten().float())
+    return mask
+
+
+def dense(rule: Callable) -> Callable:
+    """A dense credit rule, with the statistics every dense rule logs (size, top-step share, time)."""
+    def assign(inputs: CreditInputs, mask: torch.Tensor, stats: StatsAccumulator) -> torch.Tensor:
+        start = time.perf_counter()
+        mask = rule(inputs, mask, stats)
+        advantages = inputs.traj.advantages
+        stats.add("advantages/dense_abs_mean", advantages.abs().flatten(), mask.flatten().float())
+        share, has_credit = top_step_share(advantages, mask)
+        stats.add("advantages/dense_top_share", share, has_credit.float())
+        stats.add_scalar("perf/dense_s", time.perf_counter() - start, reduce="max")
+        return mask
+    return assign
+
+
+CREDIT = {"terminal": Credit(terminal_credit), "dense_cosine": Credit(dense(cosine_dense_credit), store_x0_preds=True),
+          "dense_ode": Credit(dense(ode_dense_credit))}
 
 
 def gardo_metrics(distances: torch.Tensor | None, kl_gate: torch.Tensor | None) -> dict[str, float]:

@@ -14,8 +14,8 @@ Choices:
   once per ``cooldown`` epochs: ``warn`` writes one line, ``raise_beta`` multiplies the live KL beta by
   ``beta_factor`` (a beta of 0 becomes ``beta_floor``), ``stop`` ends the run after the epoch;
 - under ``stop`` each measurement scores ``reward + diversity_weight * diversity`` and the best one's
-  exported weights (EMA when kept, as the export) stay on the CPU as the ``guard_best`` checkpoint
-  snapshot; a stopped run exports and reports those instead of its last weights.
+  exported weights (EMA when kept, as the export) are kept as the ``guard_best`` checkpoint snapshot (an
+  :class:`~flowrl.training.ema.AdapterSnapshot`); a stopped run exports and reports those instead of its last weights.
 
 The state (start measurements, last firing, live beta, best score and epoch) is JSON and rides in the
 checkpoint's trainer state. Run: ``flowrl train configs/toy/grpo_proxy.yaml guard.enabled=true
@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 from flowrl.eval.metrics import pairwise_cosine_distance
-from flowrl.training.ema import ema_weights
+from flowrl.training.ema import AdapterSnapshot, ema_weights
 
 
 def in_group_diversity(features: torch.Tensor, group_ids: torch.Tensor, accelerator=None) -> float:
@@ -84,29 +84,18 @@ def restore_weights(policy, ema, tensors: dict[str, torch.Tensor]) -> None:
         ema.load_state_tensors(tensors)
 
 
-class WeightCopy:
-    """A CPU copy of the LoRA tensors, with the snapshot interface checkpoints save and restore by name."""
-
-    def __init__(self):
-        self.tensors: dict[str, torch.Tensor] = {}
-
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        return self.tensors
-
-    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.tensors = {key: value.detach().to("cpu", torch.float32).clone() for key, value in tensors.items()}
-
-    def state_dict(self) -> dict:
-        return {}
-
-
 class DiversityGuard:
     """The guard's decisions and state; the recipe measures, calls :meth:`observe` and reads :attr:`beta`
-    and :attr:`stopped`."""
+    and :attr:`stopped`. A run carries it as one of its extras (:class:`flowrl.recipes.run.Run`): its state rides
+    in the trainer state, ``best`` is the ``guard_best`` snapshot, :attr:`kl_beta` is the run's live KL beta and
+    :meth:`finish` puts the best weights back when the guard stopped the run.
+
+    ``best``: the :class:`~flowrl.training.ema.AdapterSnapshot` that keeps the best-scoring exported weights
+    (policy stop); None keeps none."""
 
     def __init__(self, *, every: int, warmup: int, max_drop: float, policy: str, beta: float, beta_factor: float,
                  beta_floor: float, cooldown: int, diversity_weight: float,
-                 write: Callable[[str], None] | None = None):
+                 write: Callable[[str], None] | None = None, best: AdapterSnapshot | None = None):
         self.every, self.warmup, self.max_drop, self.policy = every, warmup, max_drop, policy
         self.beta_factor, self.beta_floor, self.cooldown = beta_factor, beta_floor, cooldown
         self.diversity_weight = diversity_weight
@@ -117,7 +106,7 @@ class DiversityGuard:
         self.stopped = False
         self.best_score: float | None = None
         self.best_epoch: int | None = None
-        self.best = WeightCopy()  # policy stop: the exported weights of the best-scoring measurement
+        self.best = best  # policy stop: the exported weights of the best-scoring measurement
 
     @property
     def start(self) -> float:
@@ -143,7 +132,7 @@ class DiversityGuard:
             score = guard_score(reward, diversity, self.diversity_weight)
             if math.isfinite(score) and (self.best_score is None or score > self.best_score):
                 self.best_score, self.best_epoch = score, epoch
-                if weights is not None:
+                if weights is not None and self.best is not None:
                     self.best.load_state_tensors(weights())
             metrics["diversity/score"] = score
             metrics["diversity/best_epoch"] = float(self.best_epoch if self.best_epoch is not None else -1)
@@ -170,6 +159,19 @@ class DiversityGuard:
                     f"weights (best reward + {self.diversity_weight:g} x diversity)")
         return (f"{head}: the samples of each prompt are collapsing onto one mode; raise train.beta, turn on "
                 "gardo.diversity, or rerun with guard.policy=raise_beta or stop")
+
+    @property
+    def kl_beta(self) -> float:
+        """The KL beta in force: train.beta, or what ``raise_beta`` raised it to."""
+        return self.beta
+
+    def snapshots(self) -> dict[str, AdapterSnapshot]:
+        return {} if self.best is None else {"guard_best": self.best}
+
+    def finish(self, run) -> None:
+        """A stopped run exports and reports the best reward-diversity weights, not its last ones."""
+        if self.stopped and self.best is not None and self.best.taken:
+            restore_weights(run.policy, run.exported_ema, self.best.state_tensors())
 
     def state_dict(self) -> dict:
         """JSON-safe state for the checkpoint (the best weights are saved as the ``guard_best`` snapshot)."""

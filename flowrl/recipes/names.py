@@ -11,13 +11,15 @@ from __future__ import annotations
 from flowrl.algorithms.combine import COMBINERS
 from flowrl.algorithms.gardo import FEATURES
 from flowrl.algorithms.losses import POLICY_LOSSES
+from flowrl.algorithms.tmpo import PATH_LOSSES
 from flowrl.config import Config, check
 
 
 def check_names(cfg: Config) -> None:
     """One-line ConfigError naming the first config key whose registry name is unknown."""
     t = cfg.train
-    check(t.loss in POLICY_LOSSES, "train.loss", f"unknown policy loss {t.loss!r}; choose one of {sorted(POLICY_LOSSES)}")
+    losses = {**POLICY_LOSSES, **PATH_LOSSES}  # per-transition losses, and TMPO's over whole paths
+    check(t.loss in losses, "train.loss", f"unknown policy loss {t.loss!r}; choose one of {sorted(losses)}")
     check(t.combine in COMBINERS, "train.combine",
           f"unknown reward combiner {t.combine!r}; choose one of {sorted(COMBINERS)}")
     for key, features in (("gardo.features", cfg.gardo.features), ("guard.features", cfg.guard.features)):

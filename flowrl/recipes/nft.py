@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import functools
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -98,26 +99,27 @@ from flowrl.recipes.common import (
     sample_and_score, start_run,
 )
 from flowrl.recipes.guard import exported_weights, finite_mean, in_group_diversity
-from flowrl.recipes.snapshots import start_phase
+from flowrl.recipes.run import AdapterCopies, Run
 from flowrl.rewards_api import AsyncScorer
 from flowrl.sampling import StepPlan
 from flowrl.sampling.sa_solver import sa_solver_rollout
 from flowrl.algorithms.gardo import build_features
 from flowrl.training.accumulate import micro_batch
-from flowrl.training.ema import decay_schedule, ema_weights
+from flowrl.training.ema import LoraEMA, decay_schedule, ema_weights
 
 
 def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, float]:
     """Run the forward-process loop (DiffusionNFT, AWM or CRD) described by ``cfg``; returns the last epoch's
     metrics as a flat dict."""
     n = cfg.nft
-    run = start_run(cfg, accelerator, adapters=() if n.sampler_schedule() is None else ("sampler",))
+    run = start_run(cfg, accelerator, extras={"adapters": adapter_copies},
+                    eval_ema_decay=n.choice("eval_ema_decay"))
     accelerator, policy, ema = run.accelerator, run.policy, run.ema  # ema: the old adapter (run.eval_ema: eval's)
     rank, world = accelerator.process_index, accelerator.num_processes
     s, t = cfg.sampling, cfg.train
     scale = n.policy_loss_scale(t.advantage_clip)  # DiffusionNFT's and CRD's advantage_clip / beta
-    kl_guidance = run.guidance if n.loss != "crd" else (
-        n.crd_kl_guidance if n.crd_kl_guidance is not None else s.guidance_scale)  # CRD: a guided anchor
+    forward_loss = FORWARD_LOSSES[n.loss].from_config(cfg)
+    kl_guidance = forward_loss.kl_guidance(run.guidance)  # CRD: a guided anchor
     estimator = ADVANTAGE_ESTIMATORS[t.advantage]
     timestep_schedule = n.choice("timestep_schedule")
     schedule = policy.sigmas(s.num_steps)[:-1] if timestep_schedule != "uniform" else None  # [num_steps]
@@ -125,21 +127,21 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
     sa_solver = n.choice("sampler") == "sa_solver"
     rollout_fn = functools.partial(sa_solver_rollout, noise_window=tuple(n.sa_noise_window)) if sa_solver else None
     rollout_noise = n.sa_noise_level if sa_solver else 0.0  # the ODE's is 0
-    rollout_ema = run.adapters.get("sampler", ema) if n.choice("rollout_weights") == "old" else None  # CRD: its own
+    sampler = run.extras["adapters"].copies.get("sampler")  # CRD's rollout adapter
+    rollout_ema = (sampler or ema) if n.choice("rollout_weights") == "old" else None  # CRD: its own
     eval_every_step = n.choice("eval_ema_every") == "step"  # DiffusionNFT's; AWM folds once per epoch
-    loss_options = dict(weighting=n.awm_weighting, power=n.awm_ghuber_power, clip_range=n.awm_clip_range) \
-        if n.loss == "awm" else {}
     # Deterministic rollouts: noise 0 everywhere; the plan stores only the last step, the least memory.
     plan = StepPlan(s.num_steps, sde_start=s.num_steps - 1)
     scorer = AsyncScorer(run.rewards, on_error=t.reward_errors, asynchronous=t.async_rewards)
     bar = tqdm(range(run.start_epoch, t.epochs), disable=not (cfg.log.progress and accelerator.is_main_process),
                desc="nft", dynamic_ncols=True)
-    guard_features = build_features(cfg.guard.features, cfg.guard.feature_kwargs) if run.guard else None
+    marble, guard = run.extras.get("marble"), run.extras.get("guard")
+    guard_features = build_features(cfg.guard.features, cfg.guard.feature_kwargs) if guard else None
     metrics: dict[str, float] = {}
     log_base_model(run)
     for epoch in bar:
         epoch_start = time.perf_counter()
-        phase_metrics = start_phase(run, epoch)  # HRF: a new phase re-anchors the weights
+        phase_metrics = run.begin_epoch(epoch)  # HRF: a new phase re-anchors the weights
 
         # 1. Rollouts (ODE with the old adapter or CRD's sampler; AWM: SA-Solver with the trained one), scored
         #    while the next batch samples.
@@ -154,12 +156,12 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         keep = torch.isfinite(combined[local])  # [N]
         # Diversity guard: these rollouts' in-group diversity against its start; past guard.max_drop it warns,
         # raises the live KL beta toward the base model (run.beta) or stops the run after this epoch.
-        guard_metrics = {} if run.guard is None or not run.guard.due(epoch) else run.guard.observe(
+        guard_metrics = {} if guard is None or not guard.due(epoch) else guard.observe(
             epoch, in_group_diversity(guard_features(traj.images, traj.final_latents), traj.group_ids, accelerator),
             reward=finite_mean(combined), weights=lambda: exported_weights(policy, run.exported_ema))
         # MARBLE: each weighted reward's own advantage, clipped the same way, balanced per optimizer step.
         # Advantages are per (sample, t) pair from here: pair p has sample p % N's ([pairs] = tiled [N]).
-        per_reward = None if run.marble is None else {
+        per_reward = None if marble is None else {
             name: (adv[local].clamp(-t.advantage_clip, t.advantage_clip) / t.advantage_clip).repeat(
                 n.timesteps_per_sample)
             for name, adv in reward_advantages({key: gathered[key] for key in run.weights}, run.weights, all_groups,
@@ -192,25 +194,19 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                     return rows, sigma, [cfg.seed, epoch, inner, chunk_index, i, rank, 0x4F7]  # noise seed
 
                 def chunk_backward(advantage: torch.Tensor, chunk_stats: StatsAccumulator) -> None:
-                    # [pairs]; a MARBLE-balanced sum can leave [-1, 1], where NFT's optimality r = (1 + a) / 2
-                    # would leave [0, 1] and its loss lose its bounded minimum: clamped (the measuring passes
-                    # are inside already, so only the update is affected, and only where it binds). CRD's
-                    # weights are unbounded by construction and pass as they are.
-                    advantage = advantage if n.loss == "crd" else advantage.clamp(-1.0, 1.0)
+                    advantage = forward_loss.update_weights(advantage)  # [pairs]
                     for i, micro in enumerate(micro_batches):
                         rows, sigma, noise_seed = micro_inputs(i, micro)
                         with micro_batch(accelerator, policy.forward_module, last=i == len(micro_batches) - 1):
-                            kl_weights = reward_adaptive_kl_weights(clipped[rows], run.beta) if (
-                                n.loss == "crd" and n.crd_reward_adaptive_kl) else None
                             loss_sum = forward_process_loss(
                                 policy, ema, traj.final_latents[rows], traj.cond.select(traj.prompt_ids[rows]),
-                                advantage[micro], keep[rows].float(), loss=n.loss, guidance=run.guidance,
-                                strength=n.strength, adaptive=n.adaptive_weighting, awm_kl=n.awm_kl, beta=run.beta,
-                                noise_seed=noise_seed, stats=chunk_stats, sigma=sigma, loss_options=loss_options,
-                                scale=scale, kl_guidance=kl_guidance, kl_weights=kl_weights)
+                                advantage[micro], keep[rows].float(), loss=forward_loss, guidance=run.guidance,
+                                beta=run.beta, noise_seed=noise_seed, stats=chunk_stats, sigma=sigma, scale=scale,
+                                kl_guidance=kl_guidance, kl_weights=forward_loss.kl_weights(clipped[rows], run.beta))
                             accelerator.backward(loss_sum * world / max(weight, 1.0))
 
-                if n.loss == "crd":  # the chunk's implicit log-ratios, centred per group and timestep slot
+                def log_ratios() -> torch.Tensor:
+                    """[pairs] the chunk's implicit log-ratios to the old adapter, at the noise its update uses."""
                     ratios = torch.zeros(pairs)
                     for i, micro in enumerate(micro_batches):
                         rows, sigma, noise_seed = micro_inputs(i, micro)
@@ -218,15 +214,16 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
                                                            traj.cond.select(traj.prompt_ids[rows]), guidance=run.guidance,
                                                            noise_seed=noise_seed, sigma=sigma,
                                                            adaptive=n.adaptive_weighting).cpu()
-                    crd = crd_weights(ratios, clipped.repeat(n.timesteps_per_sample), chunk,
-                                      traj.group_ids.repeat(n.timesteps_per_sample), keep.repeat(n.timesteps_per_sample),
-                                      num_rows=traj.num_rows, beta=n.crd_beta, stats=stats)
-                    chunk_backward(crd, stats)
+                    return ratios
+
+                measured = forward_loss.chunk_weights(log_ratios, chunk, clipped, keep, traj, stats)  # CRD's
+                if measured is not None:
+                    chunk_backward(measured, stats)
                 elif per_reward is None:
                     chunk_backward(clipped.repeat(n.timesteps_per_sample), stats)
                 else:
                     step = (epoch * t.inner_epochs + inner) * t.optimizer_steps_per_epoch + chunk_index
-                    balanced_backward(run.marble, run.params, step, per_reward, chunk_backward, stats,
+                    balanced_backward(marble, run.params, step, per_reward, chunk_backward, stats,
                                       StatsAccumulator)
                 optimizer_step(run, stats)
                 if run.eval_ema is not None and eval_every_step:  # DiffusionNFT's eval EMA: every optimizer step
@@ -236,24 +233,31 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
         # of the optimizer steps so far.
         steps_so_far = (epoch + 1) * t.inner_epochs * t.optimizer_steps_per_epoch
         ema.blend(decay_schedule(steps_so_far, n.choice("old_decay")))
-        if "sampler" in run.adapters:
-            run.adapters["sampler"].blend(decay_schedule(steps_so_far, n.sampler_schedule()))
+        if sampler is not None:
+            sampler.blend(decay_schedule(steps_so_far, n.sampler_schedule()))
         if run.eval_ema is not None and not eval_every_step:  # AWM's: min(decay, (1 + s) / (10 + s)), once an epoch
             run.eval_ema.scheduled_step(steps_so_far, start=0, warmup="flow_grpo")
         train_done = time.perf_counter()
 
         # 4. Log, render eval grids, checkpoint.
-        weight_size = ({"nft/optimality_abs_dev": float(0.5 * clipped.abs().mean())} if n.loss == "nft"
-                       else {f"{n.loss}/advantage_abs": float(clipped.abs().mean())})
         metrics = end_epoch(run, epoch, gathered=gathered, combined=combined, group_ids=all_groups, stats=stats,
-                            extra={**weight_size, **phase_metrics, **guard_metrics, **traj.sampling_metrics},
+                            extra={**forward_loss.metrics(clipped), **phase_metrics, **guard_metrics, **traj.sampling_metrics},
                             rollouts=traj.rollouts_sampled, times=(epoch_start, sample_done, reward_done, train_done),
                             bar=bar)
-        if out_of_time(run) or run.guard_stopped:
+        if out_of_time(run) or run.stopped:
             break
 
     scorer.close()
     return finish_run(run, metrics)
+
+
+def adapter_copies(run: Run) -> AdapterCopies:
+    """The adapter copies checkpoints keep besides ema.safetensors (which holds the eval EMA): the old adapter
+    (``run.ema``) as "old", and loss crd's own rollout adapter as "sampler", starting as the initial weights."""
+    copies = {"old": run.ema} if run.ema is not None and run.eval_ema is not None else {}
+    if run.cfg.nft.sampler_schedule() is not None:
+        copies["sampler"] = LoraEMA(run.policy.named_trainable_parameters(), decay=0.0)  # blended on its schedule
+    return AdapterCopies(copies)
 
 
 def schedule_timesteps(schedule: torch.Tensor, num_rows: int, *, seed: list[int]) -> torch.Tensor:
@@ -262,30 +266,127 @@ def schedule_timesteps(schedule: torch.Tensor, num_rows: int, *, seed: list[int]
     return schedule[torch.as_tensor(np.argsort(keys, axis=1))]
 
 
-# The forward-process losses, one signature: velocities and target [B, ...], the clipped advantage
-# over the clip ``advantage`` [B] in [-1, 1] and the noise level ``sigma`` [B] -> loss [B].
-def nft_forward_loss(velocity, old_velocity, target, advantage, sigma, *, strength: float, adaptive: bool,
-                     awm_kl: float) -> torch.Tensor:
-    """DiffusionNFT with optimality ``r = (1 + advantage) / 2``."""
-    return nft_loss(velocity, old_velocity, target, 0.5 + 0.5 * advantage, strength=strength,
-                    sigma=sigma if adaptive else None)
+class ForwardLoss:
+    """A forward-process loss, built from the config with its own options, and what the recipe does around it.
+
+    ``loss(velocity, old_velocity, target, advantage, sigma) -> [B]``: velocities and target [B, ...], the update
+    weight ``advantage`` [B] and the noise level ``sigma`` [B]. The hooks' defaults are DiffusionNFT's and AWM's:
+    the clipped advantage over the clip is the weight, the KL anchor is the policy's guidance, unweighted."""
+
+    name = ""
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> ForwardLoss:
+        raise NotImplementedError
+
+    def __call__(self, velocity, old_velocity, target, advantage, sigma) -> torch.Tensor:
+        raise NotImplementedError
+
+    def update_weights(self, advantage: torch.Tensor) -> torch.Tensor:
+        """[pairs] the weights the update trains on. A MARBLE-balanced sum can leave [-1, 1], where NFT's optimality
+        r = (1 + a) / 2 would leave [0, 1] and its loss lose its bounded minimum: clamped (the measuring passes are
+        inside already, so only the update is affected, and only where it binds)."""
+        return advantage.clamp(-1.0, 1.0)
+
+    def kl_guidance(self, guidance: float) -> float:
+        """The CFG scale of train.beta's KL anchor (the base model), given the policy's."""
+        return guidance
+
+    def kl_weights(self, clipped: torch.Tensor, beta: float) -> torch.Tensor | None:
+        """[B] per-sample factors on the KL, from the rows' clipped advantages over the clip; None: 1."""
+        return None
+
+    def chunk_weights(self, log_ratios, chunk, clipped, keep, traj, stats) -> torch.Tensor | None:
+        """[pairs] weights measured for one optimizer step's ``chunk`` (``log_ratios()`` gives its implicit
+        log-ratios), in place of the clipped advantages; None: the clipped advantages (MARBLE-balanced where on)."""
+        return None
+
+    def metrics(self, clipped: torch.Tensor) -> dict[str, float]:
+        """The epoch's size of the update weights ``clipped`` [N]."""
+        return {f"{self.name}/advantage_abs": float(clipped.abs().mean())}
 
 
-def awm_forward_loss(velocity, old_velocity, target, advantage, sigma, *, strength: float, adaptive: bool,
-                     awm_kl: float, **awm_options) -> torch.Tensor:
-    """AWM's clipped surrogate on its matching log-probability, with ``awm_kl * ||v - v_old||^2`` toward the old
-    adapter; ``awm_options``: weighting, power, clip_range (:func:`flowrl.algorithms.awm.awm_loss`)."""
-    return awm_loss(velocity, old_velocity, target, advantage, sigma, kl_weight=awm_kl, **awm_options)
+@dataclass
+class NftLoss(ForwardLoss):
+    """DiffusionNFT with optimality ``r = (1 + advantage) / 2``; ``adaptive``: its adaptive weighting."""
+
+    strength: float = 1.0
+    adaptive: bool = True
+    name = "nft"
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> NftLoss:
+        return cls(strength=cfg.nft.strength, adaptive=cfg.nft.adaptive_weighting)
+
+    def __call__(self, velocity, old_velocity, target, advantage, sigma) -> torch.Tensor:
+        return nft_loss(velocity, old_velocity, target, 0.5 + 0.5 * advantage, strength=self.strength,
+                        sigma=sigma if self.adaptive else None)
+
+    def metrics(self, clipped: torch.Tensor) -> dict[str, float]:
+        return {"nft/optimality_abs_dev": float(0.5 * clipped.abs().mean())}
 
 
-def crd_forward_loss(velocity, old_velocity, target, advantage, sigma, *, strength: float, adaptive: bool,
-                     awm_kl: float) -> torch.Tensor:
+@dataclass
+class AwmLoss(ForwardLoss):
+    """AWM's clipped surrogate on its matching log-probability, with ``kl * ||v - v_old||^2`` toward the old
+    adapter (:func:`flowrl.algorithms.awm.awm_loss`)."""
+
+    kl: float = 1.0
+    weighting: str = "ghuber"
+    power: float = 0.25
+    clip_range: float = 1.0
+    name = "awm"
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> AwmLoss:
+        n = cfg.nft
+        return cls(kl=n.awm_kl, weighting=n.awm_weighting, power=n.awm_ghuber_power, clip_range=n.awm_clip_range)
+
+    def __call__(self, velocity, old_velocity, target, advantage, sigma) -> torch.Tensor:
+        return awm_loss(velocity, old_velocity, target, advantage, sigma, kl_weight=self.kl, weighting=self.weighting,
+                        power=self.power, clip_range=self.clip_range)
+
+
+@dataclass
+class CrdLoss(ForwardLoss):
     """CRD's surrogate ``c err(v)`` with ``advantage`` the detached weight ``c`` of
-    :func:`flowrl.algorithms.crd.crd_weights`: its gradient is the reward-matching loss's."""
-    return crd_surrogate(velocity, target, advantage, adaptive=adaptive)
+    :func:`flowrl.algorithms.crd.crd_weights`: its gradient is the reward-matching loss's. Each chunk's weights
+    are measured first (its implicit log-ratios, centred per group and timestep slot); they are unbounded by
+    construction and pass unclamped. The KL anchors to the base model with CFG, weighted by the reward."""
+
+    adaptive: bool = True
+    beta: float = 1.0
+    timesteps_per_sample: int = 1
+    anchor_guidance: float | None = None
+    reward_adaptive_kl: bool = True
+    name = "crd"
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> CrdLoss:
+        n = cfg.nft
+        return cls(adaptive=n.adaptive_weighting, beta=n.crd_beta, timesteps_per_sample=n.timesteps_per_sample,
+                   anchor_guidance=n.crd_kl_guidance if n.crd_kl_guidance is not None else cfg.sampling.guidance_scale,
+                   reward_adaptive_kl=n.crd_reward_adaptive_kl)
+
+    def __call__(self, velocity, old_velocity, target, advantage, sigma) -> torch.Tensor:
+        return crd_surrogate(velocity, target, advantage, adaptive=self.adaptive)
+
+    def update_weights(self, advantage: torch.Tensor) -> torch.Tensor:
+        return advantage
+
+    def kl_guidance(self, guidance: float) -> float:
+        return guidance if self.anchor_guidance is None else self.anchor_guidance
+
+    def kl_weights(self, clipped: torch.Tensor, beta: float) -> torch.Tensor | None:
+        return reward_adaptive_kl_weights(clipped, beta) if self.reward_adaptive_kl else None
+
+    def chunk_weights(self, log_ratios, chunk, clipped, keep, traj, stats) -> torch.Tensor:
+        k = self.timesteps_per_sample
+        return crd_weights(log_ratios(), clipped.repeat(k), chunk, traj.group_ids.repeat(k), keep.repeat(k),
+                           num_rows=traj.num_rows, beta=self.beta, stats=stats)
 
 
-FORWARD_LOSSES = {"nft": nft_forward_loss, "awm": awm_forward_loss, "crd": crd_forward_loss}
+FORWARD_LOSSES: dict[str, type[ForwardLoss]] = {"nft": NftLoss, "awm": AwmLoss, "crd": CrdLoss}
 
 
 @torch.no_grad()
@@ -318,16 +419,16 @@ def noised_sample(x0, noise_seed: list[int], sigma: torch.Tensor | None, policy)
     return noised, noise - x0, sigma
 
 
-def forward_process_loss(policy, old, x0, cond, advantage, weights, *, guidance: float, strength: float,
-                         adaptive: bool, beta: float, noise_seed: list[int], stats: StatsAccumulator,
-                         sigma: torch.Tensor | None = None, loss: str = "nft", awm_kl: float = 1.0,
-                         loss_options: dict | None = None, scale: float = 1.0, kl_guidance: float | None = None,
-                         kl_weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Summed (not averaged) forward-process loss ``scale * FORWARD_LOSSES[loss] + beta * KL`` of clean latents
+def forward_process_loss(policy, old, x0, cond, advantage, weights, *, guidance: float, beta: float,
+                         noise_seed: list[int], stats: StatsAccumulator, sigma: torch.Tensor | None = None,
+                         loss: ForwardLoss | None = None, scale: float = 1.0, kl_guidance: float | None = None,
+                         kl_weights: torch.Tensor | None = None, strength: float = 1.0,
+                         adaptive: bool = True) -> torch.Tensor:
+    """Summed (not averaged) forward-process loss ``scale * loss + beta * KL`` of clean latents
     ``x0`` [B, C, h, w] at (t, fresh noise), with ``advantage`` [B] the clipped advantage over the clip
     (``2r - 1`` for DiffusionNFT's optimality ``r``: 1 trains toward the samples like plain flow matching)
-    and ``old`` the old adapter (a :class:`~flowrl.training.ema.LoraEMA`). ``loss_options``: further keywords
-    of the loss (AWM's).
+    and ``old`` the old adapter (a :class:`~flowrl.training.ema.LoraEMA`). ``loss``: a :class:`ForwardLoss`
+    (default: DiffusionNFT's at ``strength``, ``adaptive``).
 
     The KL is ``||v - v_ref||^2`` to the base model (adapter off) at guidance ``kl_guidance`` (default: the
     policy's ``guidance``), times ``kl_weights`` [B] when given; ``scale`` does not act on it, as in
@@ -339,8 +440,8 @@ def forward_process_loss(policy, old, x0, cond, advantage, weights, *, guidance:
     with torch.no_grad(), ema_weights(old), policy.local_forward():
         old_velocity = policy.velocity(noised, sigma, cond, guidance).float()
     velocity = policy.velocity(noised, sigma, cond, guidance).float()
-    value = FORWARD_LOSSES[loss](velocity, old_velocity, target, advantage.to(device), sigma, strength=strength,
-                                 adaptive=adaptive, awm_kl=awm_kl, **(loss_options or {}))  # [B]
+    loss = loss if loss is not None else NftLoss(strength=strength, adaptive=adaptive)
+    value = loss(velocity, old_velocity, target, advantage.to(device), sigma)  # [B]
     weights = weights.to(device)
     kl = torch.zeros_like(value)
     if beta > 0:
@@ -350,7 +451,7 @@ def forward_process_loss(policy, old, x0, cond, advantage, weights, *, guidance:
         kl = ((velocity - ref_velocity) ** 2).mean(dim=tuple(range(1, velocity.ndim)))
     kl_factor = 1.0 if kl_weights is None else kl_weights.to(device)
     total = scale * value + beta * kl_factor * kl
-    stats.add(f"loss/{loss}", value, weights)
+    stats.add(f"loss/{loss.name}", value, weights)
     stats.add("loss/kl", kl, weights)
     # How far the trained velocity is from the old adapter's (AWM's regulariser, before its weight).
     stats.add("loss/ema_kl", ((velocity.detach() - old_velocity) ** 2).mean(dim=tuple(range(1, velocity.ndim))),

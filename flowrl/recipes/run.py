@@ -1,23 +1,37 @@
-"""The state of one training run: :class:`Run` holds everything an online RL loop keeps across epochs (policy,
-optimizer, EMA and the other adapter copies, rewards, prompt splits, logger, guard and counters).
+"""The state of one training run: :class:`Run` holds what every online RL loop keeps across epochs (policy,
+optimizer, EMA, rewards, prompt splits, logger, counters) and a dict of named *extras*, the stateful pieces a
+feature adds (MARBLE's balancer, GARDO's reference, HRF's anchor, the diversity guard, the LR and split
+schedulers, the fault counter, a recipe's adapter copies).
 
-Why a module of its own: :mod:`flowrl.recipes.common` builds a ``Run`` and :mod:`flowrl.recipes.snapshots`
-moves its adapter copies; both read this one definition, so neither imports the other.
+Why extras and not one slot per feature: checkpoints, resume and the end of each epoch handle every extra the
+same way, through the small protocol below, so adding a regulariser means writing its class and its builder;
+the scaffold, the checkpoint code and the other recipe stay as they are. Every method is optional:
+
+- ``state_dict()`` / ``load_state_dict(state)``: JSON-safe state, saved in ``trainer_state.json`` under the
+  extra's name (a ``None`` state saves nothing) and loaded from there on resume;
+- ``snapshots()``: ``{name: adapter copy}`` (an :class:`~flowrl.training.ema.AdapterSnapshot` or
+  :class:`~flowrl.training.ema.LoraEMA`) saved beside ``ema.safetensors`` as ``<name>.safetensors``;
+- ``begin_epoch(run, epoch)`` -> metrics, at the start of each epoch (:meth:`Run.begin_epoch`);
+- ``before_step(run)``: on the accumulated gradients, before each optimizer step;
+- ``metrics()``: logged at the end of each epoch;
+- ``kl_beta``: the live KL beta, in place of ``train.beta``; ``stopped``: the extra ended the run;
+- ``finish(run)``: before the final export and report.
+
+:mod:`flowrl.recipes.common` builds a ``Run`` and :mod:`flowrl.recipes.snapshots` defines extras; both read this
+one definition, so neither imports the other.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import Accelerator
 
-from flowrl.algorithms.marble import MarbleBalancer
 from flowrl.config import Config
 from flowrl.data import PromptSet
-from flowrl.recipes.guard import DiversityGuard
-from flowrl.sampling.split_schedule import BetaSplitScheduler
 from flowrl.training.ema import LoraEMA
 from flowrl.training.faults import FaultCounter
 from flowrl.training.metrics import MetricsLogger
@@ -33,7 +47,7 @@ class Run:
     policy: object
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
-    ema: LoraEMA | None
+    ema: LoraEMA | None  # the EMA the recipe steps (recipe nft: the old adapter)
     rewards: list
     weights: dict[str, float]
     train_prompts: PromptSet
@@ -44,35 +58,63 @@ class Run:
     guidance: float
     start_epoch: int
     counters: dict[str, float] = field(default_factory=dict)
-    marble: MarbleBalancer | None = None  # train.combine=marble: the per-reward advantage weights in force
-    reference: LoraEMA | None = None  # GARDO's adaptive reference: the adapter snapshot at the last reset
-    reference_resets: int = 0  # 0: the reference is still the base model (adapter off)
-    anchor: LoraEMA | None = None  # HRF: the adapter at the start of the current phase
-    guard: DiversityGuard | None = None  # guard.enabled: the diversity guard (flowrl/recipes/guard.py)
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None  # train.lr_scheduler, one step per optimizer step
-    faults: FaultCounter | None = None  # skipped non-finite steps and unscorable epochs (flowrl/training/faults.py)
-    split_scheduler: BetaSplitScheduler | None = None  # sampling.tree.schedule=beta: TMPO's adaptive split steps
-    eval_ema: LoraEMA | None = None  # nft.eval_ema_decay: the EMA eval and export use; ``ema`` is then the old policy
-    adapters: dict[str, LoraEMA] = field(default_factory=dict)  # further copies a recipe names (CRD: its sampler)
+    extras: dict[str, Any] = field(default_factory=dict)  # name -> stateful extra (see the module docstring)
+    exported_ema: LoraEMA | None = None  # what eval, the report, the export and ema.safetensors hold (None: ema)
 
-    @property
-    def fault_counter(self) -> FaultCounter:
-        if self.faults is None:
-            t = self.cfg.train
-            self.faults = FaultCounter(max_skipped_steps=t.max_skipped_steps, max_nan_epochs=t.max_nan_epochs)
-        return self.faults
+    def __post_init__(self):
+        if self.exported_ema is None:
+            self.exported_ema = self.ema
 
+    # --- the extras, as the checkpoint and the loop see them ----------------------------------------------------
     @property
     def snapshots(self) -> dict[str, LoraEMA]:
-        """The adapter copies that checkpoints save and resume restores."""
-        best = self.guard.best if self.guard is not None and self.guard.best.tensors else None
-        return named_snapshots(self.reference, self.anchor, best, self.ema, self.eval_ema, self.adapters)
+        """The adapter copies that checkpoints save and resume restores, by file name."""
+        return {name: copy for extra in self.extras.values() if hasattr(extra, "snapshots")
+                for name, copy in extra.snapshots().items()}
+
+    def trainer_state(self) -> dict[str, Any]:
+        """The extras' JSON states by name, for the checkpoint's trainer state."""
+        states = {name: extra.state_dict() for name, extra in self.extras.items() if hasattr(extra, "state_dict")}
+        return {name: state for name, state in states.items() if state is not None}
+
+    def load_trainer_state(self, state: dict[str, Any]) -> None:
+        """Restore each extra whose name the resumed trainer state holds."""
+        for name, extra in self.extras.items():
+            if name in state and hasattr(extra, "load_state_dict"):
+                extra.load_state_dict(state[name])
+
+    def hook(self, name: str) -> list:
+        """The extras' bound methods called ``name``, in the extras' order."""
+        return [getattr(extra, name) for extra in self.extras.values() if hasattr(extra, name)]
+
+    def begin_epoch(self, epoch: int) -> dict[str, float]:
+        """Each extra's start-of-epoch work (HRF: a new phase re-anchors the weights); returns their metrics."""
+        metrics: dict[str, float] = {}
+        for begin in self.hook("begin_epoch"):
+            metrics.update(begin(self, epoch))
+        return metrics
 
     @property
-    def exported_ema(self) -> LoraEMA | None:
-        """The weights eval, the report, the export and checkpoints' ema.safetensors hold: the eval EMA where one is
-        kept, else ``ema``."""
-        return exported(self.ema, self.eval_ema)
+    def stopped(self) -> bool:
+        """Whether an extra (the diversity guard, guard.policy=stop) ended the run."""
+        return any(getattr(extra, "stopped", False) for extra in self.extras.values())
+
+    @property
+    def beta(self) -> float:
+        """The KL beta in force: train.beta, or what an extra (the diversity guard) moved it to."""
+        return next((extra.kl_beta for extra in self.extras.values() if hasattr(extra, "kl_beta")),
+                    self.cfg.train.beta)
+
+    # --- convenience accessors ------------------------------------------------------------------------------
+    @property
+    def faults(self) -> FaultCounter:
+        """Skipped non-finite steps and unscorable epochs (flowrl/training/faults.py); every run keeps one."""
+        return self.extras["faults"]
+
+    @property
+    def eval_ema(self) -> LoraEMA | None:
+        """The separate eval/export EMA (recipe nft), or None where the EMA is exported itself."""
+        return self.exported_ema if self.exported_ema is not self.ema else None
 
     @property
     def eval_guidance(self) -> float:
@@ -80,25 +122,13 @@ class Run:
         scale = self.cfg.log.eval_guidance_scale
         return self.guidance if scale is None else scale
 
-    @property
-    def beta(self) -> float:
-        """The KL beta in force: train.beta, or what the diversity guard raised it to."""
-        return self.cfg.train.beta if self.guard is None else self.guard.beta
 
-    @property
-    def guard_stopped(self) -> bool:
-        """Whether the diversity guard (guard.policy=stop) ended the run."""
-        return self.guard is not None and self.guard.stopped
+class AdapterCopies:
+    """An extra that only carries named adapter copies for checkpoints (recipe nft: its old adapter where an eval
+    EMA takes ``ema.safetensors``, CRD's sampler)."""
 
+    def __init__(self, copies: dict[str, LoraEMA]):
+        self.copies = copies
 
-def named_snapshots(reference, anchor, guard_best, ema, eval_ema, adapters: dict) -> dict[str, LoraEMA]:
-    """{name: adapter copy} that checkpoints save beside ema.safetensors; ``ema`` is one of them, as "old", where
-    an eval EMA takes ema.safetensors (recipe nft)."""
-    old = ema if eval_ema is not None else None
-    return {name: s for name, s in (("reference", reference), ("anchor", anchor), ("guard_best", guard_best),
-                                    ("old", old), *adapters.items()) if s is not None}
-
-
-def exported(ema: LoraEMA | None, eval_ema: LoraEMA | None) -> LoraEMA | None:
-    """The EMA that eval and export use, and checkpoints save as ema.safetensors: the eval EMA where kept."""
-    return eval_ema if eval_ema is not None else ema
+    def snapshots(self) -> dict[str, LoraEMA]:
+        return dict(self.copies)

@@ -1,53 +1,73 @@
-"""The adapter snapshots a recipe keeps besides its EMA: GARDO's adaptive KL reference and HRF's phase
-anchor. Each is a :class:`~flowrl.training.ema.LoraEMA` stepped at decay 0 (a copy of the live LoRA
-weights) when it moves; :class:`flowrl.recipes.run.Run` holds them and checkpoints save them by name.
+"""The adapter snapshots a recipe keeps besides its EMA, as run extras (:class:`flowrl.recipes.run.Run`): GARDO's
+adaptive KL reference and HRF's phase anchor. Each holds an :class:`~flowrl.training.ema.AdapterSnapshot` (a copy
+of the live LoRA weights) that it retakes when it moves; checkpoints save it by name through :meth:`snapshots`.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from flowrl.training.ema import ema_weights
+from flowrl.training.ema import AdapterSnapshot, ema_weights
 
 if TYPE_CHECKING:
     from flowrl.recipes.run import Run
     from flowrl.training.stats import StatsAccumulator
 
 
-def anchor_pull(run: Run) -> None:
-    """HRF: add the gradient of ``hrf.anchor_weight * ||theta - theta_phase||^2`` to the accumulated one."""
-    weight = 2 * run.cfg.hrf.anchor_weight
-    for param, anchor in zip(run.params, run.anchor.model.shadow_params):
-        if param.grad is not None:
-            param.grad.add_(param.detach() - anchor, alpha=weight)
+class PhaseAnchor:
+    """HRF: the adapter at the start of the current phase, and the pull ``anchor_weight * ||theta - theta_phase||^2``
+    toward it. No trainer state: the snapshot (``anchor.safetensors``) is all of it."""
+
+    def __init__(self, snapshot: AdapterSnapshot, *, weight: float, phase_length: int):
+        self.snapshot, self.weight, self.phase_length = snapshot, weight, phase_length
+
+    def snapshots(self) -> dict[str, AdapterSnapshot]:
+        return {"anchor": self.snapshot}
+
+    def begin_epoch(self, run: Run, epoch: int) -> dict[str, float]:
+        """At the start of every ``hrf.phase_epochs``-th epoch the anchor moves to the current adapter; returns the
+        distance from it at the start of this epoch, to log."""
+        if epoch > 0 and epoch % self.phase_length == 0:
+            self.snapshot.take()
+        shadows = self.snapshot.model.shadow_params
+        distance = sum(float(((p.detach() - a) ** 2).sum()) for p, a in zip(run.params, shadows))
+        return {"hrf/anchor_distance": distance ** 0.5}
+
+    def before_step(self, run: Run) -> None:
+        """Add the gradient of the pull to the accumulated one."""
+        for param, anchor in zip(run.params, self.snapshot.model.shadow_params):
+            if param.grad is not None:
+                param.grad.add_(param.detach() - anchor, alpha=2 * self.weight)
 
 
-def reference_weights(run: Run):
-    """The KL reference as a context: the base model (adapter off), or after GARDO's first reset the
-    adapter snapshot taken then."""
-    return ema_weights(run.reference) if run.reference_resets else run.policy.reference()
+class GardoReference:
+    """GARDO's adaptive KL reference: the base model (adapter off) until the first reset, then the adapter
+    snapshot taken at the last one. Its trainer state is the reset count (``reference_resets``)."""
 
+    def __init__(self, snapshot: AdapterSnapshot, *, reset_every: int | None, reset_kl: float | None):
+        self.snapshot, self.reset_every, self.reset_kl = snapshot, reset_every, reset_kl
+        self.resets = 0  # 0: the reference is still the base model
 
-def start_phase(run: Run, epoch: int) -> dict[str, float]:
-    """HRF: at the start of every ``hrf.phase_epochs``-th epoch the parameter anchor moves to the current
-    adapter; returns the distance from it at the start of this epoch, to log."""
-    if run.anchor is None:
-        return {}
-    if epoch > 0 and epoch % run.cfg.hrf.phase_length(run.cfg.sampling) == 0:
-        run.anchor.step(0.0)
-    distance = sum(float(((p.detach() - a) ** 2).sum()) for p, a in zip(run.params, run.anchor.model.shadow_params))
-    return {"hrf/anchor_distance": distance ** 0.5}
+    def snapshots(self) -> dict[str, AdapterSnapshot]:
+        return {"reference": self.snapshot}
 
+    def state_dict(self) -> int:
+        return self.resets
 
-def maybe_reset_reference(run: Run, epoch: int, stats: StatsAccumulator) -> dict[str, float]:
-    """GARDO's adaptive reference: after epoch ``epoch``, move the reference to the current adapter
-    when ``gardo.reset_every`` epochs have passed or the epoch's mean KL exceeds ``gardo.reset_kl``
-    (before the checkpoint, so a resumed run has the same reference). Returns the metric to log."""
-    if run.reference is None:
-        return {}
-    g = run.cfg.gardo
-    kl = stats.reduce(run.accelerator).get("loss/kl", 0.0)
-    if (g.reset_every is not None and (epoch + 1) % g.reset_every == 0) or (g.reset_kl is not None and kl > g.reset_kl):
-        run.reference.step(0.0)  # decay 0: the snapshot becomes the live weights
-        run.reference_resets += 1
-    return {"gardo/reference_resets": float(run.reference_resets)}
+    def load_state_dict(self, state: int) -> None:
+        self.resets = int(state)
+
+    def weights(self, policy):
+        """The KL reference as a context: the base model (adapter off), or the snapshot after the first reset."""
+        return ema_weights(self.snapshot) if self.resets else policy.reference()
+
+    def after_update(self, run: Run, epoch: int, stats: StatsAccumulator) -> dict[str, float]:
+        """After epoch ``epoch``'s update: move the reference to the current adapter when ``gardo.reset_every``
+        epochs have passed or the epoch's mean KL exceeds ``gardo.reset_kl`` (before the checkpoint, so a resumed
+        run has the same reference). Returns the metric to log."""
+        kl = stats.reduce(run.accelerator).get("loss/kl", 0.0)
+        if (self.reset_every is not None and (epoch + 1) % self.reset_every == 0) or (
+                self.reset_kl is not None and kl > self.reset_kl):
+            self.snapshot.take()
+            self.resets += 1
+        return {"gardo/reference_resets": float(self.resets)}

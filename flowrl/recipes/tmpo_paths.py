@@ -31,7 +31,15 @@ from flowrl.training.stats import StatsAccumulator
 
 
 class TmpoPaths:
-    """One epoch's paths: which edges they are made of, the rollout's values, and the update (see module doc)."""
+    """One epoch's paths: which edges they are made of, the rollout's values, and the update (see module doc).
+
+    The GRPO recipe's objective for ``train.loss: tmpo`` (its ``OBJECTIVES``), with the interface of the
+    per-transition one: TMPO's tree splits draw the step's own noise, the rollout keeps its step means, and
+    tree edges need no backup (each path is trained as a whole)."""
+
+    own_split_noise = True
+    store_means = True
+    backs_up_edges = False
 
     def __init__(self, run, traj, columns: list[int], noise_levels: list[float], rewards: torch.Tensor):
         """``columns``: the trained stored steps (stochastic ones); ``noise_levels``: theirs; ``rewards`` [N]: R."""
@@ -116,8 +124,13 @@ class TmpoPaths:
         ordered = groups[order][np.sort(first)]
         return [np.flatnonzero(np.isin(groups, part)) for part in np.array_split(ordered, count)]
 
-    def backward(self, rows: torch.Tensor, stats: StatsAccumulator, *, on_policy: bool) -> None:
-        """Accumulate the gradient of the mean group loss of the groups of ``rows`` (one optimizer step's chunk)."""
+    def advantage_size(self, combined_advantages: torch.Tensor, clip: float) -> float:
+        """The epoch's ``advantages/abs_mean``: the mean absolute TMPO target of the rollout's paths."""
+        return self.advantage_abs_mean
+
+    def backward(self, rows: torch.Tensor, stats: StatsAccumulator, *, on_policy: bool, transitions=None) -> None:
+        """Accumulate the gradient of the mean group loss of the groups of ``rows`` (one optimizer step's chunk);
+        ``transitions``, the recipe's per-transition update, is not used."""
         run, t, accelerator = self.run, self.t, self.run.accelerator
         rows = rows[torch.isfinite(self.rewards[rows])]
         slots = self.index[rows].flatten().unique()

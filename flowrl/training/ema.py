@@ -145,6 +145,30 @@ class LoraEMA:
             self.model.foreach = foreach
 
 
+
+class AdapterSnapshot(LoraEMA):
+    """A copy of the trainable LoRA weights taken at one moment: GARDO's KL reference, HRF's phase anchor, the
+    diversity guard's best weights. One class for all of them, so a checkpoint saves and restores each by name
+    (``<name>.safetensors``) and each lives as the parameters do (device, dtype, FSDP2 slice), ready to swap in.
+
+    ``taken``: whether it holds weights yet; one built with ``taken=False`` (the guard's best, before any
+    measurement) is skipped by checkpoints until :meth:`take` or a load fills it."""
+
+    def __init__(self, named_parameters: Sequence[tuple[str, torch.nn.Parameter]], *, taken: bool = True,
+                 adapter: str = "default"):
+        super().__init__(named_parameters, decay=0.0, adapter=adapter)
+        self.taken = taken
+
+    def take(self) -> None:
+        """Copy the live weights (decay 0: the average becomes them)."""
+        self.step(0.0)
+        self.taken = True
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().load_state_tensors(tensors)
+        self.taken = True
+
+
 # DiffusionNFT's old-policy schedules by their ``decay_type`` number (scripts/train_nft_sd3.py, ``return_decay``),
 # as ``(start_step, start_value, slope, end_value)``: 0 keeps no memory (the old adapter is the trained one as
 # it ended the last epoch), 1 is its default ramp, 2 its OCR config's, which holds 0 for 75 steps.

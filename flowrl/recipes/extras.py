@@ -1,0 +1,79 @@
+"""The builders of the run extras (:class:`flowrl.recipes.run.Run`) that either recipe may carry, read off the
+config. :func:`flowrl.recipes.common.start_run` calls each in order on the new run (an extra built later sees the
+ones before it) and keeps what they return under their names; a builder returns None where its feature is off.
+A recipe passes builders of its own (GRPO: GARDO's reference, TMPO's split scheduler) the same way.
+
+The names are the trainer-state keys (and the extras' snapshots the file names) of every checkpoint written so
+far: renaming one breaks resuming old runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from tqdm.auto import tqdm
+
+from flowrl.algorithms.combine import COMBINERS, marble_initial
+from flowrl.algorithms.marble import MarbleBalancer
+from flowrl.recipes.guard import DiversityGuard
+from flowrl.recipes.run import Run
+from flowrl.recipes.snapshots import PhaseAnchor
+from flowrl.training.ema import AdapterSnapshot
+from flowrl.training.faults import FaultCounter
+from flowrl.training.lr import build_lr_scheduler
+
+ExtraBuilder = Callable[[Run], Any]
+
+
+def snapshot(run: Run, *, taken: bool = True) -> AdapterSnapshot:
+    """A copy of the run's current (initial) adapter weights."""
+    return AdapterSnapshot(run.policy.named_trainable_parameters(), taken=taken)
+
+
+def marble(run: Run) -> MarbleBalancer | None:
+    """train.combine=marble: the per-reward advantage weights in force (the combiner starts from its initial
+    weights; the balancer moves them per optimizer step)."""
+    t = run.cfg.train
+    if COMBINERS[t.combine] is not marble_initial:
+        return None
+    return MarbleBalancer({k: w for k, w in run.weights.items() if w != 0}, refresh_every=t.marble.refresh_every,
+                          ema=t.marble.ema)
+
+
+def lr_scheduler(run: Run):
+    """train.lr_scheduler, one step per optimizer step (not prepared by accelerate)."""
+    t = run.cfg.train
+    return build_lr_scheduler(run.optimizer, t.lr_scheduler, warmup_steps=t.lr_warmup_steps,
+                              total_steps=t.epochs * t.inner_epochs * t.optimizer_steps_per_epoch)
+
+
+def anchor(run: Run) -> PhaseAnchor | None:
+    """hrf.anchor_weight > 0: HRF's phase anchor."""
+    h = run.cfg.hrf
+    if h.anchor_weight <= 0:
+        return None
+    return PhaseAnchor(snapshot(run), weight=h.anchor_weight, phase_length=h.phase_length(run.cfg.sampling))
+
+
+def guard(run: Run) -> DiversityGuard | None:
+    """guard.enabled: the diversity guard, its best weights an (empty until measured) snapshot."""
+    gd = run.cfg.guard
+    if not gd.enabled:
+        return None
+    return DiversityGuard(every=gd.every, warmup=gd.warmup, max_drop=gd.max_drop, policy=gd.policy,
+                          beta=run.cfg.train.beta, beta_factor=gd.beta_factor, beta_floor=gd.beta_floor,
+                          cooldown=gd.cooldown, diversity_weight=gd.diversity_weight,
+                          write=tqdm.write if run.accelerator.is_main_process else None,
+                          best=snapshot(run, taken=False))
+
+
+def faults(run: Run) -> FaultCounter:
+    """Skipped non-finite steps and NaN epochs in a row, counted on across a restart."""
+    t = run.cfg.train
+    return FaultCounter(max_skipped_steps=t.max_skipped_steps, max_nan_epochs=t.max_nan_epochs)
+
+
+# Before a recipe's own extras: marble, lr_scheduler, anchor, guard; after them: faults.
+COMMON_EXTRAS: dict[str, ExtraBuilder] = {"marble": marble, "lr_scheduler": lr_scheduler, "anchor": anchor,
+                                          "guard": guard}
+LAST_EXTRAS: dict[str, ExtraBuilder] = {"faults": faults}
