@@ -456,10 +456,8 @@ class Config:
 
 def check_grpo_recipe(cfg: Config) -> None:
     """Recipe grpo's constraints on the shared sections: TMPO's path loss and dense credit's limits."""
-    from flowrl.algorithms.tmpo import PATH_LOSSES
-
     t, tree, window = cfg.train, cfg.sampling.tree, cfg.sampling.window
-    if t.loss in PATH_LOSSES:  # trained over whole paths: no KL, no per-step normalisation, pruning or row weights
+    if t.loss == "tmpo":  # TMPO's path loss (algorithms.tmpo.PATH_LOSSES) trains over whole paths: no KL, no per-step normalisation, pruning or row weights
         check(t.beta == 0, "train.beta", "train.loss=tmpo regularises with train.tmpo_ref_weight, not the KL; "
               "set train.beta=0")
         check(t.ratio_norm == "none", "train.ratio_norm", "train.loss=tmpo has its own RatioNorm weights; "
