@@ -187,8 +187,10 @@ def test_resume_keeps_the_guard_state(tmp_path, policy):
     ("guard.diversity_weight=-1", "guard.diversity_weight"), ("guard.threshold=0.3", "guard"),
 ])
 def test_bad_guard_config_is_a_one_line_error(tmp_path, override, key):
-    with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as error:
-        load_config(Config, SMOKE, [f"run_dir={tmp_path}", "guard.enabled=true", override])
+    from flowrl.recipes.names import check_names
+
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as error:  # range checks, then registry names
+        check_names(load_config(Config, SMOKE, [f"run_dir={tmp_path}", "guard.enabled=true", override]))
     assert "\n" not in str(error.value)
 
 

@@ -120,8 +120,10 @@ def test_tmpo_and_guard_train_in_the_grpo_recipe(tmp_path, monkeypatch, override
     (["recipe=nft", "train.ratio_norm=true"], "train.loss"),
 ])
 def test_bad_tmpo_or_guard_settings_name_the_key(overrides, key):
-    with pytest.raises(ConfigError) as error:
-        load_config(Config, "configs/smoke/sd3_tiny.yaml", overrides)
+    from flowrl.recipes.names import check_names
+
+    with pytest.raises(ConfigError) as error:  # range and cross-section checks, then registry names
+        check_names(load_config(Config, "configs/smoke/sd3_tiny.yaml", overrides))
     assert "\n" not in str(error.value) and key in str(error.value)
 
 
