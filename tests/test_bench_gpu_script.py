@@ -38,6 +38,7 @@ def run_script(*args: str, cuda_visible: str | None = None, timeout: float = 120
                           timeout=timeout, cwd=ROOT)
 
 
+@pytest.mark.slow  # a whole command in subprocesses, 10-20 s
 def test_quick_cpu_run_prints_every_row_of_every_family(tmp_path):
     from flowrl.models import FAMILIES
 

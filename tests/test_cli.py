@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,6 +41,7 @@ def test_bad_override_is_a_one_line_error():
     assert "sampling.num_stepz" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow  # a whole command in subprocesses, 10-20 s
 def test_train_without_a_config_runs_the_toy_world(tmp_path):
     result = _flowrl("train", f"run_dir={tmp_path}", "train.epochs=1", "sampling.prompts_per_batch=2",
                      "sampling.group_size=4", "log.eval_every=0", "log.report_prompts=2", "log.progress=false")

@@ -90,6 +90,7 @@ def background_contrast(direction: torch.Tensor) -> float:
     return black - sum(backgrounds.values()) / len(backgrounds)
 
 
+@pytest.mark.slow  # a whole command in subprocesses, 10-20 s
 @pytest.mark.parametrize("bias, low, high", [(1.0, 0.3, 1.0), (0.0, -0.15, 0.15)])
 def test_the_fit_finds_toy_clips_background_bias_and_only_it(tmp_path, bias, low, high):
     out = tmp_path / "toy_clip.safetensors"

@@ -148,6 +148,7 @@ def _one_line_error(result, text):
     assert text in result.stderr, result.stderr
 
 
+@pytest.mark.slow  # a whole command in subprocesses, 10-20 s
 def test_cli_bad_input_is_one_line_error(run, tmp_path):
     untrained = tmp_path / "untrained"  # a run dir that has its config but no adapter yet
     untrained.mkdir()
