@@ -15,6 +15,13 @@ CELL_NOTE = ("Each cell: mean over seeds ± standard error (sample std / sqrt(n)
 """How a table of per-seed runs reads, said once for every table."""
 
 
+def budget_words(p: dict, per: str = "") -> str:
+    """How a wall-clock table's runs were trained and scored, from its parameters (``per``: e.g. " per combiner")."""
+    return (f"{p['budget_s']:.0f} s of training time{per} (2 CPU cores, {p['parallel']} runs at a time, one thread "
+            f"each), once per seed (column `seeds`); held-out task means on {p['test_prompts']} prompts x "
+            f"{p['images']} ODE images")
+
+
 def mean_se(values: Iterable[float | None]) -> tuple[float, float, int]:
     """(mean, standard error = sample std / sqrt(n), n) of the values that are numbers (None and NaN are
     left out); the error is NaN below two values, the mean NaN with none."""

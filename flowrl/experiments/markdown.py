@@ -13,6 +13,12 @@ KEPT = "\n## Reading the table"
 """The hand-written section after the main table that rewriting the main table keeps."""
 
 
+def table_head(title: str, command: str, prose: str, columns: list[str]) -> list[str]:
+    """The lines that open a results section: its title, the command that made it, what it measured, and the
+    header of its table."""
+    return [title, "", f"`{command}`", "", prose, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
 def replace_section(path: Path, text: str, section: str) -> None:
     """``text`` in place of the section titled ``section`` (to the next ``## `` heading), or appended."""
     path = Path(path)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from flowrl.experiments.cells import CELL_NOTE, fmt_mean_se
-from flowrl.experiments.markdown import replace_section
+from flowrl.experiments.cells import CELL_NOTE, budget_words, fmt_mean_se
+from flowrl.experiments.markdown import replace_section, table_head
 from flowrl.experiments.spec import Experiment
 from flowrl.training.metrics import read_metrics
 
@@ -63,14 +63,12 @@ def plot(results: dict[str, dict[int, dict]], path: Path) -> None:
 def table(results: dict[str, dict[int, dict]], p: dict, command: str, config: str, plot_path: Path) -> str:
     bases = {seed: r["base"] for per_seed in results.values() for seed, r in per_seed.items()}
     base = {k: fmt_mean_se(b[k] for b in bases.values()) for k in KEYS}
-    lines = [f"## {p['section'] or SECTION}", "", f"`{command}`", "",
-             f"Every method optimised ToyClip (`{config}`, strict ToyEval logged at weight 0) for "
-             f"{p['budget_s']:.0f} s of training time (2 CPU cores, {p['parallel']} runs at a time, one thread each), "
-             f"once per seed (column `seeds`); held-out task means on {p['test_prompts']} prompts x {p['images']} ODE "
-             f"images. {CELL_NOTE} Base: proxy {base['proxy']}, ToyEval {base['toyeval']}, diversity "
-             f"{base['diversity']}, background diversity {base['background']}. Plot: `{plot_path}`.", "",
-             "| method | seeds | epochs | proxy | change | ToyEval | change | gt diversity | change | background | "
-             "change |", "|" + "---|" * 11]
+    prose = (f"Every method optimised ToyClip (`{config}`, strict ToyEval logged at weight 0) for "
+             f"{budget_words(p)}. {CELL_NOTE} Base: proxy {base['proxy']}, ToyEval {base['toyeval']}, diversity "
+             f"{base['diversity']}, background diversity {base['background']}. Plot: `{plot_path}`.")
+    lines = table_head(f"## {p['section'] or SECTION}", command, prose,
+                       ["method", "seeds", "epochs", "proxy", "change", "ToyEval", "change", "gt diversity", "change",
+                        "background", "change"])
     for name, per_seed in results.items():
         cells = [f"{fmt_mean_se(r['final'][k] for r in per_seed.values())} | "
                  + fmt_mean_se((r["final"][k] - r["base"][k] for r in per_seed.values()), "+.3f") for k in KEYS]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from flowrl.experiments.cells import CELL_NOTE, fmt_mean_se
-from flowrl.experiments.markdown import replace_section
+from flowrl.experiments.markdown import replace_section, table_head
 from flowrl.experiments.spec import Experiment, ExperimentError
 from flowrl.training.metrics import read_metrics
 
@@ -47,8 +47,7 @@ def make(exp: Experiment) -> str | None:
         return None
     title = f"## {p['section'] or p.get('title', exp.path.stem)}"
     header = ["run", "seeds", *(c["header"] for c in columns)]
-    lines = [title, "", f"`{exp.command}`", "", CELL_NOTE, "", "| " + " | ".join(header) + " |",
-             "|" + "---|" * len(header)]
+    lines = table_head(title, exp.command, CELL_NOTE, header)
     for name, per_seed in found.items():
         lines.append(f"| {name} | {','.join(map(str, per_seed))} | " + " | ".join(cell(per_seed, c) for c in columns)
                      + " |")

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flowrl.experiments.cells import CELL_NOTE, fmt_mean_se
-from flowrl.experiments.markdown import replace_section
+from flowrl.experiments.cells import CELL_NOTE, budget_words, fmt_mean_se
+from flowrl.experiments.markdown import replace_section, table_head
 from flowrl.experiments.spec import Experiment
 from flowrl.training.metrics import read_metrics
 
@@ -38,15 +38,13 @@ def summary(run_dir: Path) -> dict:
 
 def table(results: dict[str, dict[int, dict]], p: dict, command: str) -> str:
     bases = {seed: r for per_seed in results.values() for seed, r in per_seed.items()}
-    lines = [f"## {p['section'] or SECTION}", "", f"`{command}`", "",
-             f"`configs/toy/nft.yaml` with strict ToyEval and ToyProxy both at weight 1, {p['budget_s']:.0f} s of "
-             f"training time per combiner (2 CPU cores, {p['parallel']} runs at a time, one thread each), once per "
-             f"seed (column `seeds`); held-out task means on {p['test_prompts']} prompts x {p['images']} ODE images "
-             f"(one point's sampling error is about 0.02). {CELL_NOTE} The base model scores ToyEval "
-             f"{fmt_mean_se(r['toyeval_base'] for r in bases.values())} and ToyProxy "
-             f"{fmt_mean_se(r['proxy_base'] for r in bases.values())}.", "",
-             "| combine | seeds | epochs | ToyEval | change | ToyProxy | change | gt diversity | "
-             "worst cos < 0, weighted | worst cos < 0, MARBLE |", "|" + "---|" * 10]
+    prose = (f"`configs/toy/nft.yaml` with strict ToyEval and ToyProxy both at weight 1, "
+             f"{budget_words(p, ' per combiner')} (one point's sampling error is about 0.02). {CELL_NOTE} The base "
+             f"model scores ToyEval {fmt_mean_se(r['toyeval_base'] for r in bases.values())} and ToyProxy "
+             f"{fmt_mean_se(r['proxy_base'] for r in bases.values())}.")
+    lines = table_head(f"## {p['section'] or SECTION}", command, prose,
+                       ["combine", "seeds", "epochs", "ToyEval", "change", "ToyProxy", "change", "gt diversity",
+                        "worst cos < 0, weighted", "worst cos < 0, MARBLE"])
     for name, per_seed in results.items():
         runs = list(per_seed.values())
         cell = lambda key, spec=".3f": fmt_mean_se((r[key] for r in runs), spec)  # noqa: E731
