@@ -161,16 +161,19 @@ def test_server_on_error_nan_gives_null_main_and_raise_gives_500():
 
 # ------------------------------------------------------------------------------ failures
 
-def test_timeout_is_one_line_and_bounded():
+def failing_call(reward, error: type[Exception]) -> tuple[str, float]:
+    """Score 2 images with ``reward``, which must raise ``error`` -> (its message, the seconds it took)."""
     images, prompts, metadata = batch(2)
+    start = time.monotonic()
+    with pytest.raises(error) as info:
+        reward(images, prompts, metadata)
+    return str(info.value), time.monotonic() - start
+
+
+def test_timeout_is_one_line_and_bounded():
     with serving(["brightness"], delay=1.0) as srv:
-        reward = fast(srv.url, name="geneval", timeout=0.2, max_retries=2)
-        start = time.monotonic()
-        with pytest.raises(RuntimeError) as info:
-            reward(images, prompts, metadata)
-        elapsed = time.monotonic() - start
+        msg, elapsed = failing_call(fast(srv.url, name="geneval", timeout=0.2, max_retries=2), RuntimeError)
         assert srv.hits == 2
-    msg = str(info.value)
     assert "\n" not in msg and "timed out after 2 attempts (timeout=0.2s per socket operation, " in msg
     assert msg.startswith("remote reward 'geneval' at http://127.0.0.1:")
     assert elapsed < 2 * 0.2 + 0.5  # retries x timeout + tiny backoff + slack, not the 1 s delay
@@ -180,15 +183,10 @@ def test_timeout_is_one_line_and_bounded():
 def test_a_trickling_server_is_cut_off_by_the_deadline(part):
     """One byte every 0.05 s never trips timeout=1, from the status line on or in the body; the deadline
     ends each attempt at 0.5 s. Without it each attempt lasts the server's give_up (10 s)."""
-    images, prompts, metadata = batch(2)
     with trickle_server(part, interval=0.05, give_up=10.0) as srv:
         reward = RemoteReward(srv.url, name="geneval", timeout=1.0, deadline=0.5, max_retries=2, backoff=0.0)
-        start = time.monotonic()
-        with pytest.raises(RemoteRewardError) as info:
-            reward(images, prompts, metadata)
-        elapsed = time.monotonic() - start
+        msg, elapsed = failing_call(reward, RemoteRewardError)
         assert srv.connections == 2
-    msg = str(info.value)
     assert "\n" not in msg and msg.startswith("remote reward 'geneval' at http://127.0.0.1:")
     assert "timed out after 2 attempts (timeout=1.0s per socket operation, deadline=0.5s per attempt)" in msg
     assert 2 * 0.5 <= elapsed < 2 * 0.5 + 0 + 1.5  # attempts x deadline + backoff + slack for a loaded CPU
