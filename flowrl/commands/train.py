@@ -17,13 +17,9 @@ def recipe_train(name: str):
 
 def run_train(config_path: str | Path, overrides: list[str]) -> dict[str, float]:
     from flowrl.config import Config, load_config
-    from flowrl.recipes.names import check_names
-    from flowrl.training.run_dir import check_run_dir
 
     cfg = load_config(Config, config_path, overrides)
-    check_names(cfg)
-    check_run_dir(cfg.run_dir, resume=bool(cfg.train.resume), overwrite=cfg.train.overwrite)
-    check_resume(cfg)
+    check_resume(cfg)  # registry names and the run directory are checked first thing in start_run
     return recipe_train(cfg.recipe)(cfg)
 
 

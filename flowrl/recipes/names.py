@@ -2,8 +2,8 @@
 
 The config layer sits below the algorithms (it is plain data with range checks) and cannot see their registries,
 so a policy loss, reward combiner or feature space that none of them holds is caught here, before anything loads:
-by ``flowrl train`` right after the config is read, and by ``start_run`` for runs started from Python. The message
-is the config's own one-line form, naming the key.
+first thing in ``start_run``, which every recipe (and so ``flowrl train``) begins with. The message is the
+config's own one-line form, naming the key.
 """
 
 from __future__ import annotations
