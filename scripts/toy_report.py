@@ -3,7 +3,7 @@ run's own end-of-run report: per task, the task mean and the paired standard err
 
     python scripts/toy_report.py runs/toy_nft/lora --images 32 --out runs/toy_nft/report_32
 
-It writes the same report.md / report.json / before.png / after.png as a run (``flowrl.eval.run_report``).
+It writes the same report.md / report.json / before.png / after.png as a run (``flowrl.eval.report``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from flowrl.data import load_prompts
 from flowrl.eval_tasks import stratified_prefix
 from flowrl.models import build_policy
 from flowrl.models.lora_io import load_lora_into
-from flowrl.eval.run_report import write_report
+from flowrl.eval.report import write_report
 from rewards.toyeval import ToyEval
 
 

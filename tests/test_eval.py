@@ -165,15 +165,15 @@ def test_zero_lora_renders_the_base_images(world):
 
 # --- resume ------------------------------------------------------------------------------------------
 def _count_renders(monkeypatch) -> list[list[str]]:
-    import flowrl.eval.run_report as run_report
+    import flowrl.eval.held_out as held_out
 
-    calls, original = [], run_report.render
+    calls, original = [], held_out.render
 
     def counting(policy, prompts, **kwargs):
         calls.append(list(prompts.prompts))
         return original(policy, prompts, **kwargs)
 
-    monkeypatch.setattr(run_report, "render", counting)
+    monkeypatch.setattr(held_out, "render", counting)
     return calls
 
 

@@ -14,7 +14,7 @@ import torch
 
 from flowrl.data import PromptSet
 from flowrl.eval_tasks import by_task, paired_task_mean_gain, pass_at_k, stratified_prefix
-from flowrl.eval.run_report import evaluate
+from flowrl.eval.held_out import evaluate
 from flowrl.training.metrics import read_metrics
 from tests.reward_fixtures import RedMinusBlue
 

@@ -17,7 +17,7 @@ from flowrl.models import build_policy
 from flowrl.edit_sources import source_pixels
 from flowrl.models.lora_io import (COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME, KOHYA_WEIGHT_NAME, lora_config_dict,
                                    lora_state_dict, write_lora_files)
-from flowrl.eval.run_report import evaluate_rows
+from flowrl.eval.held_out import evaluate_rows
 from flowrl.rewards_api import build_reward, score
 from rewards.edit import EditPreservation
 

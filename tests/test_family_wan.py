@@ -119,7 +119,7 @@ def test_eval_writes_clips_as_film_strips_and_reads_them_back_as_clips(tmp_path)
     ``[T, 3, H, W]`` (so video rewards still see motion), equal to the render up to PNG rounding."""
     from flowrl.data import PromptSet
     from flowrl.eval.runner import _render_missing, read_images
-    from flowrl.eval.run_report import render
+    from flowrl.eval.held_out import render
 
     cfg = load_config(Config, "configs/smoke/wan_tiny.yaml", ["eval.images_per_prompt=2", "eval.num_steps=2"])
     policy = build_policy("wan", "tiny", seed=0)

@@ -8,7 +8,7 @@ from html.parser import HTMLParser
 import torch
 
 from flowrl.data import PromptSet
-from flowrl.eval.run_report import curve_keys, html_report, moving_average, plot_reward_curve, summary_line
+from flowrl.eval.report import curve_keys, html_report, moving_average, plot_reward_curve, summary_line
 
 
 def test_moving_average_by_hand():

@@ -32,7 +32,7 @@ def smoke(tmp_path, *overrides):
 ])
 def test_eval_steps_and_guidance_reach_every_eval_render(tmp_path, monkeypatch, overrides, expected):
     import flowrl.recipes.common as common
-    import flowrl.eval.run_report as report
+    import flowrl.eval.held_out as held_out
     from flowrl.recipes.grpo import train
 
     seen = {"grid": [], "held_out": [], "report": [], "rollout": []}
@@ -43,7 +43,7 @@ def test_eval_steps_and_guidance_reach_every_eval_render(tmp_path, monkeypatch, 
             return function(*args, **kwargs)
         return wrapped
 
-    monkeypatch.setattr(report, "render", recorder("grid", report.render))  # eval_grid's (and the report's)
+    monkeypatch.setattr(held_out, "render", recorder("grid", held_out.render))  # eval_grid's (and the report's)
     monkeypatch.setattr(common, "render", recorder("held_out", common.render))  # held_out_metrics'
     monkeypatch.setattr(common, "write_report", recorder("report", common.write_report))
     monkeypatch.setattr(common, "chunked_rollout", recorder("rollout", common.chunked_rollout,

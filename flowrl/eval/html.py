@@ -1,5 +1,5 @@
-"""Self-contained HTML pages for ``flowrl eval`` (:mod:`flowrl.eval.report`) and the end-of-run report
-(:mod:`flowrl.eval.run_report`): the pieces both pages are made of.
+"""Self-contained HTML pages for the reports of :mod:`flowrl.eval.report` (``flowrl eval`` and the end of a
+run): the pieces both pages are made of.
 
 One file, images and plots inlined as base64 PNG, no scripts and no network: it opens from a laptop,
 a cluster's scratch disk or a CI artifact alike. The pieces are plain functions returning HTML strings:
@@ -60,9 +60,10 @@ def image_strip(images: torch.Tensor) -> bytes:
     return buffer.getvalue()
 
 
-def figure_png(figure) -> bytes:
+def figure_png(figure, **savefig) -> bytes:
+    """A matplotlib figure as PNG bytes; ``savefig`` adds options (``bbox_inches="tight"``)."""
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=110)
+    figure.savefig(buffer, format="png", dpi=110, **savefig)
     return buffer.getvalue()
 
 

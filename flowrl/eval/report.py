@@ -1,17 +1,102 @@
-"""``report.html`` of ``flowrl eval``: metric tables with deltas against the base, a reward-diversity
-trade-off plot, and side-by-side grids per prompt (prompt text above, one labelled row per checkpoint)."""
+"""The reports of flowrl: ``report.html`` of ``flowrl eval`` and the end-of-run report of ``flowrl train``.
+
+``flowrl eval`` (:func:`write_eval_report`): metric tables with deltas against the base, a reward-diversity
+trade-off plot, and side-by-side grids per prompt (prompt text above, one labelled row per checkpoint).
+
+The end of a run (:func:`write_report`): did the adapter improve the rewards, and what did it cost in
+diversity? Written into the run directory after training:
+- ``report.html``: the page to open, in the layout of ``flowrl eval``: the before / after table with deltas
+  and paired standard errors, the training curve, and one labelled grid per held-out prompt (the prompt
+  above, a row of base images and a row of trained images on the same seeds);
+- ``reward_curve.png``: the trained reward per epoch (raw and moving average) with the held-out score on
+  the same axes, and the other rewards and sub-scores (moving averages) in a second panel;
+- ``before.png`` / ``after.png``: the same grids as plain images, one row per prompt;
+- ``report.json`` / ``report.md``: mean rewards before and after on those images (with task metadata
+  also per task and as the mean over tasks, GenEval's overall score) and, when asked, the toy world's
+  ground-truth diversity of each prompt's group (exact mode collapse), and the one-line summary
+  ``flowrl train`` prints at the end.
+
+Both pages are made of the pieces of :mod:`flowrl.eval.html` and share what is here: tables whose deltas
+are coloured by each metric's direction, the samples section, the "All metrics" section, and matplotlib
+figures as PNG. The numbers come from elsewhere: :mod:`flowrl.eval.runner` for ``flowrl eval``,
+:func:`flowrl.eval.held_out.before_after` for the end of a run (same prompts, seeds and deterministic ODE
+sampler before and after, so their difference is the adapter's effect, not sampling noise).
+"""
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
+from typing import Callable, Sequence
 
 import torch
 
+from flowrl.data import PromptSet
 from flowrl.eval import html
+from flowrl.eval.held_out import before_after
+from flowrl.media import stills
+from flowrl.training.metrics import read_metrics
 
+LOWER_IS_BETTER = ("fid/fid", "fid/kid", "fid/kid_std", "diversity/zero_std_prompts")
+
+
+# --- shared by both reports --------------------------------------------------------------------------------
+def higher_is_better(key: str) -> bool | None:
+    """A metric's direction, which colours its deltas; None for a count (``fid/n_images``), left uncoloured."""
+    return (key not in LOWER_IS_BETTER) if not key.startswith("fid/n_") else None
+
+
+def table(columns: dict[str, dict[str, float]], keys: Sequence[str], base: str, caption: str = "") -> str:
+    """Rows ``keys``, one column per model (``columns[label][key]``) beside its change from ``base``."""
+    return html.metric_table(columns, keys, base=base, directions={k: higher_is_better(k) for k in keys},
+                             caption=caption)
+
+
+def all_metrics(columns: dict[str, dict[str, float]], keys: Sequence[str], base: str) -> tuple[str, str]:
+    """The last table of both pages: every metric, folded away."""
+    return "All metrics", f"<details><summary>{len(keys)} metrics</summary>{table(columns, keys, base)}</details>"
+
+
+def samples(prompts: PromptSet, tasks: list, count: int, rows: Callable[[int], list], what: str) -> tuple[str, str]:
+    """The samples section: ``count`` prompts (an equal share per task) as labelled grids, ``rows(i)`` giving
+    prompt i's ``(label, images)`` rows; ``what`` ends the heading."""
+    shown = html.grid_order(tasks, count)
+    return (f"Samples ({len(shown)} of {len(prompts)} {what})",
+            html.prompt_grids(prompts.prompts, tasks, shown, rows))
+
+
+def write_page(path: Path, title: str, sections: Sequence[tuple[str, str]], intro: str) -> Path:
+    path.write_text(html.page(title, sections, intro=intro), encoding="utf-8")
+    return path
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend: files only, so a cluster node without a display can plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def png(figure, **savefig) -> bytes:
+    """The figure, laid out tight, as PNG bytes; the figure is closed."""
+    figure.tight_layout()
+    data = html.figure_png(figure, **savefig)
+    pyplot().close(figure)
+    return data
+
+
+def paired_change(paired: dict) -> str:
+    """``+0.0220 (2.1 paired standard errors)``: a task-mean score's change and its paired standard errors."""
+    return f"{paired['gain']:+.4f} ({paired['standard_errors']:.1f} paired standard errors)"
+
+
+# --- flowrl eval -------------------------------------------------------------------------------------------
 HEADLINE = ("diversity/cosine", "diversity/vendi", "diversity/latent_gmd", "diversity/zero_std_prompts", "toy/gt_mean",
             "toy/background", "toy/position", "toy/size", "fid/fid", "fid/kid")
-LOWER_IS_BETTER = ("fid/fid", "fid/kid", "fid/kid_std", "diversity/zero_std_prompts")
 READING = {
     "reward/": "mean of a trained reward (higher is better)",
     "held_out/": "mean of a reward not trained on: a fall while the trained reward rises is reward hacking",
@@ -25,10 +110,6 @@ READING = {
 }
 
 
-def directions(keys) -> dict[str, bool | None]:
-    return {k: (k not in LOWER_IS_BETTER) if not k.startswith("fid/n_") else None for k in keys}
-
-
 def main_reward(results: dict) -> str | None:
     """The metric of the trade-off plot's y axis: the first trained reward's mean, else the first reward."""
     keys = next(iter(results["metrics"].values()), {})
@@ -40,11 +121,7 @@ def main_reward(results: dict) -> str | None:
 
 def tradeoff_plot(metrics: dict[str, dict[str, float]], x_key: str, y_key: str) -> bytes:
     """One labelled point per checkpoint: ``y_key`` against ``x_key``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     from matplotlib.ticker import MaxNLocator
 
     figure, axis = plt.subplots(figsize=(5.5, 3.8))
@@ -63,10 +140,7 @@ def tradeoff_plot(metrics: dict[str, dict[str, float]], x_key: str, y_key: str) 
     axis.set_ylabel(y_key)
     axis.set_title("reward-diversity trade-off", fontsize=10)
     axis.grid(alpha=0.3)
-    figure.tight_layout()
-    data = html.figure_png(figure)
-    plt.close(figure)
-    return data
+    return png(figure)
 
 
 def is_main_score(key: str) -> bool:
@@ -84,30 +158,29 @@ def task_tables(metrics: dict[str, dict[str, float]], base: str, tasks: list) ->
     for key in [k for k in next(iter(metrics.values())) if is_main_score(k)]:
         rows = {label: {**{t: values.get(f"{key}/task/{t}") for t in names}, "mean over tasks":
                         values.get(f"{key}/task_mean")} for label, values in metrics.items()}
-        tables.append((key, html.metric_table(rows, [*names, "mean over tasks"], base=base, caption=key)))
+        tables.append((key, table(rows, [*names, "mean over tasks"], base, caption=key)))
     return tables
 
 
-def write_eval_report(out_dir: Path, results: dict, suite, images: dict[str, torch.Tensor], n: int, *,
+def write_eval_report(out_dir: Path, results: dict, suite: PromptSet, images: dict[str, torch.Tensor], n: int, *,
                       grid_prompts: int) -> Path:
+    """``OUT/report.html`` of ``flowrl eval`` from its ``results.json`` and each checkpoint's images."""
     metrics, base = results["metrics"], results["base"]
     keys = list(dict.fromkeys(k for values in metrics.values() for k in values))
     flat = [k for k in keys if "/task" not in k]
-    table = lambda chosen: html.metric_table(metrics, chosen, base=base, directions=directions(chosen))
     headline = [k for k in flat if is_main_score(k) or k in HEADLINE or k.startswith("axis/")]
-    sections = [("Summary", table(headline))]
+    sections = [("Summary", table(metrics, headline, base))]
     y_key = main_reward(results)
     if y_key is not None and "diversity/cosine" in flat:
         sections.append(("Trade-off", html.img(tradeoff_plot(metrics, "diversity/cosine", y_key), "trade-off plot")))
-    shown = html.grid_order(results["tasks"], grid_prompts)
-    grids = html.prompt_grids(suite.prompts, results["tasks"], shown,
-                              lambda i: [(label, pictures[i * n:(i + 1) * n]) for label, pictures in images.items()])
-    sections.append((f"Samples ({len(shown)} of {len(suite)} prompts, same seeds in every row)", grids))
+    sections.append(samples(suite, results["tasks"], grid_prompts,
+                            lambda i: [(label, pictures[i * n:(i + 1) * n]) for label, pictures in images.items()],
+                            "prompts, same seeds in every row"))
     by_task = task_tables(metrics, base, results["tasks"])
     if by_task:
         sections.append(("By task (the mean over tasks is GenEval's overall score)",
                          "".join(content for _, content in by_task)))
-    sections.append(("All metrics", f"<details><summary>{len(flat)} metrics</summary>{table(flat)}</details>"))
+    sections.append(all_metrics(metrics, flat, base))
     reading = "".join(f"<li><code>{html.escape(prefix)}</code>: {html.escape(text)}</li>"
                       for prefix, text in READING.items() if any(k.startswith(prefix) for k in keys))
     notes = []
@@ -122,7 +195,161 @@ def write_eval_report(out_dir: Path, results: dict, suite, images: dict[str, tor
              f"{results['num_steps']} steps, guidance {results['guidance_scale']}, seed {results['seed']}; "
              f"model {html.escape(results['model']['path'])}. Δ columns: change from {html.escape(base)}; green "
              "for higher reward or diversity and lower FID/KID, red for the opposite.")
-    page = html.page("flowrl eval", sections, intro=intro)
-    path = Path(out_dir) / "report.html"
-    path.write_text(page, encoding="utf-8")
-    return path
+    return write_page(Path(out_dir) / "report.html", "flowrl eval", sections, intro)
+
+
+# --- the end of a run --------------------------------------------------------------------------------------
+GRID_IMAGES = 8  # images per grid row in report.html (all are scored)
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Trailing mean over the last ``window`` values (fewer at the start)."""
+    out, total = [], 0.0
+    for k, value in enumerate(values):
+        total += value - (values[k - window] if k >= window else 0.0)
+        out.append(total / min(k + 1, window))
+    return out
+
+
+def curve_keys(records: list[dict], trained: list[str]) -> tuple[str, str | None, list[str]]:
+    """(trained reward key, its held-out key, the other reward series) of ``metrics.jsonl``."""
+    keys = {k for r in records for k in r}
+    main = f"reward/{trained[0]}_mean" if len(trained) == 1 and f"reward/{trained[0]}_mean" in keys else \
+        "reward/combined_mean"
+    held_out = None
+    for name in trained[:1]:
+        held_out = next((k for k in (f"test/{name}/task_mean", f"test/{name}") if k in keys), None)
+    others = sorted(k for k in keys if k.startswith("reward/") and k.endswith("_mean") and k != main
+                    and k != "reward/combined_mean")
+    return main, held_out, others
+
+
+def plot_reward_curve(run_dir: Path, trained: list[str] | None = None) -> Path | None:
+    """``reward_curve.png``: trained reward (raw, moving average) and held-out score; other series below."""
+    if not (run_dir / "metrics.jsonl").is_file():  # a report of an adapter outside a run has no curve
+        return None
+    records = [r for r in read_metrics(run_dir) if r.get("epoch", -1) is not None]
+    if not records:
+        return None
+    main, held_out, others = curve_keys(records, trained or [])
+    series = lambda key: [(r["epoch"], r[key]) for r in records if r.get(key) is not None]
+    points = [p for p in series(main) if p[0] >= 0]
+    if not points:
+        return None
+    window = max(1, min(10, len(points) // 5))
+    figure, (top, bottom) = pyplot().subplots(2, 1, figsize=(7.5, 6), sharex=True,
+                                              gridspec_kw={"height_ratios": [3, 2]})
+    epochs, values = [p[0] for p in points], [p[1] for p in points]
+    name = main.removeprefix("reward/").removesuffix("_mean")
+    top.plot(epochs, values, color="tab:blue", alpha=0.3, linewidth=1, label=f"{name} (training rollouts)")
+    top.plot(epochs, moving_average(values, window), color="tab:blue", linewidth=2,
+             label=f"{name}, moving average of {window}")
+    if held_out is not None:
+        test = series(held_out)
+        top.plot([p[0] + 1 for p in test], [p[1] for p in test], "o-", color="tab:orange", linewidth=2,
+                 label=f"{held_out.removeprefix('test/')} (held-out prompts, ODE, EMA)")
+    top.set_ylabel("reward")
+    top.grid(alpha=0.3)
+    top.legend(fontsize=8, loc="best", framealpha=0.8)
+    top.set_title("trained reward", fontsize=10)
+    for key in others:
+        line = series(key)
+        if line:
+            bottom.plot([p[0] for p in line], moving_average([p[1] for p in line], window), linewidth=1.2,
+                        label=key.removeprefix("reward/").removesuffix("_mean"))
+    bottom.set_xlabel("epoch (held-out points: after that many epochs)")
+    bottom.set_ylabel("moving average")
+    bottom.set_title("other rewards and sub-scores", fontsize=10)
+    bottom.grid(alpha=0.3)
+    if others:
+        bottom.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    out = run_dir / "reward_curve.png"
+    out.write_bytes(png(figure, bbox_inches="tight"))
+    return out
+
+
+def summary_line(results: dict, trained: list[str], report: Path) -> str:
+    """``toyeval (held-out task mean) 0.354 -> 0.376 (+0.022, 2.1 paired s.e.); ...; report: PATH``."""
+    before, after, paired = results["before"], results["after"], results.get("paired", {})
+    parts = []
+    for name in trained[:1] or [k.removeprefix("eval/") for k in before if k.count("/") == 1][:1]:
+        key = next((k for k in (f"eval/{name}/task_mean", f"eval/{name}") if k in before), None)
+        if key is None:
+            continue
+        errors = paired.get(key, {}).get("standard_errors", math.nan)
+        detail = "" if math.isnan(errors) else f", {errors:.1f} paired s.e."
+        what = "held-out task mean" if key.endswith("task_mean") else "held-out"
+        parts.append(f"{name} ({what}) {before[key]:.3f} -> {after[key]:.3f} ({after[key] - before[key]:+.3f}{detail})")
+    if "diversity/gt_mean" in before:
+        parts.append(f"diversity {before['diversity/gt_mean']:.3f} -> {after['diversity/gt_mean']:.3f}")
+    return "; ".join(parts + [f"report: {report}"])
+
+
+def is_headline(key: str) -> bool:
+    """A reward's main score (``eval/<name>``), its mean over tasks, or the toy world's diversity."""
+    parts = key.split("/")
+    if parts[0] == "diversity":
+        return parts[1] in ("gt_mean", "background", "position", "size")
+    return parts[0] == "eval" and (len(parts) == 2 or len(parts) == 3 and parts[2] == "task_mean")
+
+
+def html_report(run_dir: Path, results: dict, prompts: PromptSet, before: torch.Tensor, after: torch.Tensor,
+                images_per_prompt: int, curve: Path | None, grid_prompts: int = 12) -> Path:
+    """``report.html`` in the layout of ``flowrl eval``: table, curve, labelled grids per prompt."""
+    n, columns = images_per_prompt, {"base": results["before"], "trained": results["after"]}
+    keys = list(results["before"])
+    headline = [k for k in keys if is_headline(k)]
+    paired = "".join(f"<li><code>{html.escape(k)}</code>: {paired_change(v)}</li>"
+                     for k, v in results.get("paired", {}).items() if k in headline)
+    sections = [("Before and after", table(columns, headline, "base")
+                 + (f"<p class='note'>Change of each task-mean score with its paired standard error:</p><ul>{paired}"
+                    "</ul>" if paired else ""))]
+    if curve is not None:
+        sections.append(("Training curve", html.img(curve.read_bytes(), "reward curve")))
+    k = min(n, GRID_IMAGES)  # a row of 24 images would shrink each to a few pixels
+    sections.append(samples(prompts, [m.get("task") for m in prompts.metadata], grid_prompts,
+                            lambda i: [("base", before[i * n:i * n + k]), ("trained", after[i * n:i * n + k])],
+                            f"held-out prompts, {k} of {n} images each, same seeds in both rows"))
+    sections.append(all_metrics(columns, keys, "base"))
+    intro = (f"{len(prompts)} held-out prompts × {n} images, ODE, the same seeds before (base model) and after "
+             "(trained adapter, EMA weights when kept). Δ: change from base.")
+    return write_page(run_dir / "report.html", f"flowrl run report: {run_dir.name}", sections, intro)
+
+
+def markdown_report(results: dict, num_steps: int) -> str:
+    """``report.md``: the before / after table, the paired changes, and links to the images."""
+    lines = ["| metric | before | after |", "| --- | --- | --- |"]
+    for key in results["before"]:
+        lines.append(f"| {key} | {results['before'][key]:.4f} | {results['after'][key]:.4f} |")
+    by_task_note = "" if "prompts_per_task" not in results else (
+        " Prompts per task: " + ", ".join(f"{t} {c}" for t, c in results["prompts_per_task"].items())
+        + "; `<key>/task_mean` is the mean over tasks of the per-task means (GenEval's overall score).")
+    paired = [f"- {key}: {paired_change(v)}" for key, v in results.get("paired", {}).items()]
+    paired_note = "" if not paired else "\n\nChange of each task-mean score, after minus before:\n" + "\n".join(paired)
+    return (f"# Run report\n\n{results['prompts']} held-out prompts x {results['images_per_prompt']} images, ODE, "
+            f"{num_steps} steps, same seeds before and after.{by_task_note} The full report: report.html.\n\n"
+            + "\n".join(lines) + paired_note + "\n\n"
+            "![before](before.png) ![after](after.png)\n\n![reward curve](reward_curve.png)\n")
+
+
+def write_report(run_dir: str | Path, *, policy, ema, rewards, prompts: PromptSet, images_per_prompt: int,
+                 num_steps: int, guidance: float, seed: int, diversity: str = "none", save: bool = True,
+                 trained: list[str] | None = None) -> dict:
+    """The end-of-run report: render before/after, score them, plot the curve; every rank renders, ``save`` writes.
+
+    ``trained``: the reward keys training optimised (nonzero weight), the curve's and summary's main score."""
+    from torchvision.utils import save_image
+
+    run_dir, trained = Path(run_dir), list(trained or [])
+    results, before, after = before_after(policy, ema, rewards, prompts, images_per_prompt=images_per_prompt,
+                                          num_steps=num_steps, guidance=guidance, seed=seed, diversity=diversity)
+    results["summary"] = summary_line(results, trained, run_dir / "report.html")
+    if save:
+        grid_rows = min(len(prompts), 8) * images_per_prompt
+        save_image(stills(before[:grid_rows]), run_dir / "before.png", nrow=images_per_prompt, padding=2)
+        save_image(stills(after[:grid_rows]), run_dir / "after.png", nrow=images_per_prompt, padding=2)
+        curve = plot_reward_curve(run_dir, trained)
+        html_report(run_dir, results, prompts, before, after, images_per_prompt, curve)
+        (run_dir / "report.json").write_text(json.dumps(results, indent=2) + "\n")
+        (run_dir / "report.md").write_text(markdown_report(results, num_steps))
+    return results

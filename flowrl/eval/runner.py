@@ -167,7 +167,7 @@ def _render_missing(policy, suite, todo: list[int], folder: Path, cfg, *, base: 
     from safetensors.torch import save_file
     from torchvision.utils import save_image
 
-    from flowrl.eval.run_report import render
+    from flowrl.eval.held_out import render
     from flowrl.media import stills
 
     e, n = cfg.eval, cfg.eval.images_per_prompt

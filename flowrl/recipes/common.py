@@ -29,7 +29,8 @@ from flowrl.data import PromptSet, epoch_prompt_indices, prompts_per_batch
 from flowrl.eval_tasks import stratified_prefix
 from flowrl.models.lora_io import lora_config_dict, lora_state_dict
 from flowrl.models.text_cache import attach_text_cache
-from flowrl.eval.run_report import evaluate, render, write_report
+from flowrl.eval.held_out import evaluate, render
+from flowrl.eval.report import write_report
 from flowrl.rewards_api import build_rewards, nan_summary
 from flowrl.sampling import StepPlan, chunked_rollout, concat_trajectories, rollout, root_seeds
 from flowrl.sampling.pilot import commit_candidates, join_committed, slot_seeds
@@ -92,7 +93,7 @@ def eval_grid(policy, ema, prompts: PromptSet, cfg: Config, guidance: float, out
     Every process calls this (a sharded model needs all ranks for a forward); only ``save`` writes."""
     from torchvision.utils import save_image
 
-    from flowrl.eval.run_report import render
+    from flowrl.eval.held_out import render
     from flowrl.media import stills
 
     n = cfg.log.eval_images_per_prompt

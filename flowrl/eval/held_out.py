@@ -1,0 +1,89 @@
+"""Held-out prompts on fixed seeds: their ODE samples, their scores, and an adapter's paired before / after.
+
+One job: turn a policy and prompts into images and numbers that can be compared across runs and epochs.
+Training's held-out points and eval grids (:mod:`flowrl.recipes.common`), the renders of ``flowrl eval``
+(:mod:`flowrl.eval.runner`) and the end-of-run report (:mod:`flowrl.eval.report`, which writes what
+:func:`before_after` computes) all sample here, so they all see the same images for the same seeds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flowrl.data import PromptSet
+from flowrl.eval_tasks import by_task, paired_task_mean_gain, row_tasks
+from flowrl.rewards_api import score
+from flowrl.sampling import StepPlan, rollout, root_seeds
+from flowrl.training.ema import ema_weights
+
+
+def render(policy, prompts: PromptSet, *, images_per_prompt: int, num_steps: int, guidance: float, seed: int,
+           batch_prompts: int = 8, first_prompt: int = 0, with_latents: bool = False):
+    """ODE samples ``[P * n, 3, H, W]`` (video ``[P * n, T, 3, H, W]``) of ``prompts``, in chunks of prompts;
+    row-seeded, so reproducible. Each prompt's metadata reaches the policy (an editing family's source image).
+
+    Prompt ``i`` takes the seeds of global rows ``(first_prompt + i) * n ...``, so a subset of a suite
+    renders the same images as the whole. ``with_latents`` also returns the clean latents ``[P * n, C, h, w]``."""
+    images, latents = [], []
+    for start in range(0, len(prompts), batch_prompts):
+        chunk = prompts.prompts[start:start + batch_prompts]
+        metadata = prompts.metadata[start:start + batch_prompts]
+        with policy.local_forward():
+            traj = rollout(policy, chunk, group_size=images_per_prompt, num_steps=num_steps, guidance_scale=guidance,
+                           noise_level=0.0, plan=StepPlan(num_steps, sde_start=num_steps - 1, sde_size=1),
+                           metadata=metadata,
+                           seeds=root_seeds(seed, (first_prompt + start) * images_per_prompt,
+                                            len(chunk) * images_per_prompt))
+        images.append(traj.images)
+        latents.append(traj.final_latents.float().cpu())
+    return (torch.cat(images), torch.cat(latents)) if with_latents else torch.cat(images)
+
+
+def evaluate(images: torch.Tensor, prompts: PromptSet, images_per_prompt: int, rewards, diversity: str) -> dict:
+    """Mean of every reward key (NaN-aware); with task metadata, each key's per-task means and their mean
+    (``eval/<key>/task/<task>``, ``eval/<key>/task_mean``); for ``diversity="toy"``, ground-truth diversity."""
+    return evaluate_rows(images, prompts, images_per_prompt, rewards, diversity)[0]
+
+
+def evaluate_rows(images: torch.Tensor, prompts: PromptSet, images_per_prompt: int, rewards,
+                  diversity: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """:func:`evaluate`'s summary and the per-image scores ``{key: [P * n]}`` behind it."""
+    row_prompts = [p for p in prompts.prompts for _ in range(images_per_prompt)]
+    row_metadata = [m for m in prompts.metadata for _ in range(images_per_prompt)]
+    scores = score(rewards, images, row_prompts, row_metadata, on_error="nan")
+    out = {f"eval/{k}": float(torch.nanmean(v)) for k, v in scores.items()}
+    tasks = row_tasks(row_metadata)
+    if tasks is not None:  # GenEval's convention: per-task means and their mean, eval/<key>/task_mean
+        out.update({f"eval/{k}": v for k, v in by_task(scores, tasks).items()})
+    if diversity == "toy":
+        from flowrl.toy.diversity import diversity as toy_diversity
+
+        groups = torch.arange(len(prompts)).repeat_interleave(images_per_prompt)
+        out.update({k: float(v) for k, v in toy_diversity(images, groups).items()})
+    return out, scores
+
+
+def before_after(policy, ema, rewards, prompts: PromptSet, *, images_per_prompt: int, num_steps: int,
+                 guidance: float, seed: int, diversity: str = "none") -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """The base model (``policy.reference()``) and the trained adapter (EMA weights when kept) on the same
+    prompts and seeds, scored alike: ``(results, before [P * n, ...], after [P * n, ...])``.
+
+    ``results`` holds both sides' :func:`evaluate` and, with task metadata, the prompts per task and the
+    change of each task-mean score with its paired standard error: the same prompts and seeds on both sides
+    make the difference the adapter's effect, not sampling noise."""
+    kwargs = dict(images_per_prompt=images_per_prompt, num_steps=num_steps, guidance=guidance, seed=seed)
+    with policy.reference():
+        before = render(policy, prompts, **kwargs)
+    with ema_weights(ema):
+        after = render(policy, prompts, **kwargs)
+    (summary_before, scores_before), (summary_after, scores_after) = (
+        evaluate_rows(images, prompts, images_per_prompt, rewards, diversity) for images in (before, after))
+    results = {"before": summary_before, "after": summary_after,
+               "prompts": len(prompts), "images_per_prompt": images_per_prompt}
+    tasks = row_tasks(prompts.metadata)
+    if tasks is not None:
+        results["prompts_per_task"] = {t: tasks.count(t) for t in dict.fromkeys(tasks) if t is not None}
+        row_task = [t for t in tasks for _ in range(images_per_prompt)]
+        results["paired"] = {f"eval/{k}/task_mean": paired_task_mean_gain(scores_before[k], scores_after[k], row_task)
+                             for k in scores_before}
+    return results, before, after
