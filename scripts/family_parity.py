@@ -4,7 +4,7 @@
 
 Same prompts, per-row seeds, steps and guidance (the family's default) on both sides: ``rollout(...,
 noise_level=0)`` against ``policy.pipeline_images(...)``, the family's ``__call__``. The figure behind the
-README's "ODE vs pipeline" column; tests/test_families.py asserts it stays under 1e-5.
+README's "ODE vs pipeline" column; tests/models/test_families.py asserts it stays under 1e-5.
 """
 
 from __future__ import annotations

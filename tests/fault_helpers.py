@@ -1,4 +1,4 @@
-"""Misbehaving rewards and reward servers for tests/test_faults.py and tests/test_bad_input.py.
+"""Misbehaving rewards and reward servers for tests/training/test_faults.py and tests/commands/test_bad_input.py.
 
 Rewards are named in configs by dotted path (``tests.fault_helpers:AllNan``); servers speak the remote
 reward wire format (rewards/remote.py) badly in one chosen way each.

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests import REPO
 
 
 def test_import_contract_is_kept():
@@ -20,7 +20,7 @@ def test_import_contract_is_kept():
     linter = Path(sys.executable).parent / "lint-imports"
     assert linter.is_file(), f"import-linter is installed but {linter} is missing"
     # --no-cache: nothing is written into the repository; the run takes about a second.
-    result = subprocess.run([str(linter), "--no-cache", "--no-logo"], cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run([str(linter), "--no-cache", "--no-logo"], cwd=REPO, capture_output=True, text=True)
     report = result.stdout + result.stderr
     assert result.returncode == 0, f"import contract broken (pyproject.toml [tool.importlinter]):\n{report}"
     assert "0 broken" in report, report

@@ -3,9 +3,9 @@ yaml.safe_load only, trust_remote_code never switched on by flowrl itself (only 
 config kwargs, default False)."""
 
 import re
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests import REPO
+
 SOURCES = sorted(p for d in ("flowrl", "rewards", "scripts", "tools") for p in (REPO / d).rglob("*.py"))
 
 

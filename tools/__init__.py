@@ -4,5 +4,5 @@ flowrl nor loose scripts that would need a ``sys.path`` insert to find those.
 
 - ``tools.d2align_fit``: fit D²-Align's shared reward direction (``experiments/collapse.yaml`` runs it first).
 - ``tools.check_lora_compat``: does each exported LoRA file load at the trained scale in each loader.
-- ``tools.toy_four_prompts``: train on the four prompts of ``tests/test_toy_rl.py``, count fixed and broken images.
+- ``tools.toy_four_prompts``: train on the four prompts of ``tests/toy/test_toy_rl.py``, count fixed and broken images.
 """

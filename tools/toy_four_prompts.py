@@ -1,4 +1,4 @@
-"""Train a toy config on the four training prompts of tests/test_toy_rl.py and count, on 48 common
+"""Train a toy config on the four training prompts of tests/toy/test_toy_rl.py and count, on 48 common
 ODE seeds per prompt, the images the run fixed and broke (strict ToyEval, paired before/after).
 
     python -m tools.toy_four_prompts configs/toy/nft.yaml --epochs 12 train.learning_rate=2e-3
@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 
 from rewards.toyeval import ToyEval
-from tests.test_toy_rl import PROMPTS
-from tests.toy_runs import ode_images, paired_gain, train_on_prompts
+from tests.toy_runs import FOUR_PROMPTS, ode_images, paired_gain, train_on_prompts
 
 
 def main() -> None:
@@ -31,14 +30,14 @@ def main() -> None:
     args = parser.parse_args()
     run_dir = Path(tempfile.mkdtemp(prefix="toy_four_"))
     with pytest.MonkeyPatch.context() as monkeypatch:
-        policy, cfg, metas = train_on_prompts(args.config, PROMPTS, run_dir, monkeypatch, epochs=args.epochs,
+        policy, cfg, metas = train_on_prompts(args.config, FOUR_PROMPTS, run_dir, monkeypatch, epochs=args.epochs,
                                               overrides=args.overrides)
         seeds = list(range(5000, 5000 + args.seeds))
-        prompts = [p for p in PROMPTS for _ in seeds]
+        prompts = [p for p in FOUR_PROMPTS for _ in seeds]
         meta = [m for m in metas for _ in seeds]
-        after = ToyEval()(ode_images(policy, cfg, PROMPTS, seeds), prompts, meta)["toyeval"].float()
+        after = ToyEval()(ode_images(policy, cfg, FOUR_PROMPTS, seeds), prompts, meta)["toyeval"].float()
         with policy.reference():
-            before = ToyEval()(ode_images(policy, cfg, PROMPTS, seeds), prompts, meta)["toyeval"].float()
+            before = ToyEval()(ode_images(policy, cfg, FOUR_PROMPTS, seeds), prompts, meta)["toyeval"].float()
     for line in (run_dir / "run" / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         print(f"epoch {record['epoch']}: rollouts strict {record['reward/toyeval_mean']:.3f}")

@@ -1,0 +1,71 @@
+"""The command line: help lists the subcommands, sample writes a grid, errors are one line."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from PIL import Image
+
+from tests import REPO
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+def _flowrl(*args, cwd=REPO):
+    return subprocess.run([sys.executable, "-m", "flowrl", *args], cwd=cwd, env=ENV, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_help_lists_the_planned_subcommands():
+    out = _flowrl("--help")
+    assert out.returncode == 0
+    for command in ("train", "sample", "eval", "export-lora"):
+        assert command in out.stdout
+
+
+def test_sample_writes_a_grid(tmp_path):
+    out_file = tmp_path / "grid.png"
+    result = _flowrl("sample", "configs/smoke/sd3_tiny.yaml", "sampling.num_steps=2", "--prompt", "a cat",
+                     "--prompt", "a dog", "--num-per-prompt", "3", "--out", str(out_file))
+    assert result.returncode == 0, result.stderr
+    image = Image.open(out_file)
+    # 2 rows x 3 columns of 64 px images with 2 px padding
+    assert image.size == (3 * 64 + 4 * 2, 2 * 64 + 3 * 2)
+
+
+def test_bad_override_is_a_one_line_error():
+    result = _flowrl("sample", "configs/smoke/sd3_tiny.yaml", "sampling.num_stepz=2", "--prompt", "x")
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0
+    assert "sampling.num_stepz" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow  # a whole command in subprocesses, 10-20 s
+def test_train_without_a_config_runs_the_toy_world(tmp_path):
+    result = _flowrl("train", f"run_dir={tmp_path}", "train.epochs=1", "sampling.prompts_per_batch=2",
+                     "sampling.group_size=4", "log.eval_every=0", "log.report_prompts=2", "log.progress=false")
+    assert result.returncode == 0, result.stderr[-2000:]
+    saved = (tmp_path / "config.yaml").read_text()
+    assert "path: assets/toy" in saved and "toyeval" in saved
+    report = (tmp_path / "report.json").read_text()
+    assert "diversity/gt_mean" in report and (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()
+
+
+LOADING_BARS = ("Loading pipeline components", "Loading weights")  # diffusers' and transformers' per-component bars
+
+
+def test_train_shows_its_own_bar_but_no_loading_bars(tmp_path):
+    result = _flowrl("train", f"run_dir={tmp_path}", "train.epochs=1", "sampling.prompts_per_batch=2",
+                     "sampling.group_size=4", "log.eval_every=0", "log.report_prompts=2", "log.progress=true")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "nft: 100%" in result.stderr  # log.progress: flowrl's own bar
+    assert not [bar for bar in LOADING_BARS if bar in result.stderr], result.stderr[-2000:]
+    assert "FutureWarning" not in result.stderr
+
+
+def test_debug_keeps_the_loading_bars(tmp_path):
+    result = _flowrl("--debug", "sample", "configs/toy/nft.yaml", "--prompt", "a red circle", "--num-per-prompt", "1",
+                     "--out", str(tmp_path / "grid.png"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert LOADING_BARS[0] in result.stderr

@@ -1,0 +1,162 @@
+"""The experiments runner (``python -m flowrl.experiments experiments/<table>.yaml``) without training the
+toy comparisons: table cells over seeds read "mean ± s.e. (n)", a finished run is skipped and an interrupted
+one cleared (or resumed where exact), the speed-up column divides grpo_full's time to its own final level by
+each method's, every shipped experiment file names valid configs, and one tiny experiment runs end to end."""
+
+import argparse
+import json
+
+import pytest
+
+from flowrl.config import Config, load_config
+from flowrl.experiments.cells import fmt_mean_se
+from flowrl.experiments.cli import main
+from flowrl.experiments.runs import gather, is_finished, mark_finished, parse_seeds, prepare_run, seed_dir
+from flowrl.experiments.spec import load_experiment
+from flowrl.experiments.tables import TABLES, algorithms
+from tests import REPO
+
+SHIPPED = sorted(p for p in (REPO / "experiments").glob("*.yaml") if not p.name.startswith("_"))
+
+
+def test_mean_and_standard_error_over_seeds():
+    assert fmt_mean_se([0.4, 0.42, 0.44]) == "0.420 ± 0.012 (3)"  # stdev 0.02 / sqrt(3)
+    assert fmt_mean_se([0.412]) == "0.412 (1)"
+    assert fmt_mean_se([0.01, 0.03], "+.3f") == "+0.020 ± 0.010 (2)"
+    assert fmt_mean_se([120.0, None, float("nan")], ".0f") == "120 (1/3)"  # never reached: left out, counted
+    assert fmt_mean_se([None, None], missing="never") == "never"
+
+
+def test_seeds_argument():
+    assert parse_seeds("0,1,2") == [0, 1, 2]
+    for bad in ("a,b", "", "1,1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_seeds(bad)
+
+
+def test_finished_runs_are_skipped_and_interrupted_ones_cleared(tmp_path):
+    arguments = ["configs/toy/grpo.yaml", "seed=1"]
+    finished, interrupted, stale = (seed_dir(tmp_path, name, 1) for name in ("done", "cut", "old"))
+    for run_dir in (finished, interrupted, stale):
+        (run_dir / "lora").mkdir(parents=True)
+    mark_finished(finished, arguments, 3.0)
+    mark_finished(stale, ["configs/toy/grpo.yaml", "seed=0"], 3.0)
+
+    assert prepare_run(finished, arguments, exact_resume=False) is None  # kept as it is
+    assert (finished / "lora").is_dir()
+    for run_dir in (interrupted, stale):  # half a run, or one with other settings: started again from nothing
+        assert prepare_run(run_dir, arguments, exact_resume=False) == []
+        assert not run_dir.exists()
+    assert prepare_run(tmp_path / "new_s1", arguments, exact_resume=False) == []
+
+    resumable = seed_dir(tmp_path, "ckpt", 1)
+    (resumable / "checkpoints" / "epoch_4").mkdir(parents=True)
+    (resumable / "checkpoints" / "epoch_4" / "trainer_state.json").write_text("{}")
+    assert prepare_run(resumable, arguments, exact_resume=True) == ["train.resume=latest"]
+    assert resumable.exists()
+    assert prepare_run(resumable, arguments, exact_resume=False) == [] and not resumable.exists()
+
+    assert is_finished(finished) and not is_finished(interrupted)
+    found = gather(tmp_path, {"done": [0, 1], "cut": [1]}, lambda run_dir: run_dir.name)
+    assert found == {"done": {1: "done_s1"}}
+
+
+def _curve(walls_means, base=0.3):
+    """A held-out curve as the algorithms table reads one: the base point, then (wall-clock, task mean)s."""
+    rest = {"diversity": 0.4, **dict.fromkeys(algorithms.TASKS, 0.5)}
+    return [{"epoch": -1, "wall": 0.0, "rollouts": 0, "mean": base, **rest}] + [
+        {"epoch": i, "wall": wall, "rollouts": 10 * (i + 1), "mean": mean, **rest}
+        for i, (wall, mean) in enumerate(walls_means)]
+
+
+def test_speed_up_to_grpo_final_level():
+    runs = {"grpo_full": {0: _curve([(50, 0.4), (100, 0.5)]), 1: _curve([(50, 0.45), (100, 0.5)])},
+            "nft": {0: _curve([(10, 0.6)]), 1: _curve([(20, 0.55)])},
+            "awm": {0: _curve([(10, 0.35)])}}
+    level, ratios = algorithms.speedups(runs)
+    assert level == pytest.approx(0.5)
+    assert ratios["grpo_full"]["wall"] == [1.0, 1.0]
+    assert ratios["nft"]["wall"] == [10.0, 5.0] and ratios["nft"]["rollouts"] == [2.0, 2.0]
+    assert ratios["awm"]["wall"] == [None]
+
+    claims = load_experiment(REPO / "experiments/algorithms.yaml").params["claims"]
+    params = {"gain": 0.02, "budget_s": 100.0, "parallel": 1, "test_prompts": 4, "images": 2, "top": 0,
+              "claims": claims}
+    table = "\n".join(algorithms.results_table(runs, params, "cmd", {}))
+    nft = next(line for line in table.splitlines() if line.startswith("| nft |"))
+    assert "7.50 ± 2.50 (2)" in nft and "up to 25x faster than Flow-GRPO" in nft
+    awm = next(line for line in table.splitlines() if line.startswith("| awm |"))
+    assert "not reached" in awm
+
+
+def test_top_methods_pick_the_best_finished_first_seed_runs(tmp_path):
+    for name, final in (("nft", 0.6), ("awm", 0.5), ("grpo_full", 0.4), ("grpo_tree", 0.7)):
+        run_dir = seed_dir(tmp_path, name, 0)
+        run_dir.mkdir()
+        records = [{"step": 0, "epoch": -1, "test/toyeval/task_mean": 0.3},
+                   {"step": 1, "epoch": 0, "test/toyeval/task_mean": final}]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        if name != "grpo_tree":  # interrupted: not a candidate
+            mark_finished(run_dir, [], 1.0)
+    names = ["grpo_full", "grpo_tree", "nft", "awm"]
+    assert algorithms.top_methods(tmp_path, names, 0, 1) == ["grpo_full", "nft"]  # + the reference
+    assert algorithms.top_methods(tmp_path, names, 0, 2) == ["grpo_full", "nft", "awm"]
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_shipped_experiments_name_valid_runs(path, monkeypatch):
+    """Every run of every experiment file, at every seed, is a config the loader accepts (the settings and
+    overrides filled in), and its table kind exists."""
+    monkeypatch.chdir(REPO)
+    experiment = load_experiment(path)
+    assert experiment.table in TABLES
+    for name in [experiment.substitute(n) for n in experiment.runs]:
+        config, *overrides = experiment.arguments(name, experiment.seeds[0])
+        load_config(Config, config, overrides)
+
+
+def test_dry_run_lists_every_run_and_trains_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    assert main(["experiments/multi_reward.yaml", "--dry-run", "--seeds", "0,1", "--out", str(tmp_path)]) == 0
+    listed = capsys.readouterr().out
+    for name in ("weighted", "gdpo", "correlation", "marble"):
+        for seed in (0, 1):
+            assert f"{tmp_path}/{name}_s{seed}: to run" in listed
+    assert "train.combine=marble train.marble.refresh_every=2" in listed
+    assert "train.time_limit_s=180.0" in listed and list(tmp_path.iterdir()) == []
+
+
+def test_bad_flags_and_files_say_why_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    assert main(["experiments/guard.yaml", "--top", "2", "--dry-run"]) == 2
+    assert "--top does not apply" in capsys.readouterr().err
+    assert main(["experiments/collapse.yaml", "--methods", "nope", "--dry-run"]) == 2
+    assert "no run named nope" in capsys.readouterr().err
+    assert main([str(tmp_path / "missing.yaml")]) == 2
+    assert "no experiment file" in capsys.readouterr().err
+
+
+def test_tiny_experiment_runs_resumes_and_writes_its_table(tmp_path, monkeypatch, capsys):
+    """One run of the tiny SD3 smoke config for one epoch: trained, tabulated, skipped on rerun; with its
+    ``done.json`` gone (an interruption) a rerun would start it again."""
+    monkeypatch.chdir(REPO)
+    experiment = tmp_path / "tiny.yaml"
+    experiment.write_text(
+        f"table: metrics\nout: {tmp_path / 'runs'}\nresults: {tmp_path / 'results.md'}\ntitle: Tiny\n"
+        "settings: [train.epochs=1, log.eval_every=0, log.report_prompts=0, log.progress=false, "
+        "train.checkpoint_every=0]\n"
+        "runs:\n  tiny: {config: configs/smoke/sd3_tiny.yaml, overrides: [sampling.group_size=2]}\n"
+        "columns:\n  - {header: brightness, key: reward/brightness_mean, at: last}\n")
+    assert main([str(experiment)]) == 0
+    run_dir = tmp_path / "runs" / "tiny_s0"
+    assert is_finished(run_dir)
+    done = (run_dir / "done.json").read_text()
+    table = (tmp_path / "results.md").read_text()
+    assert table.startswith("## Tiny") and "| run | seeds | brightness |" in table and "| tiny | 0 | 0." in table
+
+    assert main([str(experiment)]) == 0  # finished: kept, not trained again
+    assert (run_dir / "done.json").read_text() == done
+    (run_dir / "done.json").unlink()
+    capsys.readouterr()
+    assert main([str(experiment), "--dry-run"]) == 0
+    assert f"{run_dir}: interrupted, starting again" in capsys.readouterr().out
