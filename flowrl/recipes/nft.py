@@ -13,7 +13,7 @@ pulling the velocity toward good samples and away from bad ones. ``nft.loss`` pi
   DPM-Solver 2nd order: ``sampling.ode_solver: dpmpp_2m``, the same steps). Its gradient is a
   supervised one: on the toy world, 12 epochs on four training prompts take strict ToyEval from 0.31 to 0.51 where full-SDE GRPO
   reaches 0.41, and on the whole prompt set it raises the held-out task mean while GRPO stays flat
-  (assets/toy/README.md, tests/test_toy_rl.py). Remaining differences: the reference feeds its sampler's
+  (assets/toy/README.md, tests/toy/test_toy_rl.py). Remaining differences: the reference feeds its sampler's
   transformer the timestep truncated to an integer (``long(1000 sigma)``) and trains ``int(0.99 K)`` of the K
   sigmas per sample per epoch (``nft.timesteps_per_sample`` sets the count here).
 - ``awm``: Advantage Weighted Matching (:mod:`flowrl.algorithms.awm`; reference: github.com/scxue/
