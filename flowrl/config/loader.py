@@ -124,16 +124,77 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     raise _type_error(key, _tname(tp), value)
 
 
-def _unknown_key(name: str, valid: Sequence[str], prefix: str, where: str = "") -> ConfigError:
+class UnknownKeyError(ConfigError):
+    """A key the schema does not have: ``path`` is its dotted name and ``where`` the override that set it (or ""), so
+    the builder of a variant can say which other variant has it."""
+
+    def __init__(self, message: str, *, path: str, where: str = ""):
+        super().__init__(message)
+        self.path, self.where = path, where
+
+
+def _unknown_key(name: str, valid: Sequence[str], prefix: str, where: str = "") -> UnknownKeyError:
     close = difflib.get_close_matches(name, valid, n=1)
     hint = f"did you mean '{_join(prefix, close[0])}'?" if close else \
         f"valid keys {'under ' + repr(prefix) if prefix else 'at top level'}: {', '.join(valid)}"
-    return ConfigError(f"unknown config key '{_join(prefix, name)}'{where} ({hint})")
+    return UnknownKeyError(f"unknown config key '{_join(prefix, name)}'{where} ({hint})", path=_join(prefix, name),
+                           where=where)
+
+
+# Variants: a dataclass whose ClassVar ``variant_key`` names one of its fields, and whose ClassVar ``variants`` maps
+# that field's values to subclasses, is built as the subclass its data names (flowrl's Config: ``recipe:`` picks
+# the recipe's config class). A key only another variant has is then unknown, with a message naming both.
+
+def _variant(cls: type, data: Any, prefix: str) -> type:
+    """The class that ``data`` (a mapping for ``cls``) builds: ``cls`` or the variant its ``variant_key`` names."""
+    key = getattr(cls, "variant_key", None)
+    if key is None or not isinstance(data, Mapping):
+        return cls
+    default = next(f.default for f in dataclasses.fields(cls) if f.name == key)
+    value = _coerce(get_type_hints(cls)[key], data.get(key, default), _join(prefix, key))
+    chosen = cls.variants.get(value, cls)
+    return chosen if issubclass(chosen, cls) else cls
+
+
+def _has_key(cls: type, path: Sequence[str]) -> bool:
+    """Whether the dataclass ``cls`` has the dotted key ``path`` (below a dict or Any field, anything goes)."""
+    for part in path:
+        cls = _optional_inner(cls)
+        if not dataclasses.is_dataclass(cls):
+            return True
+        names = [f.name for f in dataclasses.fields(cls) if f.init]
+        if part not in names:
+            return False
+        cls = get_type_hints(cls)[part]
+    return True
+
+
+def _other_variant_key(cls: type, chosen: type, error: UnknownKeyError, prefix: str) -> ConfigError:
+    """``error`` again, or, where the key belongs to another variant of ``cls``, one line naming both variants."""
+    path = error.path[len(prefix) + 1:] if prefix else error.path
+    key = cls.variant_key
+    mine = next((value for value, variant in cls.variants.items() if variant is chosen), None)
+    owners = [value for value, variant in cls.variants.items()
+              if variant is not chosen and _has_key(variant, path.split("."))]
+    if mine is None or not owners:
+        return error
+    return ConfigError(f"unknown config key '{error.path}'{error.where}: a {key} {owners[0]} option; {key} {mine} "
+                       f"has no such key (set {_join(prefix, key)}: {owners[0]}, or remove it)")
 
 
 def _build(cls: type[T], data: Any, prefix: str) -> T:
     if not isinstance(data, Mapping):
         raise _type_error(prefix or "<root>", f"a mapping for {cls.__name__}", data)
+    chosen = _variant(cls, data, prefix)
+    try:
+        return _build_fields(chosen, data, prefix)
+    except UnknownKeyError as error:
+        if getattr(cls, "variant_key", None) is None:
+            raise
+        raise _other_variant_key(cls, chosen, error, prefix) from None
+
+
+def _build_fields(cls: type[T], data: Mapping, prefix: str) -> T:
     fields, hints = {f.name: f for f in dataclasses.fields(cls) if f.init}, get_type_hints(cls)
     kwargs = {}
     for name, value in data.items():
@@ -211,13 +272,15 @@ def _apply_override(data: dict, text: str, cls: type) -> None:
         value = yaml.safe_load(raw) if raw.strip() else raw
     except yaml.YAMLError:
         value = raw  # e.g. an unbalanced quote in a prompt: take it literally
-    parts, tp, node = key.split("."), cls, data
+    root = _variant(cls, data, "")  # the recipe that the file and the overrides so far name
+    parts, tp, node = key.split("."), root, data
     for i, part in enumerate(parts):
         tp = _optional_inner(tp)
         if dataclasses.is_dataclass(tp):  # below a dict / Any field, from_dict checks the rest
             names = [f.name for f in dataclasses.fields(tp) if f.init]
             if part not in names:
-                raise _unknown_key(part, names, ".".join(parts[:i]), f" in override '{text}'")
+                error = _unknown_key(part, names, ".".join(parts[:i]), f" in override '{text}'")
+                raise error if getattr(cls, "variant_key", None) is None else _other_variant_key(cls, root, error, "")
         tp = get_type_hints(tp)[part] if dataclasses.is_dataclass(tp) else Any
         if i < len(parts) - 1:
             node[part] = node[part] if isinstance(node.get(part), dict) else {}  # e.g. replaces a null

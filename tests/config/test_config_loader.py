@@ -4,7 +4,7 @@ from __future__ import annotations  # annotations are strings: exercises get_typ
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 import pytest
 
@@ -231,3 +231,51 @@ def test_save_load_round_trip(tmp_path):
     assert [p.name for p in out.parent.iterdir()] == ["config.yaml"]  # no tmp file left behind
     save_config(Cfg(run_name="again"), out)  # overwrite in place
     assert load_config(Cfg, out) == Cfg(run_name="again")
+
+
+# --- variants: a field that picks the subclass to build ----------------------------------------------------------
+
+@dataclass
+class KindCfg:
+    variant_key: ClassVar[str] = "kind"
+    variants: ClassVar[dict[str, type]] = {}
+
+    kind: Literal["a", "b"] = "a"
+    """which subclass"""
+    steps: int = 1
+    """shared by both"""
+
+
+@dataclass
+class ACfg(KindCfg):
+    kind: Literal["a"] = "a"
+    """always a"""
+    clip: float = 0.1
+    """a's own"""
+
+
+@dataclass
+class BCfg(KindCfg):
+    kind: Literal["b"] = "b"
+    """always b"""
+    strength: float = 1.0
+    """b's own"""
+
+
+KindCfg.variants.update(a=ACfg, b=BCfg)
+
+
+def test_variant_key_picks_the_subclass_and_another_variants_key_is_unknown_naming_both(tmp_path):
+    assert from_dict(KindCfg, {}) == ACfg() and from_dict(KindCfg, {"kind": "b", "strength": 2}) == BCfg(strength=2.0)
+    assert load_config(KindCfg, None, ["kind=b", "strength=3"]) == BCfg(strength=3.0)
+    with pytest.raises(ConfigError, match=r"^unknown config key 'clip': a kind a option; kind b has no such key "
+                                          r"\(set kind: a, or remove it\)$"):
+        from_dict(KindCfg, {"kind": "b", "clip": 0.2})
+    with pytest.raises(ConfigError, match=r"unknown config key 'clip' in override 'clip=1': a kind a option; kind b"):
+        load_config(KindCfg, None, ["kind=b", "clip=1"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'strenght' \(did you mean 'strength'\?\)"):
+        from_dict(KindCfg, {"kind": "b", "strenght": 2})  # a typo keeps its suggestion
+    with pytest.raises(ConfigError, match=r"config key 'kind': expected one of 'a', 'b', got str 'c'"):
+        from_dict(KindCfg, {"kind": "c"})
+    with pytest.raises(ConfigError, match=r"config key 'kind': expected one of 'b', got str 'a'"):
+        from_dict(BCfg, {"kind": "a"})  # a variant's own class builds that variant only
