@@ -22,14 +22,14 @@ import time
 import torch
 
 from flowrl.algorithms.losses import POLICY_LOSSES
-from flowrl.config import Config, load_config
+from flowrl.config import GRPOConfig, load_config
 from flowrl.recipes.build import build_training_policy
 from flowrl.recipes.grpo import StatsAccumulator, make_accelerator, train, transition_loss
 from flowrl.sampling import rollout, root_seeds
 from flowrl.training.metrics import read_metrics
 
 
-def stage_times(cfg: Config) -> dict[str, float]:
+def stage_times(cfg: GRPOConfig) -> dict[str, float]:
     train(cfg)
     records = read_metrics(cfg.run_dir)[1:] or read_metrics(cfg.run_dir)
     mean = lambda key: statistics.fmean(r[key] for r in records)  # noqa: E731
@@ -54,7 +54,7 @@ def _timed(functions: list, repeats: int) -> list[float]:
     return [statistics.median(bucket) for bucket in times]
 
 
-def overhead(cfg: Config, repeats: int) -> tuple[float, float, float]:
+def overhead(cfg: GRPOConfig, repeats: int) -> tuple[float, float, float]:
     """(flowrl step s, bare forward+backward s, reference pass s) on one micro-batch."""
     accelerator = make_accelerator(cfg)
     policy = build_training_policy(cfg, accelerator.device)
@@ -101,9 +101,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as run_dir:
-        cfg = load_config(Config, args.config, [*args.overrides, f"run_dir={run_dir}", f"train.epochs={args.epochs}",
-                                                "log.progress=false", "log.eval_every=0", "train.export_lora=false",
-                                                "train.checkpoint_every=1000000"])
+        settings = [f"run_dir={run_dir}", f"train.epochs={args.epochs}", "log.progress=false", "log.eval_every=0",
+                    "train.export_lora=false", "train.checkpoint_every=1000000"]
+        cfg = load_config(GRPOConfig, args.config, [*args.overrides, *settings])  # the GRPO loop: recipe grpo only
         times = stage_times(cfg)
         ours, bare, reference = overhead(cfg, args.repeats)
     print(f"config: {args.config}  epochs: {args.epochs} (first skipped)")

@@ -30,7 +30,8 @@ from flowrl.algorithms.ratio_norm import (
     batch_sensitivity_log_ratio, grpo_guard_log_ratio, grpo_guard_loss_scale, step_sensitivities,
 )
 from flowrl.algorithms.tmpo import softmax_tb_advantages, softmax_tb_gradient
-from flowrl.config.schema import NFTConfig, TrainConfig
+from flowrl.config.forward import NFTSection
+from flowrl.config.schema import TrainConfig
 from flowrl.sampling import sde_step
 from flowrl.training.ema import decay_schedule
 
@@ -227,7 +228,7 @@ def nft_figures(strengths: tuple[float, ...] = (1.0, 0.1)) -> dict[str, list]:
     decays = [[step] + [decay_schedule(step, kind) for kind in (0, 1, 2)]
               + [earlier_slow_ramp(step), earlier_fast_ramp(step)] for step in DECAY_STEPS]
     clip = TrainConfig().advantage_clip
-    scales = [[strength, NFTConfig(strength=strength).policy_loss_scale(clip), 1.0] for strength in strengths]
+    scales = [[strength, NFTSection(strength=strength).policy_loss_scale(clip), 1.0] for strength in strengths]
     return {"decays": decays, "loss_scales": scales}
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from flowrl.cli import DEFAULT_CONFIG
-from flowrl.config import Config, load_config
+from flowrl.config import NFTConfig, load_config
 from flowrl.data import epoch_prompt_indices
 from flowrl.recipes.common import StatsAccumulator, held_out_metrics, optimizer_step, start_run
 from flowrl.recipes.nft import forward_process_loss, schedule_timesteps
@@ -50,7 +50,7 @@ def main() -> None:
                         help="guidance of the trained velocity (default: the config's, as DiffusionNFT trains it); "
                              "1 trains the conditional velocity alone, as pre-training did")
     args = parser.parse_args()
-    cfg = load_config(Config, args.config, [f"run_dir={args.run_dir}", "log.progress=false", *args.overrides])
+    cfg = load_config(NFTConfig, args.config, [f"run_dir={args.run_dir}", "log.progress=false", *args.overrides])
     run = start_run(cfg)
     policy, s, t, n = run.policy, cfg.sampling, cfg.train, cfg.nft
     size = policy.decode(policy.init_noise(1)).shape[-1]

@@ -1,6 +1,7 @@
-"""The forward-process section of a run's configuration (``nft.*``, recipe nft): DiffusionNFT's, AWM's and
-CRD's losses, their timesteps, samplers, old-policy decays and eval EMAs. Re-exported by
-:mod:`flowrl.config.schema`, which holds the rest of the typed configuration.
+"""Recipe nft's configuration (``recipe: nft``): :class:`NFTConfig`, the shared sections of
+:class:`~flowrl.config.schema.Config` and the forward-process section :class:`NFTSection` (``nft.*``): DiffusionNFT's,
+AWM's and CRD's losses, their timesteps, samplers, old-policy decays and eval EMAs. Recipe nft has no log-prob ratios,
+so GRPO's own keys (``train.clip_range``, ``train.loss``, ``gardo.*``, ...) are unknown keys here.
 """
 
 from __future__ import annotations
@@ -9,10 +10,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from flowrl.config.loader import check
+from flowrl.config.schema import Config
 
 
 @dataclass
-class NFTConfig:
+class NFTSection:
     """Forward-process RL (recipe: nft): ODE rollouts, flow-matching updates on their clean samples,
     with DiffusionNFT's loss, AWM's or CRD's."""
 
@@ -135,9 +137,37 @@ class NFTConfig:
         return {"nft": advantage_clip / self.strength, "crd": advantage_clip / self.crd_beta}.get(self.loss, 1.0)
 
 
-# The settings of NFTConfig whose null means "the loss's own": DiffusionNFT's, and AWM's and CRD's reference ones.
+# The settings of NFTSection whose null means "the loss's own": DiffusionNFT's, and AWM's and CRD's reference ones.
 NFT_CHOICES = {"timestep_schedule": "sampling", "sampler": "ode", "rollout_weights": "old", "eval_ema_decay": 0.9,
                "eval_ema_every": "step", "old_decay": 1}
 LOSS_CHOICES = {"awm": {"timestep_schedule": "stratified", "sampler": "sa_solver", "rollout_weights": "trained",
                         "eval_ema_decay": 0.99, "eval_ema_every": "epoch", "old_decay": [0, 0.0, 0.001, 0.3]},
                 "crd": {"old_decay": [0, 0.25, 0.005, 0.999]}}
+
+
+@dataclass
+class NFTConfig(Config, recipe="nft"):
+    """A run of recipe nft (:mod:`flowrl.recipes.nft`): forward-process training on ODE rollouts' clean samples."""
+
+    recipe: Literal["nft"] = "nft"
+    """Training loop: grpo (SDE rollouts, clipped log-prob ratios) or nft (DiffusionNFT)."""
+    nft: NFTSection = field(default_factory=NFTSection)
+    """DiffusionNFT settings: the loss (nft, awm or crd), its timesteps, sampler and adapters."""
+
+    def validate(self):
+        super().validate()
+        n, t, s = self.nft, self.train, self.sampling
+        check(not (n.loss == "crd" and t.combine == "marble"), "train.combine",
+              "marble balances advantage-weighted gradients, and nft.loss=crd weights each sample by its reward-"
+              "matching residual instead: use train.combine=weighted or gdpo with crd")
+        check(t.ema, "train.ema", "recipe nft keeps its old adapter as train.ema: set train.ema=true")
+        check(n.choice("timestep_schedule") != "sampling" or n.timesteps_per_sample <= s.num_steps,
+              "nft.timesteps_per_sample", f"exceeds the {s.num_steps} sigmas of the sampling schedule; lower it or "
+              "set nft.timestep_schedule=uniform")
+        check(n.choice("timestep_schedule") != "stratified" or int(s.num_steps * n.stratified_fraction) >= 2,
+              "nft.stratified_fraction", f"leaves no sigma between the first and the last of sampling.num_steps="
+              f"{s.num_steps}: raise it or the steps")
+        check(n.choice("sampler") != "sa_solver" or s.num_steps >= 2, "sampling.num_steps",
+              "SA-Solver rollouts need at least 2 steps (nft.sampler=sa_solver)")
+        check(n.choice("sampler") != "sa_solver" or not s.pilot.candidates, "sampling.pilot.candidates",
+              "Pilot-Commit rolls out with the Euler/SDE loop, not SA-Solver: set it to 0 or nft.sampler=ode")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -138,7 +139,8 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, extras: di
     (:mod:`flowrl.recipes.extras`); ``eval_ema_decay``: keep a separate EMA of that decay for eval, the report,
     the export and ``ema.safetensors`` (recipe nft), ``run.ema`` staying the one the recipe steps."""
     check_names(cfg)
-    accelerator = accelerator or make_accelerator(cfg)
+    resolve_combine(cfg)  # before the accelerator: a DeepSpeed launch refuses marble
+    accelerator = accelerator or make_accelerator(cfg)  # checks that the configured device is there
     run_dir = Path(cfg.run_dir)
     check_run_dir(run_dir, resume=bool(cfg.train.resume), overwrite=cfg.train.overwrite)
     accelerator.wait_for_everyone()  # every process has looked before the main one claims the directory
@@ -205,6 +207,17 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, extras: di
     run.start_epoch = t.epochs if run.stopped else int(resumed["epoch"]) + 1  # stopped: only export and report
     logger.truncate_after(int(resumed["epoch"]))
     return run
+
+
+def resolve_combine(cfg: Config) -> None:
+    """``train.combine=marble`` balances several trained rewards; with fewer than two there is nothing to balance and
+    the run combines by weight, with a warning. Decided here, as the run starts, and not in validation, which changes
+    nothing: the saved config (written after this) holds the combiner the run used."""
+    trained = cfg.trained_rewards()
+    if cfg.train.combine == "marble" and len(trained) < 2:
+        warnings.warn(f"train.combine=marble balances several rewards, but only {trained} trains (nonzero weight); "
+                      "using train.combine=weighted", stacklevel=3)
+        cfg.train.combine = "weighted"
 
 
 def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_level: float, kind: str = "sde",

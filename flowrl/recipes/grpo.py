@@ -64,7 +64,7 @@ from flowrl.algorithms.losses import POLICY_LOSSES, gaussian_mean_kl
 from flowrl.algorithms.ratio_norm import (
     batch_sensitivity_log_ratio, grpo_guard_log_ratio, grpo_guard_loss_scale, step_sensitivities,
 )
-from flowrl.config import Config
+from flowrl.config import GRPOConfig
 from flowrl.recipes.common import (  # noqa: F401  (re-exported for callers of this module)
     StatsAccumulator, end_epoch, finish_run, group_advantages, log_base_model, make_accelerator, optimizer_step,
     out_of_time, sample_and_score, start_run, step_plan,
@@ -81,7 +81,7 @@ from flowrl.sampling.steps import kl_std
 from flowrl.training.accumulate import micro_batch
 
 
-def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, float]:
+def train(cfg: GRPOConfig, *, accelerator: Accelerator | None = None) -> dict[str, float]:
     """Run the GRPO loop described by ``cfg``; returns the last epoch's metrics as a flat dict."""
     # 0. Set-up: processes, run directory, model + LoRA, optimizer, EMA, rewards, prompts, resume.
     run = start_run(cfg, accelerator, extras=GRPO_EXTRAS)
@@ -154,7 +154,7 @@ def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, f
             epoch, in_group_diversity(guard_features(traj.images, traj.final_latents), traj.group_ids, accelerator),
             reward=finite_mean(combined), weights=lambda: exported_weights(policy, ema))
         # ratio_norm batch_sensitivity: each trained step's velocity sensitivity over their mean. ratio_norm runs
-        # only where every row shares one window (Config.validate), so row 0's sigmas are all of them.
+        # only where every row shares one window (GRPOConfig.validate), so row 0's sigmas are all of them.
         sensitivity = step_sensitivities(traj.row_sigmas[0], trained_cols, noise_level=s.noise_level, kind=s.kind) \
             if t.ratio_norm == "batch_sensitivity" else {}
         mask = traj.first_visit_mask() & scored[:, None]  # [N, K]

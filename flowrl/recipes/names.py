@@ -2,8 +2,9 @@
 
 The config layer sits below the algorithms (it is plain data with range checks) and cannot see their registries,
 so a policy loss, reward combiner or feature space that none of them holds is caught here, before anything loads:
-first thing in ``start_run``, which every recipe (and so ``flowrl train``) begins with. The message is the
-config's own one-line form, naming the key.
+first thing in ``start_run``, which every recipe (and so ``flowrl train``) begins with. The config lists its registry
+names itself (``Config.registry_names``, a recipe's config adding its own: GRPO's policy loss and GARDO's features),
+so this module reads no recipe's keys. The message is the config's own one-line form, naming the key.
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ from flowrl.algorithms.losses import POLICY_LOSSES
 from flowrl.algorithms.tmpo import PATH_LOSSES
 from flowrl.config import Config, check
 
+# Config.registry_names() kind -> (the registry, whether a dotted path 'package.module:Class' may stand in for a name)
+REGISTRIES = {"policy loss": ({**POLICY_LOSSES, **PATH_LOSSES}, False),  # per transition, and TMPO's over paths
+              "reward combiner": (COMBINERS, False), "feature space": (FEATURES, True)}
+
 
 def check_names(cfg: Config) -> None:
-    """One-line ConfigError naming the first config key whose registry name is unknown."""
-    t = cfg.train
-    losses = {**POLICY_LOSSES, **PATH_LOSSES}  # per-transition losses, and TMPO's over whole paths
-    check(t.loss in losses, "train.loss", f"unknown policy loss {t.loss!r}; choose one of {sorted(losses)}")
-    check(t.combine in COMBINERS, "train.combine",
-          f"unknown reward combiner {t.combine!r}; choose one of {sorted(COMBINERS)}")
-    for key, features in (("gardo.features", cfg.gardo.features), ("guard.features", cfg.guard.features)):
-        check(features in FEATURES or ":" in features, key,
-              f"unknown feature space {features!r}; choose one of {sorted(FEATURES)} or 'package.module:Class'")
+    """One-line ConfigError naming the first config key whose registry name is unknown; the config says which of
+    its keys are registry names (its recipe's own included)."""
+    for key, (kind, name) in cfg.registry_names().items():
+        registry, dotted = REGISTRIES[kind]
+        check(name in registry or (dotted and ":" in name), key, f"unknown {kind} {name!r}; choose one of "
+              f"{sorted(registry)}" + (" or 'package.module:Class'" if dotted else ""))

@@ -93,7 +93,7 @@ from flowrl.algorithms.awm import awm_loss, stratified_timesteps
 from flowrl.algorithms.crd import crd_surrogate, crd_weights, implicit_reward, reward_adaptive_kl_weights
 from flowrl.algorithms.losses import nft_loss
 from flowrl.algorithms.marble import balanced_backward
-from flowrl.config import Config
+from flowrl.config import NFTConfig
 from flowrl.recipes.common import (
     StatsAccumulator, end_epoch, finish_run, group_advantages, log_base_model, optimizer_step, out_of_time,
     sample_and_score, start_run,
@@ -108,7 +108,7 @@ from flowrl.training.accumulate import micro_batch
 from flowrl.training.ema import LoraEMA, decay_schedule, ema_weights
 
 
-def train(cfg: Config, *, accelerator: Accelerator | None = None) -> dict[str, float]:
+def train(cfg: NFTConfig, *, accelerator: Accelerator | None = None) -> dict[str, float]:
     """Run the forward-process loop (DiffusionNFT, AWM or CRD) described by ``cfg``; returns the last epoch's
     metrics as a flat dict."""
     n = cfg.nft
@@ -276,7 +276,7 @@ class ForwardLoss:
     name = ""
 
     @classmethod
-    def from_config(cls, cfg: Config) -> ForwardLoss:
+    def from_config(cls, cfg: NFTConfig) -> ForwardLoss:
         raise NotImplementedError
 
     def __call__(self, velocity, old_velocity, target, advantage, sigma) -> torch.Tensor:
@@ -315,7 +315,7 @@ class NftLoss(ForwardLoss):
     name = "nft"
 
     @classmethod
-    def from_config(cls, cfg: Config) -> NftLoss:
+    def from_config(cls, cfg: NFTConfig) -> NftLoss:
         return cls(strength=cfg.nft.strength, adaptive=cfg.nft.adaptive_weighting)
 
     def __call__(self, velocity, old_velocity, target, advantage, sigma) -> torch.Tensor:
@@ -338,7 +338,7 @@ class AwmLoss(ForwardLoss):
     name = "awm"
 
     @classmethod
-    def from_config(cls, cfg: Config) -> AwmLoss:
+    def from_config(cls, cfg: NFTConfig) -> AwmLoss:
         n = cfg.nft
         return cls(kl=n.awm_kl, weighting=n.awm_weighting, power=n.awm_ghuber_power, clip_range=n.awm_clip_range)
 
@@ -362,7 +362,7 @@ class CrdLoss(ForwardLoss):
     name = "crd"
 
     @classmethod
-    def from_config(cls, cfg: Config) -> CrdLoss:
+    def from_config(cls, cfg: NFTConfig) -> CrdLoss:
         n = cfg.nft
         return cls(adaptive=n.adaptive_weighting, beta=n.crd_beta, timesteps_per_sample=n.timesteps_per_sample,
                    anchor_guidance=n.crd_kl_guidance if n.crd_kl_guidance is not None else cfg.sampling.guidance_scale,

@@ -11,7 +11,7 @@ import torch
 import flowrl.recipes.nft as nft_recipe
 from flowrl.algorithms.awm import awm_loss
 from flowrl.algorithms.losses import nft_loss
-from flowrl.config import Config, ConfigError, load_config
+from flowrl.config import Config, ConfigError, NFTConfig, load_config
 from flowrl.training.metrics import read_metrics
 from tests.policy_capture import capture_training_policy
 
@@ -105,7 +105,7 @@ def test_awm_config_errors_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"nft\.awm_kl") as error:
         awm_config(tmp_path, "nft.awm_kl=-0.1")
     assert "\n" not in str(error.value)
-    assert Config().nft.loss == "nft"  # DiffusionNFT stays the default
+    assert NFTConfig().nft.loss == "nft"  # DiffusionNFT stays the default
 
 
 def test_toy_awm_config_is_the_toy_nft_config_with_awms_settings():

@@ -19,7 +19,6 @@ from flowrl.algorithms.dense import (
     stepwise_advantages, top_step_share,
 )
 from flowrl.config import Config, ConfigError, load_config
-from flowrl.config.schema import check_credit
 from flowrl.models import build_policy
 from flowrl.recipes.grpo import cosine_credit, ode_credit, train
 from flowrl.sampling import StepPlan, rollout
@@ -278,10 +277,10 @@ def test_dense_credit_with_a_tree_or_recipe_nft_fails_when_the_config_loads(tmp_
 
 
 @pytest.mark.parametrize("credit", ["dense_cosine", "dense_ode"])
-def test_check_credit_refuses_recipe_nft_and_trees(credit):
-    with pytest.raises(ConfigError, match="train.credit.*recipe nft"):
-        check_credit(credit, recipe="nft", branch_steps=[])
-    with pytest.raises(ConfigError, match="sampling.tree.branch_steps"):
-        check_credit(credit, recipe="grpo", branch_steps=[2])
-    check_credit("terminal", recipe="nft", branch_steps=[2])  # today's behaviour: nothing to refuse
-    check_credit(credit, recipe="grpo", branch_steps=[])
+def test_dense_credit_is_refused_on_trees_and_is_no_key_of_recipe_nft(credit):
+    with pytest.raises(ConfigError, match="train.credit.*sampling.tree.branch_steps"):
+        load_config(Config, "configs/smoke/sd3_tiny.yaml", [f"train.credit={credit}", "sampling.tree.branch_steps=[2]"])
+    with pytest.raises(ConfigError, match="unknown config key 'train.credit'.*recipe grpo option; recipe nft"):
+        load_config(Config, "configs/smoke/sd3_tiny.yaml", ["recipe=nft", f"train.credit={credit}"])
+    load_config(Config, "configs/smoke/sd3_tiny.yaml", ["train.credit=terminal", "sampling.tree.branch_steps=[2]"])
+    load_config(Config, "configs/smoke/sd3_tiny.yaml", [f"train.credit={credit}"])

@@ -216,11 +216,21 @@ SMOKE = "configs/smoke/sd3_tiny.yaml"
 TWO_REWARDS = "rewards=[{name: brightness}, {name: 'tests.reward_fixtures:RedMinusBlue'}]"
 
 
-def test_marble_with_one_trained_reward_warns_and_falls_back_to_weighted():
+def test_marble_with_one_trained_reward_warns_and_falls_back_to_weighted_when_the_run_starts(tmp_path):
+    """Loading and validating change nothing (the config keeps marble, silently); start_run falls back, warns, and
+    saves the combiner the run uses."""
+    from flowrl.recipes.common import start_run
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = load_config(Config, SMOKE, ["train.combine=marble", f"run_dir={tmp_path}", "log.progress=false",
+                                          "rewards=[{name: brightness}, {name: 'tests.reward_fixtures:RedMinusBlue', "
+                                          "weight: 0}]"])
+    assert cfg.train.combine == "marble"
     with pytest.warns(UserWarning, match="only \\['brightness'\\] trains"):
-        cfg = load_config(Config, SMOKE, ["train.combine=marble",
-                                          "rewards=[{name: brightness}, {name: saturation, weight: 0}]"])
-    assert cfg.train.combine == "weighted"
+        run = start_run(cfg)
+    assert cfg.train.combine == "weighted" and "marble" not in run.extras
+    assert load_config(Config, tmp_path / "config.yaml").train.combine == "weighted"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert load_config(Config, SMOKE, ["train.combine=marble", TWO_REWARDS]).train.combine == "marble"
@@ -294,7 +304,7 @@ GARDO_REWARDS = "rewards=[{name: brightness}, {name: 'tests.reward_fixtures:RedM
 @pytest.mark.parametrize("overrides, message", [
     (["gardo.kl_fraction=0.1", "rewards=[{name: brightness}]"], "there are none: add a reward with weight 0"),
     (["gardo.kl_fraction=0.1", GARDO_REWARDS, "train.beta=0"], "train.beta's KL, which is 0"),
-    (["gardo.diversity=true", "recipe=nft"], "use recipe grpo"),
+    (["gardo.diversity=true", "recipe=nft"], "a recipe grpo option; recipe nft has no such key"),
     (["gardo.auxiliary=[clip]", GARDO_REWARDS], r"\['clip'\] are not reward keys"),
 ])
 def test_gardo_config_errors_name_the_keys(overrides, message):

@@ -15,7 +15,7 @@ import torch
 
 from flowrl.algorithms.crd import crd_weights, implicit_reward
 from flowrl.config import Config, load_config
-from flowrl.config.schema import NFTConfig
+from flowrl.config.forward import NFTSection
 from flowrl.recipes.common import StatsAccumulator
 from flowrl.recipes.nft import CrdLoss, forward_process_loss, implicit_log_ratio, noised_sample, train
 from flowrl.training.ema import LoraEMA, decay_schedule
@@ -97,7 +97,7 @@ def reference_nft_loss(v, v_old, v_ref, x0, xt, t, advantages, *, beta, adv_clip
 def test_nft_loss_is_the_reference_loss_with_its_scale(strength, kl_beta):
     advantages = torch.tensor([2.5, -7.0, 0.5])  # one beyond the clip
     policy, old = policy_with_old([1.2, -0.4], [1.0, -0.5], [0.9, -0.6])
-    scale = NFTConfig(strength=strength).policy_loss_scale(advantage_clip=5.0)
+    scale = NFTSection(strength=strength).policy_loss_scale(advantage_clip=5.0)
     assert scale == pytest.approx(5.0 / strength)  # the default: DiffusionNFT's adv_clip_max / beta
     a = advantages.clamp(-5, 5) / 5  # the recipe's clipped advantage over the clip
     ours = forward_process_loss(policy, old, X0, None, a, torch.ones(3), guidance=1.0, strength=strength,
@@ -132,10 +132,10 @@ def test_decay_types_match_the_reference():
     # Flow-Factory's four-number form (start_step, start_value, slope, end_value): CRD's old adapter.
     assert [decay_schedule(s, [0, 0.25, 0.005, 0.999]) for s in (0, 100, 149, 150, 151)] == pytest.approx(
         [0.25, 0.75, 0.995, 0.999, 0.999])
-    assert NFTConfig().choice("old_decay") == 1 and NFTConfig(loss="awm").choice("old_decay") == [0, 0.0, 0.001, 0.3]
-    assert NFTConfig(loss="crd").choice("old_decay") == [0, 0.25, 0.005, 0.999]
-    assert NFTConfig(loss="crd").sampler_schedule() == [75, 0.0, 0.0075, 0.999]
-    assert NFTConfig().sampler_schedule() is None
+    assert NFTSection().choice("old_decay") == 1 and NFTSection(loss="awm").choice("old_decay") == [0, 0.0, 0.001, 0.3]
+    assert NFTSection(loss="crd").choice("old_decay") == [0, 0.25, 0.005, 0.999]
+    assert NFTSection(loss="crd").sampler_schedule() == [75, 0.0, 0.0075, 0.999]
+    assert NFTSection().sampler_schedule() is None
 
 
 def test_snapshot_blend_uses_exactly_the_decay_from_the_first_epoch():
@@ -236,7 +236,7 @@ def test_crd_gradient_is_the_reference_loss_gradient(crd_beta, adaptive):
     ratios = implicit_log_ratio(policy, old, X0, None, guidance=1.0, noise_seed=SEED, sigma=SIGMA, adaptive=adaptive)
     weights = crd_weights(ratios, a, torch.arange(3), torch.zeros(3, dtype=torch.long), torch.ones(3, dtype=torch.bool),
                           num_rows=3, beta=crd_beta)
-    scale = NFTConfig(loss="crd", crd_beta=crd_beta).policy_loss_scale(advantage_clip=5.0)
+    scale = NFTSection(loss="crd", crd_beta=crd_beta).policy_loss_scale(advantage_clip=5.0)
     assert scale == pytest.approx(5.0 / crd_beta)
     loss = forward_process_loss(policy, old, X0, None, weights, torch.ones(3), guidance=1.0, beta=kl_beta,
                                 noise_seed=SEED, stats=StatsAccumulator(), sigma=SIGMA,

@@ -117,7 +117,7 @@ def test_tmpo_and_guard_train_in_the_grpo_recipe(tmp_path, monkeypatch, override
     (["train.combine=sum"], "train.combine"),
     (["train.tmpo_beta=0"], "train.tmpo_beta"),
     (["recipe=nft", "train.loss=tmpo"], "train.loss"),
-    (["recipe=nft", "train.ratio_norm=true"], "train.loss"),
+    (["recipe=nft", "train.ratio_norm=true"], "train.ratio_norm"),  # recipe grpo's key
 ])
 def test_bad_tmpo_or_guard_settings_name_the_key(overrides, key):
     from flowrl.recipes.names import check_names

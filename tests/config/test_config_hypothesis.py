@@ -19,7 +19,7 @@ def _keys(cls, prefix=""):
     return out
 
 
-KEYS = _keys(Config)
+KEYS = sorted({key for recipe in Config.variants.values() for key in _keys(recipe)})  # every recipe's
 VALUES = st.one_of(
     st.integers(-10**6, 10**6).map(str), st.floats(allow_nan=True, allow_infinity=True).map(repr),
     st.sampled_from(["", "null", "true", "false", "[]", "{}", "[1, 2]", "{a: 1}", ".inf", "-.inf", ".nan", "1e400",

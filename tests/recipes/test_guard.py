@@ -108,8 +108,9 @@ def test_state_round_trips_through_json():
 
 
 def smoke_run(run_dir, *overrides) -> list[dict]:
+    clip = [] if "recipe=nft" in overrides else ["train.clip_range=0.2"]  # recipe grpo's key
     cfg = load_config(Config, SMOKE, [f"run_dir={run_dir}", "log.progress=false", "log.eval_every=0",
-                                      "log.report_prompts=0", "train.learning_rate=1e-2", "train.clip_range=0.2",
+                                      "log.report_prompts=0", "train.learning_rate=1e-2", *clip,
                                       "guard.enabled=true", "guard.warmup=1", *overrides])
     recipe_train(cfg.recipe)(cfg)
     return read_metrics(run_dir)

@@ -12,7 +12,7 @@ import torch
 from peft.utils import set_peft_model_state_dict
 from safetensors import SafetensorError
 
-from flowrl.config import Config, load_config
+from flowrl.config import Config, GRPOConfig, load_config
 from flowrl.models import build_policy
 from flowrl.models.lora_io import lora_config_dict, lora_state_dict
 from flowrl.safe_io import check_checkpoint
@@ -45,7 +45,7 @@ def _draws():
 def _save(policy, optimizer, ema, run_dir, step, **kwargs):
     return save_checkpoint(run_dir, step, lora_state=lora_state_dict(policy.transformer),
                            lora_config=lora_config_dict(policy.transformer), optimizer=optimizer, ema=ema,
-                           trainer_state={"epoch": step}, config=Config(), **kwargs)
+                           trainer_state={"epoch": step}, config=GRPOConfig(), **kwargs)
 
 
 def test_round_trip_restores_lora_optimizer_ema_and_rng(tmp_path):
@@ -62,7 +62,7 @@ def test_round_trip_restores_lora_optimizer_ema_and_rng(tmp_path):
                  "config.yaml"):
         assert (path / name).is_file(), name
     torch.load(path / "rng_rank0.pt", weights_only=True)  # no pickled objects
-    assert load_config(Config, path / "config.yaml") == Config()
+    assert load_config(Config, path / "config.yaml") == GRPOConfig()  # recipe grpo: the default
 
     fresh, fresh_optimizer, fresh_ema = _trainer(init_seed=1)
     _draws()  # move the RNG on, so equality below proves the restore

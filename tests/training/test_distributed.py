@@ -149,7 +149,7 @@ def test_deepspeed_launch_without_cuda_is_one_line_and_no_run_dir(tmp_path):
 
 @pytest.mark.parametrize("overrides, env, message", [
     ([], {"ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}, "ZeRO-3 is not supported"),
-    ([], {}, "train.combine"),  # set below: with one reward the loader turns marble into weighted
+    ([], {}, "train.combine"),  # set below: with one reward the run would fall back to weighted
     (["train.resume=latest"], {}, "train.resume"),
     ([], {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4"}, "gradient_accumulation_steps is 4"),
     ([], {"FLOWRL_NO_DEEPSPEED_PACKAGE": "1"}, "is not installed"),

@@ -1,0 +1,179 @@
+"""Recipe grpo's configuration (``recipe: grpo``, the default): :class:`GRPOConfig`, the shared sections of
+:class:`~flowrl.config.schema.Config` with GRPO's own training options (clip ranges, TMPO's path loss, per-step
+log-ratio normalisation and credit, the EMA's schedule, which steps train) and GARDO's section. Recipe nft has none
+of these keys, so the loader refuses them in its configs as unknown keys naming recipe grpo.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from flowrl.config.loader import check
+from flowrl.config.schema import Config, TrainConfig
+
+
+@dataclass
+class GRPOTrainConfig(TrainConfig):
+    """``train.*`` of recipe grpo: the shared optimisation settings and GRPO's own, which act on its per-step
+    log-prob ratios and stored transitions."""
+
+    loss: str = "grpo-clip"
+    """Policy loss (registry name): grpo-clip, or tmpo (TMPO's Softmax Trajectory Balance over whole paths under a
+    path-level clipped ratio, as in its authors' release; recipe grpo, flowrl/algorithms/tmpo.py)."""
+    tmpo_beta: float = 15.0
+    """TMPO: inverse temperature of the reward's Boltzmann distribution softmax(tmpo_beta * R)."""
+    tmpo_target: Literal["residual", "gradient"] = "residual"
+    """TMPO's advantage: residual, log softmax(beta R) - log softmax(log P) (the release); gradient, the exact
+    negative gradient of the squared Softmax-TB loss, residual - softmax(log P) * sum(residual)."""
+    tmpo_clip_range: float = 0.2
+    """TMPO: clip epsilon of the path-level ratio (centred by its group mean) and of the RatioNorm weights."""
+    tmpo_ref_weight: float = 0.1
+    """TMPO: weight of the reference term, the mean squared difference of length-normalised path log-probs."""
+    tmpo_reference: Literal["rollout", "base"] = "rollout"
+    """TMPO's reference path log-probs: rollout, those recorded at sampling (what the release computes); base,
+    the base model's (adapter off; one more forward per trained edge and update)."""
+    ratio_norm: Literal["none", "grpo_guard", "batch_sensitivity"] | bool = "none"
+    """Per-step log-ratio normalisation (recipe grpo, flowrl/algorithms/ratio_norm.py): grpo_guard (or true) is
+    GRPO-Guard's, s (logp - logp_old + ||mu - mu_old||^2 / (2 s^2)) = mean(eps dmu), with each step's policy loss
+    divided by |dt| (SDE steps; its clip ranges are ~1e-6); batch_sensitivity centres the log-ratio on the step's
+    batch and divides it by the step's relative velocity sensitivity; none (or false): the plain log-ratio."""
+    clip_range: float = 1e-4
+    """PPO ratio clip epsilon (1e-4 full SDE, 1e-5 window/CPS in Flow-GRPO)."""
+    clip_range_high: float | None = None
+    """Upper clip epsilon if different from the lower one (asymmetric clipping)."""
+    skip_last_step: bool | None = None
+    """Do not train the last, near-clean step. null: true for a full-SDE rollout (Flow-GRPO trains steps
+    0..T-2), false with an SDE window (Flow-GRPO-Fast trains every window step, the last included)."""
+    timestep_fraction: float = 1.0
+    """Train this fraction of the stored steps, drawn per epoch."""
+    ema_start_step: int = 1
+    """Optimizer steps through which the EMA copies the live weights, averaging from the next on (1: it starts
+    from the first step's weights, diffusers' EMAModel rule; 0: from the initial weights, as Flow-GRPO; recipe grpo)."""
+    ema_every: int = 1
+    """Fold the weights into the EMA every this many optimizer steps (Flow-GRPO: 8 on its SD3.5 runs; recipe grpo)."""
+    ema_warmup: Literal["none", "flow_grpo"] = "none"
+    """none: the decay is ema_decay from the start; flow_grpo: Flow-GRPO's ramp min(ema_decay, (1 + s) / (10 + s)),
+    s the optimizer steps since ema_start_step, so early updates average over fewer steps (recipe grpo)."""
+    credit: Literal["terminal", "dense_cosine", "dense_ode"] = "terminal"
+    """Per-step credit (recipe grpo, see flowrl/algorithms/dense.py): terminal gives every trained step its
+    row's advantage; dense_cosine splits it by how far each step moves the predicted x0 toward the final
+    latent; dense_ode trains each step on its group-normalised reward gain from ODE look-ahead, DenseGRPO's
+    dense reward (its reward-aware per-timestep noise calibration is not implemented: no published code)."""
+    dense_lookahead: int | None = None
+    """dense_ode: model calls per look-ahead (the last one steps straight to sigma 0); null runs the full
+    remaining ODE, which DenseGRPO finds better than a short look-ahead."""
+
+    def __post_init__(self):
+        if isinstance(self.ratio_norm, bool):  # true names the method the option was written for (parsing, so
+            self.ratio_norm = "grpo_guard" if self.ratio_norm else "none"  # here: validation changes nothing)
+
+    def validate(self):
+        super().validate()
+        check(self.clip_range > 0, "clip_range", "must be > 0 (the PPO ratio clip epsilon, e.g. 1e-4)")
+        check(self.clip_range_high is None or self.clip_range_high > 0, "clip_range_high", "must be > 0, or null")
+        check(self.ema_start_step >= 0, "ema_start_step", "must be >= 0")
+        check(self.ema_every >= 1, "ema_every", "must be >= 1 optimizer step")
+        check(0 < self.timestep_fraction <= 1, "timestep_fraction", "must be in (0, 1]")
+        check(self.tmpo_beta > 0, "tmpo_beta", "must be > 0")
+        check(self.combine != "marble" or (self.credit == "terminal" and self.loss == "grpo-clip"), "combine",
+              f"marble balances one gradient per reward of the row advantages; it cannot combine with "
+              f"train.credit={self.credit} or train.loss={self.loss}: use credit terminal and loss grpo-clip, or "
+              "train.combine=gdpo")
+        check(self.credit == "terminal" or self.loss != "tmpo", "credit",
+              f"{self.credit} gives per-step advantages, but train.loss=tmpo trains on per-trajectory targets; "
+              "use train.loss=grpo-clip or train.credit=terminal")
+        check(0 < self.tmpo_clip_range < 1, "tmpo_clip_range", "must be in (0, 1)")
+        check(self.tmpo_ref_weight >= 0, "tmpo_ref_weight", "must be >= 0")
+        if self.dense_lookahead is not None:
+            check(self.dense_lookahead >= 1, "dense_lookahead", "must be >= 1 model call, or null for the full ODE")
+            check(self.credit == "dense_ode", "dense_lookahead",
+                  f"only applies to train.credit=dense_ode (got {self.credit}); remove it or set the credit")
+
+
+@dataclass
+class GardoConfig:
+    kl_fraction: float = 1.0
+    """GARDO's gated KL: train.beta's KL acts only on this most uncertain fraction of the batch (GARDO:
+    about 0.1), uncertainty being a sample's win-rate in its group under the trained reward minus its
+    mean win-rate under the auxiliary rewards. 1: every sample (plain GRPO)."""
+    auxiliary: list[str] | None = None
+    """Reward keys whose win-rates the uncertainty compares against (null: every reward with weight 0)."""
+    diversity: bool = False
+    """GARDO's diversity-aware advantage: a positive advantage times the sample's cosine distance to its
+    nearest group neighbour in the gardo.features space; negative advantages unchanged."""
+    reset_every: int | None = None
+    """GARDO's adaptive reference: every this many epochs the KL reference becomes the current adapter
+    (null: never on a schedule)."""
+    reset_kl: float | None = None
+    """GARDO's adaptive reference: reset it after an epoch whose mean KL (loss/kl) exceeds this (null: never)."""
+    features: str = "latent"
+    """Feature space of the diversity weighting: latent (the rollout's VAE latents), pixels (images pooled
+    to 16x16), clip (needs feature_kwargs.model_id) or 'package.module:Class' (flowrl/algorithms/gardo.py)."""
+    feature_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the feature extractor's constructor (model_id, device, batch_size, ...)."""
+
+    def validate(self):  # the feature space's name is checked against its registry by flowrl.recipes.names
+        check(0 < self.kl_fraction <= 1, "kl_fraction", "must be in (0, 1]")
+        check(self.reset_every is None or self.reset_every >= 1, "reset_every", "must be >= 1 epoch, or null")
+        check(self.reset_kl is None or self.reset_kl > 0, "reset_kl", "must be > 0, or null")
+
+
+@dataclass
+class GRPOConfig(Config, recipe="grpo"):
+    """A run of recipe grpo (:mod:`flowrl.recipes.grpo`): online trajectory RL on SDE rollouts."""
+
+    train: GRPOTrainConfig = field(default_factory=GRPOTrainConfig)
+    """Optimisation, with GRPO's clip ranges, policy loss and credit."""
+    recipe: Literal["grpo"] = "grpo"
+    """Training loop: grpo (SDE rollouts, clipped log-prob ratios) or nft (DiffusionNFT)."""
+    gardo: GardoConfig = field(default_factory=GardoConfig)
+    """GARDO's gated KL, adaptive reference and diversity-aware advantage."""
+
+    def registry_names(self) -> dict[str, tuple[str, str]]:
+        return {"train.loss": ("policy loss", self.train.loss), **super().registry_names(),
+                "gardo.features": ("feature space", self.gardo.features)}
+
+    def validate(self):
+        super().validate()
+        t, tree, window = self.train, self.sampling.tree, self.sampling.window
+        # TMPO's path loss (algorithms.tmpo.PATH_LOSSES) trains over whole paths: no KL, no per-step normalisation,
+        # pruning or row weights.
+        if t.loss == "tmpo":
+            check(t.beta == 0, "train.beta", "train.loss=tmpo regularises with train.tmpo_ref_weight, not the KL; "
+                  "set train.beta=0")
+            check(t.ratio_norm == "none", "train.ratio_norm", "train.loss=tmpo has its own RatioNorm weights; "
+                  "set train.ratio_norm=none")
+            check(not (tree.prune_width or tree.prune_depth), "sampling.tree.prune_width",
+                  "train.loss=tmpo trains whole paths; BranchGRPO's pruning does not apply: set it to 0")
+            check(not self.gardo.diversity, "gardo.diversity",
+                  "train.loss=tmpo has no per-row advantage to weight; set gardo.diversity=false")
+            check(not (window.size is not None and window.mode == "random"), "sampling.window.mode",
+                  "train.loss=tmpo scores each stored column at one step, but mode random draws a window per rollout "
+                  "batch: use sampling.window.mode=random_per_epoch")
+        check(t.credit == "terminal" or not tree.branch_steps, "train.credit", f"{t.credit} is not defined on tree "
+              "rollouts (sampling.tree.branch_steps), whose edges take their advantage from the leaves below them; use "
+              "train.credit=terminal")
+        self.validate_gardo()
+        check(t.ratio_norm != "grpo_guard" or self.sampling.kind == "sde", "train.ratio_norm",
+              f"grpo_guard's |dt| reweighting is defined for SDE steps, not sampling.kind={self.sampling.kind}: use "
+              "sampling.kind=sde, or train.ratio_norm=batch_sensitivity")
+        batch_windows = window.size is not None and window.mode == "random"  # rows of an epoch: different windows
+        check(not (batch_windows and t.ratio_norm == "batch_sensitivity"), "train.ratio_norm",
+              "batch_sensitivity scales each stored column by its step's sensitivity, but sampling.window.mode=random "
+              "draws a window per rollout batch, so a column holds different steps: use "
+              "sampling.window.mode=random_per_epoch")
+
+    def validate_gardo(self):
+        g, gated = self.gardo, self.gardo.kl_fraction < 1
+        for key, used in (("kl_fraction", gated), ("reset_every", g.reset_every is not None),
+                          ("reset_kl", g.reset_kl is not None)):
+            check(not used or self.train.beta > 0, f"gardo.{key}", "acts on train.beta's KL, which is 0: set "
+                  "train.beta > 0 or remove it")
+        keys = {r.key or r.name: r.weight for r in self.rewards}
+        auxiliary = [k for k, w in keys.items() if w == 0] if g.auxiliary is None else g.auxiliary
+        unknown = [k for k in auxiliary if k not in keys]
+        check(not unknown, "gardo.auxiliary", f"{unknown} are not reward keys of this config ({sorted(keys)})")
+        check(not gated or bool(auxiliary), "gardo.kl_fraction",
+              "the gate ranks samples by how far the trained reward outruns auxiliary rewards, and there are none: "
+              "add a reward with weight 0 (or name one in gardo.auxiliary)")
