@@ -3,6 +3,7 @@ ODE seeds per prompt, the images the run fixed and broke (strict ToyEval, paired
 
     python -m tools.toy_four_prompts configs/toy/nft.yaml --epochs 12 train.learning_rate=2e-3
     python -m tools.toy_four_prompts configs/toy/grpo.yaml --epochs 12 "rewards=[{name: toyeval}]" train.beta=0
+    python -m tools.toy_four_prompts configs/toy/nft.yaml --prompt "three red squares" --prompt "two blue circles"
 
 Prints the rollouts' strict score per epoch and ``strict before -> after, fixed, broken, s.e.`` with
 s.e. = (fixed - broken) / sqrt(fixed + broken).
@@ -27,17 +28,20 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--seeds", type=int, default=48, help="common ODE seeds per prompt")
-    args = parser.parse_args()
+    parser.add_argument("--prompt", action="append", dest="prompts", metavar="PROMPT",
+                        help="a training prompt to use instead of the test's four (repeat it)")
+    args = parser.parse_intermixed_args()
+    train_set = tuple(args.prompts or FOUR_PROMPTS)
     run_dir = Path(tempfile.mkdtemp(prefix="toy_four_"))
     with pytest.MonkeyPatch.context() as monkeypatch:
-        policy, cfg, metas = train_on_prompts(args.config, FOUR_PROMPTS, run_dir, monkeypatch, epochs=args.epochs,
+        policy, cfg, metas = train_on_prompts(args.config, train_set, run_dir, monkeypatch, epochs=args.epochs,
                                               overrides=args.overrides)
         seeds = list(range(5000, 5000 + args.seeds))
-        prompts = [p for p in FOUR_PROMPTS for _ in seeds]
+        prompts = [p for p in train_set for _ in seeds]
         meta = [m for m in metas for _ in seeds]
-        after = ToyEval()(ode_images(policy, cfg, FOUR_PROMPTS, seeds), prompts, meta)["toyeval"].float()
+        after = ToyEval()(ode_images(policy, cfg, train_set, seeds), prompts, meta)["toyeval"].float()
         with policy.reference():
-            before = ToyEval()(ode_images(policy, cfg, FOUR_PROMPTS, seeds), prompts, meta)["toyeval"].float()
+            before = ToyEval()(ode_images(policy, cfg, train_set, seeds), prompts, meta)["toyeval"].float()
     for line in (run_dir / "run" / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         print(f"epoch {record['epoch']}: rollouts strict {record['reward/toyeval_mean']:.3f}")
