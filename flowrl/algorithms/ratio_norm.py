@@ -37,15 +37,19 @@ upper clip rarely binds on positive advantages), and its spread differs from ste
 
 Both variants hand the policy loss the normalised log-ratio against a zero baseline (``log_probs = r``,
 ``old_log_probs = 0``), so ``rho = exp(r)`` carries no cancellation error.
+
+``RATIO_NORMS`` maps each ``train.ratio_norm`` name to a :class:`RatioNorm`, which says what the recipe must keep
+for it (the rollout's step means, the trained steps' sensitivities) and applies it to a step's log-probs and loss,
+so the recipe looks the name up once and never branches on it.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from flowrl.sampling.steps import velocity_sensitivity
-
-RATIO_NORMS: tuple[str, ...] = ("none", "grpo_guard", "batch_sensitivity")
 
 
 def grpo_guard_log_ratio(mean: torch.Tensor, old_mean: torch.Tensor, prev_sample: torch.Tensor,
@@ -87,3 +91,61 @@ def step_sensitivities(sigmas: torch.Tensor, columns: list[int], *, noise_level:
            for k in columns}
     mean = sum(raw.values()) / len(raw)
     return {k: value / mean for k, value in raw.items()}
+
+
+class RatioNorm:
+    """``train.ratio_norm: none``, and the interface every entry of :data:`RATIO_NORMS` keeps: the plain log-ratio
+    ``logp - logp_old``, the policy loss unscaled."""
+
+    store_means = False
+    """Whether the rollout must keep each stored step's mean ``mu_old`` (``Trajectory.means``)."""
+
+    def sensitivities(self, sigmas: torch.Tensor, columns: list[int], *, noise_level: float,
+                      kind: str) -> dict[int, float]:
+        """{stored column: the sensitivity :meth:`log_ratio` takes for it} from the stored steps' sigmas [K + 1] and
+        the trained ``columns``; empty where none is needed."""
+        return {}
+
+    def log_ratio(self, log_probs: torch.Tensor, old_log_probs: torch.Tensor, *, mean: torch.Tensor,
+                  old_mean: Callable[[], torch.Tensor], prev_sample: torch.Tensor, std: torch.Tensor,
+                  sensitivity: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log_probs [B], old_log_probs [B]) for the policy loss, from the step's own ``log_probs`` [B] under the
+        trained policy and ``old_log_probs`` [B] stored by the rollout; ``mean`` [B, ...] (with grad) and ``std``
+        [B, 1, ...] are the trained step's, ``old_mean()`` the stored rollout mean (called only by a norm that
+        stores means), ``prev_sample`` [B, ...] the stored next state. none: unchanged."""
+        return log_probs, old_log_probs
+
+    def loss_scale(self, sigma: float, sigma_next: float) -> float:
+        """The factor on the step's policy loss (not on a KL term)."""
+        return 1.0
+
+
+class GrpoGuard(RatioNorm):
+    """``grpo_guard``: :func:`grpo_guard_log_ratio` against a zero baseline, the loss times
+    :func:`grpo_guard_loss_scale`."""
+
+    store_means = True
+
+    def log_ratio(self, log_probs, old_log_probs, *, mean, old_mean, prev_sample, std, sensitivity):
+        log_probs = grpo_guard_log_ratio(mean, old_mean(), prev_sample, std)  # [B]
+        return log_probs, torch.zeros_like(log_probs)
+
+    def loss_scale(self, sigma: float, sigma_next: float) -> float:
+        return grpo_guard_loss_scale(sigma, sigma_next)
+
+
+class BatchSensitivity(RatioNorm):
+    """``batch_sensitivity``: :func:`batch_sensitivity_log_ratio` against a zero baseline, with each trained step's
+    :func:`step_sensitivities`."""
+
+    def sensitivities(self, sigmas, columns, *, noise_level, kind):
+        return step_sensitivities(sigmas, columns, noise_level=noise_level, kind=kind)
+
+    def log_ratio(self, log_probs, old_log_probs, *, mean, old_mean, prev_sample, std, sensitivity):
+        log_probs = batch_sensitivity_log_ratio(log_probs - old_log_probs, sensitivity)  # [B]
+        return log_probs, torch.zeros_like(log_probs)
+
+
+# train.ratio_norm -> its RatioNorm (the config's Literal lists the same names; tests hold them equal).
+RATIO_NORMS: dict[str, RatioNorm] = {"none": RatioNorm(), "grpo_guard": GrpoGuard(),
+                                     "batch_sensitivity": BatchSensitivity()}

@@ -61,9 +61,7 @@ from flowrl.algorithms.dense import (
 )
 from flowrl.algorithms.tree import prune_mask
 from flowrl.algorithms.losses import POLICY_LOSSES, gaussian_mean_kl
-from flowrl.algorithms.ratio_norm import (
-    batch_sensitivity_log_ratio, grpo_guard_log_ratio, grpo_guard_loss_scale, step_sensitivities,
-)
+from flowrl.algorithms.ratio_norm import RATIO_NORMS
 from flowrl.config import GRPOConfig
 from flowrl.recipes.common import (  # noqa: F401  (re-exported for callers of this module)
     StatsAccumulator, end_epoch, finish_run, group_advantages, log_base_model, make_accelerator, optimizer_step,
@@ -93,6 +91,7 @@ def train(cfg: GRPOConfig, *, accelerator: Accelerator | None = None) -> dict[st
     objective = OBJECTIVES[t.loss]  # per transition (grpo-clip) or over whole paths (tmpo)
     policy_loss = POLICY_LOSSES.get(t.loss)  # the per-transition loss; None where the objective trains paths
     credit = CREDIT[t.credit]
+    ratio_norm = RATIO_NORMS[t.ratio_norm]  # the per-step log-ratio normalisation (none: the plain log-ratio)
     clip_high = t.clip_range if t.clip_range_high is None else t.clip_range_high
     scorer = AsyncScorer(run.rewards, on_error=t.reward_errors, asynchronous=t.async_rewards)
     bar = tqdm(range(run.start_epoch, t.epochs), disable=not (cfg.log.progress and accelerator.is_main_process),
@@ -119,7 +118,7 @@ def train(cfg: GRPOConfig, *, accelerator: Accelerator | None = None) -> dict[st
         traj, sample_done, reward_done = sample_and_score(
             run, scorer, epoch, plan=plan, noise_level=s.noise_level, kind=s.kind,
             same_noise_in_group=s.same_noise_in_group, store_x0_preds=credit.store_x0_preds,
-            store_means=t.ratio_norm == "grpo_guard" or objective.store_means, batch_windows=True)
+            store_means=ratio_norm.store_means or objective.store_means, batch_windows=True)
 
         # 4. Advantages over whole groups: gather every process's rewards, keep this process's slice.
         #    TMPO's objective takes that (unclipped) as its reward R and trains whole paths (TmpoPaths) on Softmax-TB.
@@ -153,10 +152,10 @@ def train(cfg: GRPOConfig, *, accelerator: Accelerator | None = None) -> dict[st
         guard_metrics = {} if guard is None or not guard.due(epoch) else guard.observe(
             epoch, in_group_diversity(guard_features(traj.images, traj.final_latents), traj.group_ids, accelerator),
             reward=finite_mean(combined), weights=lambda: exported_weights(policy, ema))
-        # ratio_norm batch_sensitivity: each trained step's velocity sensitivity over their mean. ratio_norm runs
-        # only where every row shares one window (GRPOConfig.validate), so row 0's sigmas are all of them.
-        sensitivity = step_sensitivities(traj.row_sigmas[0], trained_cols, noise_level=s.noise_level, kind=s.kind) \
-            if t.ratio_norm == "batch_sensitivity" else {}
+        # ratio_norm batch_sensitivity: each trained step's velocity sensitivity over their mean (the others: none).
+        # It runs only where every row shares one window (GRPOConfig.validate), so row 0's sigmas are all of them.
+        sensitivity = ratio_norm.sensitivities(traj.row_sigmas[0], trained_cols, noise_level=s.noise_level,
+                                               kind=s.kind)
         mask = traj.first_visit_mask() & scored[:, None]  # [N, K]
         # Trees need a fixed window or a full-SDE rollout (SamplingConfig.validate): row 0's steps are every row's.
         mask &= prune_mask(combined[local], traj.group_ids, traj.edge_ids, traj.row_step_indices[0],
@@ -462,14 +461,12 @@ def transition_loss(policy, traj, rows, k, mask, *, accelerator, guidance, noise
     step = sde_step(velocity, x, sigma, sigma_next, noise_level=noise_level, kind=kind, prev_sample=x_next)
     old_log_probs = traj.log_probs[rows, k].to(device)
     advantages = traj.advantages[rows, k].to(device)
-    log_probs = step.log_prob
-    if ratio_norm != "none":  # the normalised log-ratio against a zero baseline (flowrl/algorithms/ratio_norm.py)
-        log_probs = grpo_guard_log_ratio(step.mean, traj.means[rows, k].to(device), x_next, step.std) \
-            if ratio_norm == "grpo_guard" else batch_sensitivity_log_ratio(log_probs - old_log_probs, sensitivity)
-        old_log_probs = torch.zeros_like(log_probs)
+    norm = RATIO_NORMS[ratio_norm]  # none: the plain log-ratio; else normalised, against a zero baseline
+    log_probs, old_log_probs = norm.log_ratio(step.log_prob, old_log_probs, mean=step.mean,
+                                              old_mean=lambda: traj.means[rows, k].to(device), prev_sample=x_next,
+                                              std=step.std, sensitivity=sensitivity)
     loss, loss_stats = policy_loss(log_probs, old_log_probs, advantages, clip_low=clip_low, clip_high=clip_high)
-    if ratio_norm == "grpo_guard":
-        loss = loss * grpo_guard_loss_scale(sigma, sigma_next)
+    loss = loss * norm.loss_scale(sigma, sigma_next)  # grpo_guard: 1 / |dt|; the others 1 (exact)
     weights = mask[rows, k].to(device).float()  # [B]
     kl = torch.zeros_like(loss)
     if beta > 0:
