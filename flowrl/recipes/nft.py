@@ -89,10 +89,11 @@ from tqdm.auto import tqdm
 
 from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from flowrl.algorithms.combine import reward_advantages
-from flowrl.algorithms.awm import awm_loss, stratified_timesteps
+from flowrl.algorithms.awm import awm_loss
 from flowrl.algorithms.crd import crd_surrogate, crd_weights, implicit_reward, reward_adaptive_kl_weights
 from flowrl.algorithms.losses import nft_loss
 from flowrl.algorithms.marble import balanced_backward
+from flowrl.algorithms.timesteps import TIMESTEP_SCHEDULES
 from flowrl.config import NFTConfig
 from flowrl.recipes.common import (
     StatsAccumulator, end_epoch, finish_run, group_advantages, log_base_model, optimizer_step, out_of_time,
@@ -121,8 +122,8 @@ def train(cfg: NFTConfig, *, accelerator: Accelerator | None = None) -> dict[str
     forward_loss = FORWARD_LOSSES[n.loss].from_config(cfg)
     kl_guidance = forward_loss.kl_guidance(run.guidance)  # CRD: a guided anchor
     estimator = ADVANTAGE_ESTIMATORS[t.advantage]
-    timestep_schedule = n.choice("timestep_schedule")
-    schedule = policy.sigmas(s.num_steps)[:-1] if timestep_schedule != "uniform" else None  # [num_steps]
+    timestep_schedule = TIMESTEP_SCHEDULES[n.choice("timestep_schedule")]  # how each pass draws its t
+    schedule = policy.sigmas(s.num_steps)[:-1]  # [num_steps] the sampling schedule's sigmas (uniform: unused)
     # AWM samples with the trained adapter and SA-Solver (nft.sampler, nft.rollout_weights; null: the loss's own).
     sa_solver = n.choice("sampler") == "sa_solver"
     rollout_fn = functools.partial(sa_solver_rollout, noise_window=tuple(n.sa_noise_window)) if sa_solver else None
@@ -174,14 +175,9 @@ def train(cfg: NFTConfig, *, accelerator: Accelerator | None = None) -> dict[str
         pairs = traj.num_rows * n.timesteps_per_sample
         for inner in range(t.inner_epochs):
             order = np.random.default_rng([cfg.seed, epoch, inner, rank, 0x4F7]).permutation(pairs)
-            timestep_seed = [cfg.seed, epoch, inner, rank, 0x7153]
-            if timestep_schedule == "sampling":
-                timesteps = schedule_timesteps(schedule, traj.num_rows, seed=timestep_seed)  # [N, num_steps]
-            elif timestep_schedule == "stratified":  # AWM's: [N, timesteps_per_sample]
-                timesteps = stratified_timesteps(schedule, traj.num_rows, n.timesteps_per_sample,
-                                                 n.stratified_fraction, seed=timestep_seed)
-            else:  # uniform: t ~ U(0, 1), drawn with the noise
-                timesteps = None
+            # sampling: [N, num_steps]; stratified (AWM's): [N, timesteps_per_sample]; uniform: None, t ~ U(0, 1)
+            # drawn with the noise
+            timesteps = timestep_schedule(schedule, traj.num_rows, n, [cfg.seed, epoch, inner, rank, 0x7153])
             for chunk_index, chunk in enumerate(np.array_split(order, t.optimizer_steps_per_epoch)):
                 chunk = torch.as_tensor(chunk, dtype=torch.long)
                 weight = accelerator.reduce(keep[chunk % traj.num_rows].sum().float().to(accelerator.device),
@@ -258,12 +254,6 @@ def adapter_copies(run: Run) -> AdapterCopies:
     if run.cfg.nft.sampler_schedule() is not None:
         copies["sampler"] = LoraEMA(run.policy.named_trainable_parameters(), decay=0.0)  # blended on its schedule
     return AdapterCopies(copies)
-
-
-def schedule_timesteps(schedule: torch.Tensor, num_rows: int, *, seed: list[int]) -> torch.Tensor:
-    """[num_rows, len(schedule)]: each row the schedule's sigmas in its own random order (seeded)."""
-    keys = np.random.default_rng(seed).random((num_rows, len(schedule)))
-    return schedule[torch.as_tensor(np.argsort(keys, axis=1))]
 
 
 class ForwardLoss:

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from flowrl.algorithms.losses import nft_loss
+from flowrl.algorithms.timesteps import schedule_timesteps
 from flowrl.config import Config, ConfigError, load_config
-from flowrl.recipes.nft import schedule_timesteps, train
+from flowrl.recipes.nft import train
 from flowrl.training.ema import LoraEMA
 from flowrl.training.metrics import read_metrics
 from tests.policy_capture import capture_training_policy
