@@ -26,3 +26,17 @@ def capture_training_policy(monkeypatch) -> dict:
 
     monkeypatch.setattr(common, "build_training_policy", build_and_capture)
     return captured
+
+
+def random_lora_policy(family: str, rank: int, alpha: float):
+    """A tiny ``family`` policy whose LoRA (default targets) holds seeded random non-zero A and B, so an export
+    carries a visible update: what a trained adapter looks like to the LoRA writers and readers."""
+    from flowrl.models import build_policy
+
+    policy = build_policy(family, "tiny", seed=0)
+    policy.add_lora(rank=rank, alpha=alpha, init_seed=0)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for param in policy.trainable_parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    return policy

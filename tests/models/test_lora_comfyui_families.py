@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from flowrl.models import build_policy
 from flowrl.models.lora_io import DIFFUSERS_WEIGHT_NAME, lora_config_dict, lora_state_dict, write_lora_files
 from tests import comfyui_reference as comfy
+from tests.policy_capture import random_lora_policy
 
 RANK, ALPHA = 4, 8.0  # scale 2, as in every shipped config
 MAPPED = ["flux_kontext", "flux2_klein", "qwen_image", "z_image"]
@@ -22,12 +23,7 @@ MAPPED = ["flux_kontext", "flux2_klein", "qwen_image", "z_image"]
 
 def _export(family, out):
     """Tiny policy + default-target LoRA with random non-zero A and B, exported in the diffusers format."""
-    policy = build_policy(family, "tiny", seed=0)
-    policy.add_lora(rank=RANK, alpha=ALPHA, init_seed=0)
-    generator = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for param in policy.trainable_parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    policy = random_lora_policy(family, RANK, ALPHA)
     state, config = lora_state_dict(policy.transformer), lora_config_dict(policy.transformer)
     assert set(config["target_modules"]) == set(policy.default_lora_targets())
     write_lora_files(out, state, config, family=family, base_model="tiny", config_text=None, format="diffusers")

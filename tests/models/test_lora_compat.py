@@ -16,25 +16,16 @@ from flowrl.models import build_policy
 from flowrl.models.lora_io import (COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME, KOHYA_WEIGHT_NAME, load_lora_into,
                                    lora_config_dict, lora_state_dict, read_lora, write_lora_files)
 from tests import comfyui_reference as comfy
+from tests.policy_capture import random_lora_policy
 
 RANK, ALPHA = 4, 8.0  # scale 2, as in every shipped config
 CONFIG_TEXT = "model:\n  family: {family}\n  path: tiny\nseed: 0\n"
 
 
-def _trained(family):
-    policy = build_policy(family, "tiny", seed=0)
-    policy.add_lora(rank=RANK, alpha=ALPHA, init_seed=0)
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for p in policy.trainable_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    return policy
-
-
 @pytest.fixture(scope="module", params=["sd3", "flux"])
 def exported(request, tmp_path_factory):
     family = request.param
-    policy = _trained(family)
+    policy = random_lora_policy(family, RANK, ALPHA)
     state, config = lora_state_dict(policy.transformer), lora_config_dict(policy.transformer)
     out = tmp_path_factory.mktemp(f"export_{family}")
     text = CONFIG_TEXT.format(family=family)
