@@ -117,9 +117,20 @@ def make_tokenizers():
             clip_tokenizer_for(texts, pad_token="!", model_max_length=TEXT_LEN))
 
 
-def make_text_encoder(width: int, vocab: dict[str, int]) -> CLIPTextModelWithProjection:
-    """A CLIP text encoder over the grammar-cut vocabulary, for prompts of at most TEXT_LEN tokens."""
-    return tiny_clip_text_encoder(width, vocab=vocab, max_positions=TEXT_LEN)
+def make_text_encoder(width: int, vocab: dict[str, int], layers: int = 2,
+                      pooled: bool = True) -> CLIPTextModelWithProjection:
+    """A CLIP text encoder over the grammar-cut vocabulary, for prompts of at most TEXT_LEN tokens.
+
+    SD3 reads the token features of the penultimate layer, so with ``layers=1`` each token's feature is its
+    own embedding plus its position's: a colour word means the same whatever shape follows, which is what a
+    held-out colour-shape binding needs. ``pooled=False`` fixes the projection at zero, so the pooled
+    embedding (the final layer's EOS token, a summary of the whole prompt) carries nothing either."""
+    te = tiny_clip_text_encoder(width, vocab=vocab, max_positions=TEXT_LEN, layers=layers)
+    if not pooled:
+        with torch.no_grad():
+            te.text_projection.weight.zero_()
+        te.text_projection.requires_grad_(False)
+    return te
 
 
 def make_vae(channels: tuple[int, ...] = VAE_CHANNELS) -> AutoencoderKL:
@@ -274,11 +285,11 @@ def vae_check(vae: AutoencoderKL, seed: int, n: int = 256) -> dict:
 class Trainable(torch.nn.Module):
     """The transformer and both CLIP text encoders, trained jointly (random init from the torch seed)."""
 
-    def __init__(self, patch: int, heads: int, layers: int):
+    def __init__(self, patch: int, heads: int, layers: int, text_layers: int = 2, pooled: bool = True):
         super().__init__()
         vocab = make_tokenizers()[0].get_vocab()
         self.transformer = make_transformer(patch, heads, layers)
-        self.te1, self.te2 = (make_text_encoder(width, vocab) for width in CLIP_WIDTHS)
+        self.te1, self.te2 = (make_text_encoder(width, vocab, text_layers, pooled) for width in CLIP_WIDTHS)
 
 
 def encode_text(model: Trainable, ids1: torch.Tensor, ids2: torch.Tensor, pad_tokens: int):
@@ -446,7 +457,8 @@ def load_pipeline(path: str | Path) -> StableDiffusion3Pipeline:
 
 # -------------------------------------------------------------------------------- main
 def arch_of(args) -> dict[str, int]:
-    return {"patch": args.patch, "heads": args.heads, "layers": args.layers}
+    return {"patch": args.patch, "heads": args.heads, "layers": args.layers, "text_layers": args.text_layers,
+            "pooled": args.pooled}
 
 
 def reuse_vae(work: Path, pipeline_dir: str) -> None:
@@ -476,6 +488,10 @@ def main() -> None:
     ap.add_argument("--patch", type=int, default=ARCH["patch"], help="transformer patch size on the 16x16 latent")
     ap.add_argument("--heads", type=int, default=ARCH["heads"], help="attention heads of 32 channels (width/32)")
     ap.add_argument("--layers", type=int, default=ARCH["layers"], help="joint transformer blocks")
+    ap.add_argument("--text-layers", type=int, default=2,
+                    help="CLIP layers; 1 gives the transformer each word's own embedding (see make_text_encoder)")
+    ap.add_argument("--no-pooled", dest="pooled", action="store_false",
+                    help="fix the CLIP projections at zero, so the pooled prompt embedding is 0")
     ap.add_argument("--pad-random", type=float, default=0.1,
                     help="fraction of steps whose zero T5 padding is 1..64 tokens instead of 1")
     ap.add_argument("--steps", type=int, default=14000)

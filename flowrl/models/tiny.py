@@ -159,15 +159,17 @@ def clip_tokenizer_for(texts, pad_token: str = "<|endoftext|>",
 
 
 def tiny_clip_text_encoder(width: int, *, vocab: dict[str, int] | None = None, max_positions: int = CLIP_MAX_LENGTH,
-                           cls=CLIPTextModelWithProjection) -> CLIPTextModel | CLIPTextModelWithProjection:
-    """A 2-layer CLIP text encoder of ``width`` (projection of the same width), initialised from the global RNG.
+                           cls=CLIPTextModelWithProjection,
+                           layers: int = 2) -> CLIPTextModel | CLIPTextModelWithProjection:
+    """A CLIP text encoder of ``width`` (projection of the same width) and ``layers`` layers, initialised from the
+    global RNG.
 
     ``vocab``: the tokenizer's vocabulary (default: CLIP's full 49408 ids; a model trained on a closed grammar
     passes the cut one of :func:`clip_tokenizer_for`); ``max_positions``: the longest token sequence."""
     vocab = vocab if vocab is not None else _clip_bpe()[0]
     config = CLIPTextConfig(
         vocab_size=len(vocab), hidden_size=width, intermediate_size=2 * width,
-        projection_dim=width, num_hidden_layers=2, num_attention_heads=2,
+        projection_dim=width, num_hidden_layers=layers, num_attention_heads=2,
         max_position_embeddings=max_positions, hidden_act="quick_gelu",
         bos_token_id=vocab["<|startoftext|>"], eos_token_id=vocab["<|endoftext|>"], pad_token_id=1,
     )
