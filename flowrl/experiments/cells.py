@@ -16,10 +16,11 @@ CELL_NOTE = ("Each cell: mean over seeds ± standard error (sample std / sqrt(n)
 
 
 def budget_words(p: dict, per: str = "") -> str:
-    """How a wall-clock table's runs were trained and scored, from its parameters (``per``: e.g. " per combiner")."""
-    return (f"{p['budget_s']:.0f} s of training time{per} (2 CPU cores, {p['parallel']} runs at a time, one thread "
-            f"each), once per seed (column `seeds`); held-out task means on {p['test_prompts']} prompts x "
-            f"{p['images']} ODE images")
+    """How a table's runs were trained and scored, from its parameters: ``budget_s`` seconds of training time, or
+    else ``epochs`` epochs (``per``: e.g. " per combiner")."""
+    budget = f"{p['budget_s']:.0f} s of training time" if p.get("budget_s") else f"{p['epochs']} epochs"
+    return (f"{budget}{per} (2 CPU cores, {p['parallel']} runs at a time, one thread each), once per seed (column "
+            f"`seeds`); held-out task means on {p['test_prompts']} prompts x {p['images']} ODE images")
 
 
 def mean_se(values: Iterable[float | None]) -> tuple[float, float, int]:
