@@ -13,7 +13,7 @@ from flowrl.experiments.cells import fmt_mean_se
 from flowrl.experiments.cli import main
 from flowrl.experiments.runs import gather, is_finished, mark_finished, parse_seeds, prepare_run, seed_dir
 from flowrl.experiments.spec import load_experiment
-from flowrl.experiments.tables import TABLES, algorithms
+from flowrl.experiments.tables import TABLES, algorithms, collapse
 from tests import REPO
 
 SHIPPED = sorted(p for p in (REPO / "experiments").glob("*.yaml") if not p.name.startswith("_"))
@@ -87,6 +87,29 @@ def test_speed_up_to_grpo_final_level():
     assert "7.50 ± 2.50 (2)" in nft and "up to 25x faster than Flow-GRPO" in nft
     awm = next(line for line in table.splitlines() if line.startswith("| awm |"))
     assert "not reached" in awm
+
+
+def test_collapse_table_reads_when_background_diversity_halved(tmp_path):
+    def point(epoch, background, proxy=0.5):
+        return {"epoch": epoch, "test/toyeval/task_mean": 0.1, "test/toy_clip/task_mean": proxy,
+                "test/diversity/gt_mean": 0.8, "test/diversity/background": background}
+
+    runs = {"fast": [point(-1, 0.8), point(9, 0.41), point(19, 0.4), point(29, 0.1, 0.7)],  # 0.4 = half of 0.8
+            "slow": [point(-1, 0.6), point(9, 0.5), point(19, 0.31)],
+            "never": [point(-1, 0.8), point(9, 0.79)]}
+    found = {}
+    for name, records in runs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        found[name] = collapse.summary(tmp_path / name)
+    assert [found[n]["halved"] for n in runs] == [20, None, None]  # epochs trained at that held-out point
+    assert found["fast"]["epochs"] == 30 and found["fast"]["final"]["proxy"] == 0.7
+    params = {"section": None, "epochs": 30, "parallel": 2, "test_prompts": 32, "images": 8}
+    lines = collapse.table({"fast": {0: found["fast"], 1: found["never"]}, "never": {0: found["never"]}},
+                           params, "cmd", "configs/toy/grpo_clip.yaml", tmp_path / "plot.png").splitlines()
+    assert "30 epochs (2 CPU cores" in lines[4]
+    assert lines[8].startswith("| fast | 0,1 | 20 ± 10 (2) | 20 (1/2) |")
+    assert lines[9].startswith("| never | 0 | 10 (1) | never |")
 
 
 def test_top_methods_pick_the_best_finished_first_seed_runs(tmp_path):

@@ -2,9 +2,11 @@
 carries a black-background bias for every prompt, with strict ToyEval scored alongside at weight 0 (held out
 from training, so it catches hacking) (``experiments/collapse.yaml``).
 
-Columns: each method's final held-out proxy reward (the raw ToyClip score, also for D²-Align), strict ToyEval,
-ground-truth diversity and background diversity, each with its change from the base; ``results_collapse.png``
-beside the results file plots the reward-diversity trade-off.
+Columns: the first held-out point at which background diversity is half the base's or less (the collapse; seeds
+where it never came are left out of the mean, and the count says how many reached it), then each method's final
+held-out proxy reward (the raw ToyClip score, also for D²-Align), strict ToyEval, ground-truth diversity and
+background diversity, each with its change from the base; ``results_collapse.png`` beside the results file plots
+the reward-diversity trade-off.
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ def summary(run_dir: Path) -> dict:
     proxy = raw if raw in tests[-1] else "test/toy_clip/task_mean"
     point = lambda r: {"proxy": r[proxy], "toyeval": r["test/toyeval/task_mean"],  # noqa: E731
                        "diversity": r["test/diversity/gt_mean"], "background": r["test/diversity/background"]}
-    return {"epochs": tests[-1]["epoch"] + 1, "base": point(tests[0]), "final": point(tests[-1])}
+    base = point(tests[0])
+    halved = next((r["epoch"] + 1 for r in tests[1:] if r["test/diversity/background"] <= base["background"] / 2),
+                  None)  # epochs trained when held-out background diversity first stood at half the base's
+    return {"epochs": tests[-1]["epoch"] + 1, "halved": halved, "base": base, "final": point(tests[-1])}
 
 
 def plot(results: dict[str, dict[int, dict]], path: Path) -> None:
@@ -67,13 +72,15 @@ def table(results: dict[str, dict[int, dict]], p: dict, command: str, config: st
              f"{budget_words(p)}. {CELL_NOTE} Base: proxy {base['proxy']}, ToyEval {base['toyeval']}, diversity "
              f"{base['diversity']}, background diversity {base['background']}. Plot: `{plot_path}`.")
     lines = table_head(f"## {p['section'] or SECTION}", command, prose,
-                       ["method", "seeds", "epochs", "proxy", "change", "ToyEval", "change", "gt diversity", "change",
+                       ["method", "seeds", "epochs", "background halved at epoch", "proxy", "change", "ToyEval", "change", "gt diversity", "change",
                         "background", "change"])
     for name, per_seed in results.items():
         cells = [f"{fmt_mean_se(r['final'][k] for r in per_seed.values())} | "
                  + fmt_mean_se((r["final"][k] - r["base"][k] for r in per_seed.values()), "+.3f") for k in KEYS]
         lines.append(f"| {name} | {','.join(map(str, per_seed))} | "
-                     f"{fmt_mean_se((r['epochs'] for r in per_seed.values()), '.0f')} | " + " | ".join(cells) + " |")
+                     f"{fmt_mean_se((r['epochs'] for r in per_seed.values()), '.0f')} | "
+                     f"{fmt_mean_se((r['halved'] for r in per_seed.values()), '.0f', missing='never')} | "
+                     + " | ".join(cells) + " |")
     return "\n".join(lines + [""])
 
 
