@@ -203,7 +203,7 @@ def fid_kid(reference_images: torch.Tensor, images: torch.Tensor, feature_networ
     """FID and KID of ``images`` against ``reference_images`` through torchmetrics, with any feature network.
 
     Images ``[N, 3, H, W]`` float in [0, 1]; the network maps them to ``[N, num_features]`` (it needs an int
-    ``num_features``; see :mod:`flowrl.eval.features`). Both metrics run where the network's weights are and
+    ``num_features``; see :mod:`flowrl.features`). Both metrics run where the network's weights are and
     images move there one batch at a time; each batch's features are computed once and shared.
 
     FID: range [0, inf), lower = closer; it needs more images per set than feature dimensions (else a

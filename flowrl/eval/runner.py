@@ -256,7 +256,7 @@ def load_reference(path: str, cfg) -> torch.Tensor:
 # --- 2-4. scoring ----------------------------------------------------------------------------------
 def score_all(cfg, suite, specs: list[EvalCheckpoint], images: dict[str, tuple], reference, device) -> dict:
     """results.json: the settings, and for each checkpoint its metrics and their change from the base."""
-    from flowrl.eval.features import build_feature_network
+    from flowrl.features import build_feature_network
     from flowrl.rewards_api import build_rewards
 
     e, n = cfg.eval, cfg.eval.images_per_prompt

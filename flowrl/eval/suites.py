@@ -111,7 +111,7 @@ class StyleProbe:
 
     def __init__(self, model: str = "ViT-B-32", pretrained: str | None = None, device: str = "cpu",
                  probes: tuple[str, ...] = STYLE_PROBES):
-        from flowrl.eval.features import build_feature_network
+        from flowrl.features import build_feature_network
 
         import open_clip
 

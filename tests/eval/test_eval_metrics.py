@@ -1,4 +1,4 @@
-"""flowrl.eval.metrics and flowrl.eval.features, held to numbers worked out by hand or by a plain loop here."""
+"""flowrl.eval.metrics and flowrl.features, held to numbers worked out by hand or by a plain loop here."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flowrl.algorithms.advantages import zero_std_fraction
-from flowrl.eval.features import FEATURE_NETWORKS, build_feature_network
+from flowrl.features import FEATURE_NETWORKS, build_feature_network
 from flowrl.eval.metrics import fid_kid, group_vendi, latent_gmd, pairwise_cosine_distance, reward_means, vendi_score
 
 # ------------------------------------------------------------------------------------------------ diversity

@@ -1,4 +1,5 @@
-"""Pluggable feature networks for FID/KID and the diversity metrics of :mod:`flowrl.eval.metrics`.
+"""Pluggable frozen image feature networks: FID/KID and the diversity metrics of :mod:`flowrl.eval.metrics`,
+and the features under the fitted reward's head (``rewards/fitted.py``); a leaf, so reward plugins may import it.
 
 Every network is an ``nn.Module`` that stays in eval mode with gradients off, has an int ``num_features``,
 and maps images ``[N, 3, H, W]`` float in [0, 1] (any size: each resizes itself) to ``[N, num_features]``
