@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+from flowrl.media import IMAGE_SUFFIXES
 
 
 def run_sample(args) -> Path:

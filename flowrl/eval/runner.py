@@ -32,9 +32,7 @@ from tqdm.auto import tqdm
 from flowrl.eval.checkpoints import (EvalCheckpoint, check_fits, check_same_model, load_adapter, read_adapter,
                                      unique_labels)
 from flowrl.eval.suites import axis_scores, prompt_axes
-
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
-
+from flowrl.media import image_files, read_rgb
 
 def run_eval(config: str, overrides: list[str], checkpoints: list[str], out: str | None = None) -> Path:
     """Evaluate ``checkpoints`` (specs, see :mod:`flowrl.eval.checkpoints`); returns the report path."""
@@ -223,16 +221,6 @@ def read_images(folder: Path, num_prompts: int, n: int) -> tuple[torch.Tensor, t
     return images, latents
 
 
-def read_rgb(path: Path) -> torch.Tensor:
-    """An image file as ``[3, H, W]`` float32 in [0, 1] (PIL: torchvision's decoders are deprecated)."""
-    import numpy as np
-    from PIL import Image
-
-    with Image.open(path) as image:
-        array = np.asarray(image.convert("RGB"))  # [H, W, 3] uint8
-    return torch.from_numpy(array.copy()).permute(2, 0, 1).float() / 255
-
-
 def load_reference(path: str, cfg) -> torch.Tensor:
     """Reference images ``[R, 3, H, W]`` in [0, 1] for FID/KID, resized to the eval resolution."""
     from torchvision.transforms.functional import resize
@@ -240,7 +228,7 @@ def load_reference(path: str, cfg) -> torch.Tensor:
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"eval.reference: {path} is not a directory of images")
-    files = sorted(f for f in folder.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES)
+    files = image_files(folder)
     if len(files) < 2:
         raise ValueError(f"eval.reference: {path} holds {len(files)} images; FID/KID need at least 2 (hundreds for "
                          "a stable FID)")
