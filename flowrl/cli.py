@@ -1,4 +1,4 @@
-"""The ``flowrl`` command line: train, sample, eval, export-lora.
+"""The ``flowrl`` command line: train, sample, eval, export-lora, fit-reward.
 
 Every subcommand takes a YAML config plus ``a.b=value`` overrides. Errors a user can fix (bad
 config keys, missing files, impossible options, a reward that fails, a run that stopped itself to contain a
@@ -64,6 +64,23 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--merge", action="store_true",
                         help="also write OUT/transformer: the base transformer with the LoRA fused in")
     export.add_argument("--force", action="store_true", help="overwrite export files already in OUT")
+
+    fit = commands.add_parser("fit-reward", help="fit the artifact reward (a logistic head on frozen image features) "
+                              "on a folder of clean and a folder of artifact-containing images")
+    _debug_arg(fit, argparse.SUPPRESS)
+    fit.add_argument("clean_dir", help="folder of clean images (png, jpg, webp; subfolders included)")
+    fit.add_argument("artifact_dir", help="folder of artifact-containing images")
+    fit.add_argument("--out", required=True, help="the reward file to write (.safetensors), loaded by "
+                     "rewards: [{name: fitted, kwargs: {path: FILE}}]")
+    fit.add_argument("--features", default="toy", help="frozen feature network: toy, pixels, clip, dino, inception "
+                     "(default toy, the toy world's)")
+    fit.add_argument("--feature-kwargs", default="{}", help="JSON object of the feature network's arguments, e.g. "
+                     "'{\"model\": \"ViT-L-14\", \"pretrained\": \"/path/open_clip.bin\"}'")
+    fit.add_argument("--held-out", type=float, default=0.2, help="share of each folder held out to measure accuracy")
+    fit.add_argument("--seed", type=int, default=0, help="seed of the held-out split")
+    fit.add_argument("--l2", type=float, default=1e-3, help="L2 penalty of the logistic head")
+    fit.add_argument("--device", default="auto", help="where the feature network runs (auto: cuda when available)")
+    fit.add_argument("--force", action="store_true", help="overwrite an existing --out")
     return parser
 
 
@@ -134,6 +151,13 @@ def main(argv: list[str] | None = None) -> int:
 
             for path in run_export(args):
                 print(f"wrote {path}")
+            return 0
+        if args.command == "fit-reward":
+            from flowrl.commands.fit_reward import describe, run_fit_reward
+
+            summary = run_fit_reward(args)
+            print(describe(summary))
+            print(f"wrote {summary['path']}")
             return 0
         if args.command == "eval":
             from flowrl.eval.runner import run_eval

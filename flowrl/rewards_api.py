@@ -70,6 +70,7 @@ REWARD_REGISTRY: dict[str, str] = {
     "edit_preservation": "rewards.edit:EditPreservation",
     "motion_direction": "rewards.video:MotionDirection",
     "temporal_consistency": "rewards.video:TemporalConsistency",
+    "fitted": "rewards.fitted:FittedReward",
 }
 """Short name -> dotted path. Strings only: nothing is imported until `build_reward`."""
 
