@@ -130,3 +130,11 @@ def test_the_reward_composes_with_the_proxy_in_a_toy_config(reward_file):
     assert weights == {"toy_proxy": 1.0, "fitted": 0.5}
     out = score(rewards, torch.rand(2, 3, 32, 32), ["a red circle", "a red circle"], [{}, {}])
     assert out["fitted"].shape == out["toy_proxy"].shape == (2,)
+
+
+def test_the_shipped_artifact_config_regularises_the_proxy():
+    path = REPO / "configs/toy/grpo_proxy_artifact.yaml"
+    cfg = load_config(Config, path)
+    assert [(r.name, r.weight) for r in cfg.rewards] == [("toy_proxy", 1.0), ("fitted", 0.5), ("toyeval", 0.0)]
+    reward_path = cfg.rewards[1].kwargs["path"]
+    assert f"--out {reward_path}" in path.read_text()  # the header's fit-reward command writes the file it loads
