@@ -5,7 +5,8 @@ Every network is an ``nn.Module`` that stays in eval mode with gradients off, ha
 and maps images ``[N, 3, H, W]`` float in [0, 1] (any size: each resizes itself) to ``[N, num_features]``
 float32. Pick one by name with :func:`build_feature_network`:
 
-- ``toy``: a small fixed random conv net, for the toy world and tests; no files needed;
+- ``toy``: a small fixed random conv net, for the toy world and tests; no files needed (``pool="stats"`` adds
+  each layer's texture statistics);
 - ``pixels``: downsampled raw pixels, the crudest baseline;
 - ``clip``: an open_clip image tower, unit-norm embeddings (semantic diversity, CLIP-FID);
 - ``dino``: a transformers DINOv2 (or any ViT with a CLS token), the CLS embedding (FD-DINOv2);
@@ -66,25 +67,37 @@ class ToyFeatures(FeatureNetwork):
     Random convolutional features are a known reasonable stand-in for Inception features on small images:
     FID on them still ranks distribution shifts sensibly, at no download. The He-scaled weights are drawn
     from ``torch.Generator().manual_seed(seed)``, never the global RNG, so every machine builds the same
-    network (outputs then agree up to the floating-point rounding of its conv kernels)."""
+    network (outputs then agree up to the floating-point rounding of its conv kernels).
 
-    def __init__(self, num_features: int = 64, seed: int = 0, width: int = 32):
+    ``pool="mean"`` (the default): the last layer's channel means, ``num_features`` of them. ``pool="stats"``:
+    every layer's channel mean and standard deviation over the image, ``2 * (width // 2 + width +
+    num_features)`` features. Means mostly carry colour and layout; the spatial spread of the responses is
+    texture (the statistics random-weight texture models use), which is where noise and blur show: the fitted
+    artifact reward separates clean toy renders from corrupted ones far better on them."""
+
+    def __init__(self, num_features: int = 64, seed: int = 0, width: int = 32, pool: str = "mean"):
         super().__init__()
+        if pool not in ("mean", "stats"):
+            raise ValueError(f"toy features: pool must be 'mean' or 'stats', got {pool!r}")
         generator = torch.Generator().manual_seed(seed)
         channels = (3, width // 2, width, num_features)
         self.weights = nn.ParameterList(
             nn.Parameter(torch.randn(c_out, c_in, 3, 3, generator=generator) * (2.0 / (9 * c_in)) ** 0.5)
             for c_in, c_out in zip(channels[:-1], channels[1:]))
-        self.num_features = num_features
+        self.pool = pool
+        self.num_features = num_features if pool == "mean" else 2 * sum(channels[1:])
         self._freeze()
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = images.float() * 2.0 - 1.0  # [N, 3, H, W], centred so the first layer sees signed input
+        stats = []
         for i, weight in enumerate(self.weights):
-            x = F.conv2d(x, weight, stride=2, padding=1)
+            x = F.conv2d(x, weight, stride=2, padding=1)  # [N, C_i, H / 2^(i+1), W / 2^(i+1)]
             if i < len(self.weights) - 1:
                 x = F.relu(x)
-        return x.mean(dim=(2, 3))  # [N, num_features]
+            if self.pool == "stats":
+                stats += [x.mean(dim=(2, 3)), x.std(dim=(2, 3), unbiased=False)]  # [N, C_i] each
+        return x.mean(dim=(2, 3)) if self.pool == "mean" else torch.cat(stats, dim=1)  # [N, num_features]
 
 
 class PixelFeatures(FeatureNetwork):

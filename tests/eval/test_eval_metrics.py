@@ -233,6 +233,25 @@ def test_toy_network_is_fixed_by_its_seed_alone():
     assert not a.training and not any(p.requires_grad for p in a.parameters())
 
 
+def test_toy_network_stats_pooling_by_a_plain_loop():
+    images = _images(3, 32, seed=14)
+    stats = build_feature_network("toy", pool="stats")
+    assert stats.num_features == 2 * (16 + 32 + 64)
+    out = stats(images)  # [3, 224]
+    x, expected = images * 2 - 1, []
+    for i, weight in enumerate(stats.weights):  # each layer's channel mean and population std, layer by layer
+        x = torch.nn.functional.conv2d(x, weight, stride=2, padding=1)
+        x = x.relu() if i < 2 else x
+        flat = x.flatten(2)  # [3, C, h*w]
+        mean = flat.sum(2) / flat.shape[2]
+        expected += [mean, ((flat - mean[..., None]) ** 2).mean(2).sqrt()]
+    torch.testing.assert_close(out, torch.cat(expected, 1))
+    # the default pooling is the last layer's means: the same network, the same numbers
+    torch.testing.assert_close(build_feature_network("toy")(images), out[:, 2 * (16 + 32):2 * (16 + 32) + 64])
+    with pytest.raises(ValueError, match="pool must be"):
+        build_feature_network("toy", pool="max")
+
+
 def test_pixel_network_shape():
     network = build_feature_network("pixels")
     assert network(_images(3, 64, seed=13)).shape == (3, network.num_features) == (3, 768)
