@@ -230,7 +230,8 @@ class FittedReward:
         if out.exists() and not force:
             raise ValueError(f"{out} already exists; pass --force to overwrite it")
         if not 0.0 < held_out < 1.0:
-            raise ValueError(f"--held-out must lie in (0, 1), got {held_out}: the printed accuracy is on held-out images")
+            raise ValueError(f"--held-out must lie in (0, 1), got {held_out}: the accuracy is measured on held-out "
+                             "images")
         files = {}
         for label, folder in zip(CLASSES, (clean_dir, artifact_dir)):
             if not Path(folder).is_dir():

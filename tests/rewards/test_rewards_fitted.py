@@ -123,8 +123,8 @@ def test_bad_reward_files_are_one_line_each(reward_file, tmp_path):
 
 
 def test_the_reward_composes_with_the_proxy_in_a_toy_config(reward_file):
-    cfg = load_config(Config, REPO / "configs/toy/grpo_proxy.yaml",
-                      [f"rewards=[{{name: toy_proxy}}, {{name: fitted, kwargs: {{path: {reward_file}}}, weight: 0.5}}]"])
+    rewards = f"rewards=[{{name: toy_proxy}}, {{name: fitted, kwargs: {{path: {reward_file}}}, weight: 0.5}}]"
+    cfg = load_config(Config, REPO / "configs/toy/grpo_proxy.yaml", [rewards])
     assert [(r.name, r.weight) for r in cfg.rewards] == [("toy_proxy", 1.0), ("fitted", 0.5)]
     rewards, weights = build_rewards(cfg.rewards, torch.device("cpu"))  # the run's own builder: nothing trains
     assert weights == {"toy_proxy": 1.0, "fitted": 0.5}
