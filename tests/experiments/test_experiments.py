@@ -107,7 +107,7 @@ def test_collapse_table_reads_when_background_diversity_halved(tmp_path):
     params = {"section": None, "epochs": 30, "parallel": 2, "test_prompts": 32, "images": 8}
     lines = collapse.table({"fast": {0: found["fast"], 1: found["never"]}, "never": {0: found["never"]}},
                            params, "cmd", "configs/toy/grpo_clip.yaml", tmp_path / "plot.png").splitlines()
-    assert "30 epochs (2 CPU cores" in lines[4]
+    assert "30 epochs (2 CPU cores" in lines[4] and "optimised `toy_clip`" in lines[4]
     assert lines[8].startswith("| fast | 0,1 | 20 ± 10 (2) | 20 (1/2) |")
     assert lines[9].startswith("| never | 0 | 10 (1) | never |")
 

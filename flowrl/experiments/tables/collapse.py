@@ -1,10 +1,12 @@
-"""The preference-collapse table: every method optimises ToyClip, the CLIP-like proxy whose text embedding
-carries a black-background bias for every prompt, with strict ToyEval scored alongside at weight 0 (held out
-from training, so it catches hacking) (``experiments/collapse.yaml``).
+"""The preference-collapse table: every method optimises a hackable proxy reward (the experiment's ``proxy``:
+``toy_clip``, the CLIP-like proxy whose text embedding carries a black-background bias for every prompt, or
+``toy_proxy``), with strict ToyEval scored alongside at weight 0 (held out from training, so it catches hacking)
+(``experiments/collapse.yaml``; ``experiments/artifact.yaml`` compares the proxy with and without the fitted
+artifact reward beside it).
 
 Columns: the first held-out point at which background diversity is half the base's or less (the collapse; seeds
 where it never came are left out of the mean, and the count says how many reached it), then each method's final
-held-out proxy reward (the raw ToyClip score, also for D²-Align), strict ToyEval, ground-truth diversity and
+held-out proxy reward (the raw proxy score, also for D²-Align), strict ToyEval, ground-truth diversity and
 background diversity, each with its change from the base; ``results_collapse.png`` beside the results file plots
 the reward-diversity trade-off.
 """
@@ -23,10 +25,10 @@ SECTION = "Preference mode collapse"
 KEYS = ("proxy", "toyeval", "diversity", "background")
 
 
-def summary(run_dir: Path) -> dict:
+def summary(run_dir: Path, proxy_reward: str = "toy_clip") -> dict:
     tests = [r for r in read_metrics(run_dir) if "test/toyeval/task_mean" in r]
-    raw = "test/toy_clip_d2/raw/task_mean"  # D²-Align trains the corrected score; the table reports the raw one
-    proxy = raw if raw in tests[-1] else "test/toy_clip/task_mean"
+    raw = f"test/{proxy_reward}_d2/raw/task_mean"  # D²-Align trains the corrected score; the table reports the raw one
+    proxy = raw if raw in tests[-1] else f"test/{proxy_reward}/task_mean"
     point = lambda r: {"proxy": r[proxy], "toyeval": r["test/toyeval/task_mean"],  # noqa: E731
                        "diversity": r["test/diversity/gt_mean"], "background": r["test/diversity/background"]}
     base = point(tests[0])
@@ -59,7 +61,7 @@ def plot(results: dict[str, dict[int, dict]], path: Path) -> None:
         ax.errorbar([x], [y], xerr=[xe], yerr=[ye], color=colours[i % 10], fmt="o", ms=6, label=name)
         ax.annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.set_xlabel("ground-truth diversity (held-out, higher keeps more)")
-    ax.set_ylabel("ToyClip proxy reward (held-out)")
+    ax.set_ylabel("proxy reward (held-out)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -68,12 +70,12 @@ def plot(results: dict[str, dict[int, dict]], path: Path) -> None:
 def table(results: dict[str, dict[int, dict]], p: dict, command: str, config: str, plot_path: Path) -> str:
     bases = {seed: r["base"] for per_seed in results.values() for seed, r in per_seed.items()}
     base = {k: fmt_mean_se(b[k] for b in bases.values()) for k in KEYS}
-    prose = (f"Every method optimised ToyClip (`{config}`, strict ToyEval logged at weight 0) for "
-             f"{budget_words(p)}. {CELL_NOTE} Base: proxy {base['proxy']}, ToyEval {base['toyeval']}, diversity "
+    prose = (f"Every method optimised `{p.get('proxy', 'toy_clip')}` (`{config}`, strict ToyEval logged at weight 0) "
+             f"for {budget_words(p)}. {CELL_NOTE} Base: proxy {base['proxy']}, ToyEval {base['toyeval']}, diversity "
              f"{base['diversity']}, background diversity {base['background']}. Plot: `{plot_path}`.")
     lines = table_head(f"## {p['section'] or SECTION}", command, prose,
-                       ["method", "seeds", "epochs", "background halved at epoch", "proxy", "change", "ToyEval", "change", "gt diversity", "change",
-                        "background", "change"])
+                       ["method", "seeds", "epochs", "background halved at epoch", "proxy", "change", "ToyEval",
+                        "change", "gt diversity", "change", "background", "change"])
     for name, per_seed in results.items():
         cells = [f"{fmt_mean_se(r['final'][k] for r in per_seed.values())} | "
                  + fmt_mean_se((r["final"][k] - r["base"][k] for r in per_seed.values()), "+.3f") for k in KEYS]
@@ -85,10 +87,11 @@ def table(results: dict[str, dict[int, dict]], p: dict, command: str, config: st
 
 
 def make(exp: Experiment) -> str | None:
-    results = exp.results(summary, "methods")  # prepares the D²-Align direction first, fitted on base samples
+    proxy = exp.params.get("proxy", "toy_clip")
+    results = exp.results(lambda run_dir: summary(run_dir, proxy), "methods")  # runs `prepare` first
     if results is None:
         return None
-    plot_path = Path(exp.params["results"]).parent / "results_collapse.png"
+    plot_path = Path(exp.params["results"]).parent / exp.params.get("plot", "results_collapse.png")
     plot_path.parent.mkdir(parents=True, exist_ok=True)
     plot(results, plot_path)
     config = exp.run(next(iter(results))).config
