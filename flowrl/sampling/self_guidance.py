@@ -15,12 +15,12 @@ of rows that share a prompt (one group id) apart, then lets the block pull them 
    the block wrote in the first pass is kept.
 
 Source: "Don't Settle at the Mode! Mitigating Diversity Collapse in Pretrained Flow Models via Feature
-Self-Guidance" (arXiv 2606.27371): the LogSumExp cosine energy with a temperature, gradient steps on the
-features (30 at rate 0.5 there), the second pass through the same block mixed with weight beta (0.4 there),
-FLUX.1-dev's second block and t in [1.0, 0.8]. No public code of the paper was found, so these choices are
-flowrl's: the gradient is taken on feature directions and each row keeps its norm (cosine similarity ignores
-norms, and a step on the raw features would shrink as 1 / |h|, so ``scale`` would mean something different for
-every model and block); pairs are distinct rows; the whole image-token block output of a row is one vector; the
+Self-Guidance" (arXiv 2606.27371), its abstract and a public summary of its method: the LogSumExp cosine
+energy with a temperature, gradient steps on the features (30 at rate 0.5 there), the second pass through the
+same block mixed with weight beta (0.4 there), FLUX.1-dev's second block and t in [1.0, 0.8]. No public code
+of the paper was found, so these choices are flowrl's: the gradient is taken on feature directions and each
+row keeps its norm (cosine similarity ignores norms, and a step on the raw features would shrink as 1 / |h|, so
+``scale`` would mean something different for every model and block); pairs are distinct rows; the whole image-token block output of a row is one vector; the
 second pass reads the first pass's text stream (the block's input text stream where the block writes none);
 under classifier-free guidance the unconditional and conditional halves of the transformer batch are dispersed
 separately (each half holds the same groups).
@@ -29,6 +29,11 @@ separately (each half holds the same groups).
 of every row as a function of the other rows of its group, so a policy-gradient log-probability recomputed
 row by row would not be the one sampled: recipe grpo refuses it in rollouts, recipe nft (whose rollouts only
 supply clean samples) accepts it.
+
+Use: ``flowrl sample CONFIG --num-per-prompt 4 sampling.self_guidance.scale=0.1`` (``flowrl eval`` likewise;
+training rollouts with ``sampling.self_guidance.in_rollouts=true``). On the toy model
+(``scripts/bench/self_guidance_toy.py``) scale 0.1 widens latent and background diversity with strict ToyEval
+within noise; 0.3 starts to break objects.
 
 Supported transformers: those whose blocks are called with keyword arguments and return
 ``(encoder_hidden_states, hidden_states)``: SD3 (``transformer_blocks``) and FLUX.1 (``transformer_blocks``
