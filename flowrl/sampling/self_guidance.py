@@ -20,10 +20,10 @@ energy with a temperature, gradient steps on the features (30 at rate 0.5 there)
 same block mixed with weight beta (0.4 there), FLUX.1-dev's second block and t in [1.0, 0.8]. No public code
 of the paper was found, so these choices are flowrl's: the gradient is taken on feature directions and each
 row keeps its norm (cosine similarity ignores norms, and a step on the raw features would shrink as 1 / |h|, so
-``scale`` would mean something different for every model and block); pairs are distinct rows; the whole image-token block output of a row is one vector; the
-second pass reads the first pass's text stream (the block's input text stream where the block writes none);
-under classifier-free guidance the unconditional and conditional halves of the transformer batch are dispersed
-separately (each half holds the same groups).
+``scale`` would mean something different for every model and block); pairs are distinct rows; the whole
+image-token block output of a row is one vector; the second pass reads the first pass's text stream (the
+block's input text stream where the block writes none); under classifier-free guidance the unconditional and
+conditional halves of the transformer batch are dispersed separately (each half holds the same groups).
 
 ``scale == 0`` installs nothing, so sampling is bit-identical to sampling without it. It changes the velocity
 of every row as a function of the other rows of its group, so a policy-gradient log-probability recomputed
