@@ -83,6 +83,7 @@ def rollout(
         raise ValueError(f"need {num_prompts * roots_per_group} root seeds, got {len(seeds)}")
     if self_guidance is not None and group_size < 2:
         raise ValueError(ONE_IMAGE_ERROR)
+    guided = policy.transformer if self_guidance is not None else None  # the blocks self-guidance hooks
 
     # 1. Text conditioning once per prompt; rows index into it.
     if cond is None:
@@ -147,7 +148,7 @@ def rollout(
             seed_list = row_seeds.tolist()
             step_generators = [torch.Generator(device=x.device) for _ in seed_list]
 
-        with installed(self_guidance, policy.transformer, i, prompt_ids.to(x.device)):
+        with installed(self_guidance, guided, i, prompt_ids.to(x.device)):
             velocity = policy.velocity(x, step_sigmas[i], row_cond, guidance_scale)
         if store_x0_preds and i in range(sde_steps.start, sde_steps.stop + 1):  # stored states only
             stored_x0.append(x.float() - step_sigmas[i].float() * velocity.float())

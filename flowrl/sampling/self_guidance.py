@@ -167,7 +167,7 @@ class GuidanceHooks:
 
 
 @contextlib.contextmanager
-def installed(guidance: SelfGuidance | None, transformer: torch.nn.Module, step: int,
+def installed(guidance: SelfGuidance | None, transformer: torch.nn.Module | None, step: int,
               group_ids: torch.Tensor) -> Iterator[GuidanceHooks | None]:
     """The hooks of ``guidance`` on ``transformer`` around denoising step ``step`` of rows ``group_ids`` ``[N]``;
     nothing is installed without guidance or at a step it does not guide."""
