@@ -105,3 +105,18 @@ def test_nft_accepts_guided_rollouts():
     cfg = load_config(Config, SMOKE, ["recipe=nft", "sampling.self_guidance.scale=0.1",
                                       "sampling.self_guidance.in_rollouts=true"])
     assert cfg.sampling.self_guidance.settings()["scale"] == 0.1
+
+
+def test_flowrl_sample_with_one_image_per_prompt_is_one_line_and_writes_nothing(tmp_path):
+    import contextlib
+    import io
+
+    from flowrl.cli import main
+
+    out, stderr = tmp_path / "grid" / "samples.png", io.StringIO()
+    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["sample", str(SMOKE), "--prompt", "a red circle", "--num-per-prompt", "1", "--out", str(out),
+                     "sampling.self_guidance.scale=0.5"])
+    lines = [line for line in stderr.getvalue().splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and ONE_IMAGE_ERROR in lines[0], stderr.getvalue()
+    assert not out.parent.exists()
