@@ -34,8 +34,8 @@ from flowrl.eval.held_out import evaluate, render
 from flowrl.eval.report import write_report
 from flowrl.rewards_api import build_rewards, nan_summary
 from flowrl.sampling import StepPlan, chunked_rollout, concat_trajectories, rollout, root_seeds
-from flowrl.sampling.self_guidance import SelfGuidance
 from flowrl.sampling.pilot import commit_candidates, join_committed, slot_seeds
+from flowrl.sampling.self_guidance import SelfGuidance
 from flowrl.training.ema import LoraEMA, ema_weights
 from flowrl.training.faults import TrainingAborted, grad_norm as total_grad_norm
 from flowrl.training.metrics import MetricsLogger

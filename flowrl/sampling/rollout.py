@@ -148,7 +148,7 @@ def rollout(
             seed_list = row_seeds.tolist()
             step_generators = [torch.Generator(device=x.device) for _ in seed_list]
 
-        with installed(self_guidance, guided, i, prompt_ids.to(x.device)):
+        with installed(self_guidance, guided, i, prompt_ids):
             velocity = policy.velocity(x, step_sigmas[i], row_cond, guidance_scale)
         if store_x0_preds and i in range(sde_steps.start, sde_steps.stop + 1):  # stored states only
             stored_x0.append(x.float() - step_sigmas[i].float() * velocity.float())

@@ -120,7 +120,7 @@ class GuidanceHooks:
 
     def __init__(self, guidance: SelfGuidance, transformer: torch.nn.Module, group_ids: torch.Tensor):
         self.guidance = guidance
-        self.group_ids = group_ids  # [N] rows of the rollout
+        self.group_ids = group_ids  # [N] rows of the rollout, on the CPU (moved only when a hook runs)
         self.in_second_pass = False
         blocks = guided_blocks(transformer)
         bad = [b for b in guidance.blocks if not 0 <= b < len(blocks)]
@@ -133,7 +133,7 @@ class GuidanceHooks:
         for handle in self.handles:
             handle.remove()
 
-    def batch_groups(self, batch: int) -> torch.Tensor:
+    def batch_groups(self, batch: int, device: torch.device) -> torch.Tensor:
         """Group ids ``[batch]`` of the transformer's batch: the rollout's rows, repeated with new ids for
         every further copy (the CFG halves)."""
         rows = len(self.group_ids)
@@ -141,7 +141,7 @@ class GuidanceHooks:
             raise ValueError(f"self-guidance: a transformer batch of {batch} rows does not hold the {rows} rows "
                              "of the rollout a whole number of times")
         offset = int(self.group_ids.max()) + 1
-        return torch.cat([self.group_ids + copy * offset for copy in range(batch // rows)])
+        return torch.cat([self.group_ids + copy * offset for copy in range(batch // rows)]).to(device)
 
     def hook(self, module, args, kwargs, output):
         if self.in_second_pass:
@@ -151,7 +151,7 @@ class GuidanceHooks:
                              f"streams (SD3, FLUX); {type(module).__name__} is not one")
         text, image = output  # [B, L_text, D] or None, [B, L_image, D]
         g = self.guidance
-        dispersed = disperse(image, self.batch_groups(image.shape[0]), scale=g.scale, iterations=g.iterations,
+        dispersed = disperse(image, self.batch_groups(image.shape[0], image.device), scale=g.scale, iterations=g.iterations,
                              temperature=g.temperature)
         if g.manifold_mix == 0:
             return text, dispersed
