@@ -43,6 +43,7 @@ then ``single_transformer_blocks``, indexed as one list).
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -76,16 +77,17 @@ class SelfGuidance:
 def dispersal_energy(directions: torch.Tensor, group_ids: torch.Tensor, temperature: float) -> torch.Tensor:
     """Sum over groups of ``log mean_{i != j} exp(cos(u_i, u_j) / temperature)``; ``directions`` ``[N, D]``,
     ``group_ids`` ``[N]``. A scalar; groups of one row contribute nothing."""
-    cos = F.normalize(directions, dim=1) @ F.normalize(directions, dim=1).T / temperature  # [N, N]
-    pair = (group_ids[:, None] == group_ids[None, :]) & ~torch.eye(len(group_ids), dtype=torch.bool,
-                                                                     device=directions.device)  # [N, N]
+    unit = F.normalize(directions, dim=1)  # [N, D]
+    cos = unit @ unit.T / temperature  # [N, N]
     energy = directions.new_zeros(())
     for group in group_ids.unique():
-        rows = group_ids == group
-        mask = pair[rows][:, rows]  # [n, n]
-        if mask.any():
-            logits = cos[rows][:, rows][mask]  # [n (n - 1)]
-            energy = energy + torch.logsumexp(logits, dim=0) - torch.log(torch.tensor(float(mask.sum())))
+        rows = (group_ids == group).nonzero().squeeze(1)  # [n]
+        n = len(rows)
+        if n < 2:
+            continue
+        distinct = ~torch.eye(n, dtype=torch.bool, device=directions.device)  # [n, n]
+        logits = cos[rows][:, rows][distinct]  # [n (n - 1)]
+        energy = energy + torch.logsumexp(logits, dim=0) - math.log(n * (n - 1))
     return energy
 
 
@@ -151,8 +153,8 @@ class GuidanceHooks:
                              f"streams (SD3, FLUX); {type(module).__name__} is not one")
         text, image = output  # [B, L_text, D] or None, [B, L_image, D]
         g = self.guidance
-        dispersed = disperse(image, self.batch_groups(image.shape[0], image.device), scale=g.scale, iterations=g.iterations,
-                             temperature=g.temperature)
+        groups = self.batch_groups(image.shape[0], image.device)  # [B]
+        dispersed = disperse(image, groups, scale=g.scale, iterations=g.iterations, temperature=g.temperature)
         if g.manifold_mix == 0:
             return text, dispersed
         second = dict(kwargs, hidden_states=dispersed)
