@@ -17,11 +17,15 @@ def run_sample(args) -> Path:
     from flowrl.models.lora_io import load_lora_into
     from flowrl.media import stills
     from flowrl.sampling import StepPlan, rollout, root_seeds
+    from flowrl.sampling.self_guidance import ONE_IMAGE_ERROR, SelfGuidance
 
     cfg = load_config(Config, args.config, args.overrides)
     n = args.num_per_prompt
     if n < 1:
         raise ValueError(f"--num-per-prompt must be >= 1 (got {n}): it is the number of images per prompt")
+    guide = SelfGuidance.maybe(**cfg.sampling.self_guidance.settings())
+    if guide is not None and n < 2:
+        raise ValueError(f"{ONE_IMAGE_ERROR} (--num-per-prompt {n}; sampling.self_guidance.scale > 0)")
     out = Path(args.out or Path(cfg.run_dir) / "samples.png")
     if out.is_dir():
         raise ValueError(f"--out {out} is a directory; give an image file, e.g. --out {out / 'samples.png'}")
@@ -43,7 +47,7 @@ def run_sample(args) -> Path:
     noise = cfg.sampling.noise_level if args.sde else 0.0
     traj = rollout(policy, prompts, group_size=n, num_steps=steps, guidance_scale=cfg.sampling.guidance_scale,
                    noise_level=noise, kind=cfg.sampling.kind, plan=plan, metadata=metadata,
-                   seeds=root_seeds(cfg.seed, 0, len(prompts) * n))
+                   seeds=root_seeds(cfg.seed, 0, len(prompts) * n), self_guidance=guide)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         save_image(stills(traj.images), out, nrow=n, padding=2)

@@ -155,6 +155,10 @@ class GRPOConfig(Config, recipe="grpo"):
               "rollouts (sampling.tree.branch_steps), whose edges take their advantage from the leaves below them; use "
               "train.credit=terminal")
         self.validate_gardo()
+        guide = self.sampling.self_guidance
+        check(not (guide.scale > 0 and guide.in_rollouts), "sampling.self_guidance.in_rollouts",
+              "recipe grpo recomputes each row's log-prob alone, but self-guidance makes a row's velocity depend on "
+              "its group's other rows: set it to false (recipe nft accepts it)")
         check(t.ratio_norm != "grpo_guard" or self.sampling.kind == "sde", "train.ratio_norm",
               f"grpo_guard's |dt| reweighting is defined for SDE steps, not sampling.kind={self.sampling.kind}: use "
               "sampling.kind=sde, or train.ratio_norm=batch_sensitivity")

@@ -126,6 +126,43 @@ class PilotConfig:
 
 
 @dataclass
+class SelfGuidanceConfig:
+    """Feature self-guidance (flowrl/sampling/self_guidance.py): at the chosen steps and blocks, push apart the
+    transformer's image-token features of the images of one prompt, then pass them through the block again."""
+
+    scale: float = 0.0
+    """Step size of the dispersal on feature directions (0: off, and sampling is bit-identical to no guidance)."""
+    blocks: list[int] = field(default_factory=lambda: [1])
+    """Transformer blocks whose output is dispersed (SD3: transformer_blocks; FLUX: transformer_blocks then
+    single_transformer_blocks, as one list); checked against the model when it loads."""
+    steps: list[int] = field(default_factory=lambda: [0, 1])
+    """Denoising steps (indices of the schedule, 0 = the noisiest) at which the blocks are guided."""
+    iterations: int = 30
+    """Gradient steps of the dispersal per guided block call."""
+    temperature: float = 1.0
+    """Temperature of the log-mean-exp of pairwise cosine similarities."""
+    manifold_mix: float = 0.4
+    """Weight of the block's second pass over the dispersed features (0: dispersal only)."""
+    in_rollouts: bool = False
+    """Also guide training rollouts (recipe nft only; flowrl sample and flowrl eval guide whenever scale > 0)."""
+
+    def settings(self) -> dict:
+        """The method's arguments (flowrl.sampling.self_guidance.SelfGuidance.maybe)."""
+        return dict(scale=self.scale, blocks=self.blocks, steps=self.steps, iterations=self.iterations,
+                    temperature=self.temperature, manifold_mix=self.manifold_mix)
+
+    def validate(self):
+        check(self.scale >= 0, "scale", "must be >= 0 (0: off)")
+        check(bool(self.blocks) and all(b >= 0 for b in self.blocks), "blocks", "must be a non-empty list of block "
+              "indices >= 0")
+        check(bool(self.steps) and all(s >= 0 for s in self.steps), "steps", "must be a non-empty list of step "
+              "indices >= 0")
+        check(self.iterations >= 1, "iterations", "must be >= 1")
+        check(self.temperature > 0, "temperature", "must be > 0")
+        check(0 <= self.manifold_mix <= 1, "manifold_mix", "must be in [0, 1]")
+
+
+@dataclass
 class SamplingConfig:
     num_steps: int = 10
     """Denoising steps per rollout."""
@@ -161,6 +198,8 @@ class SamplingConfig:
     """Tree rollouts (BranchGRPO / TreeGRPO / TMPO)."""
     pilot: PilotConfig = field(default_factory=PilotConfig)
     """Pilot-Commit rollout allocation: skip candidate prompts whose pilot rewards do not vary."""
+    self_guidance: SelfGuidanceConfig = field(default_factory=SelfGuidanceConfig)
+    """Training-free diversity at sampling time (flowrl sample, flowrl eval; rollouts with in_rollouts)."""
 
     def validate(self):
         check(self.num_steps >= 1, "num_steps", "must be >= 1")
@@ -216,6 +255,16 @@ class SamplingConfig:
             check(tree.prune_depth <= self.num_steps - 1 - high, "tree.prune_depth",
                   f"at most {self.num_steps - 1 - high}: the untrained window must fit between the last branch step "
                   f"({high}) and step {self.num_steps - 2}")
+        guide = self.self_guidance
+        check(all(s < self.num_steps for s in guide.steps), "self_guidance.steps",
+              f"every step must lie in [0, {self.num_steps}) (sampling.num_steps={self.num_steps})")
+        if guide.scale > 0 and guide.in_rollouts:
+            check(self.group_size >= 2, "self_guidance.in_rollouts", "self-guidance needs at least 2 images per "
+                  f"prompt (sampling.group_size={self.group_size})")
+            check(self.rollout_chunk is None or self.rollout_chunk >= self.group_size, "self_guidance.in_rollouts",
+                  "disperses the images of a whole group: sampling.rollout_chunk must hold whole groups")
+            check(not self.pilot.candidates, "self_guidance.in_rollouts",
+                  "Pilot-Commit samples a group in two passes; turn one of them off")
         pilot = self.pilot
         check(pilot.candidates is None or pilot.candidates >= 0, "pilot.candidates", "must be >= 0 (0 or null: off)")
         if pilot.candidates:

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 from flowrl.config.loader import check
 from flowrl.config.reporting import EvalConfig, GuardConfig, LogConfig  # noqa: F401  (re-exported)
 from flowrl.config.sampling import (  # noqa: F401
-    BetaScheduleConfig, PilotConfig, SamplingConfig, TreeConfig, WindowConfig,
+    BetaScheduleConfig, PilotConfig, SamplingConfig, SelfGuidanceConfig, TreeConfig, WindowConfig,
 )
 
 

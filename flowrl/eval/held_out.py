@@ -18,12 +18,13 @@ from flowrl.training.ema import ema_weights
 
 
 def render(policy, prompts: PromptSet, *, images_per_prompt: int, num_steps: int, guidance: float, seed: int,
-           batch_prompts: int = 8, first_prompt: int = 0, with_latents: bool = False):
+           batch_prompts: int = 8, first_prompt: int = 0, with_latents: bool = False, self_guidance=None):
     """ODE samples ``[P * n, 3, H, W]`` (video ``[P * n, T, 3, H, W]``) of ``prompts``, in chunks of prompts;
     row-seeded, so reproducible. Each prompt's metadata reaches the policy (an editing family's source image).
 
     Prompt ``i`` takes the seeds of global rows ``(first_prompt + i) * n ...``, so a subset of a suite
-    renders the same images as the whole. ``with_latents`` also returns the clean latents ``[P * n, C, h, w]``."""
+    renders the same images as the whole. ``with_latents`` also returns the clean latents ``[P * n, C, h, w]``.
+    ``self_guidance`` (:class:`flowrl.sampling.self_guidance.SelfGuidance`) disperses each prompt's images."""
     images, latents = [], []
     for start in range(0, len(prompts), batch_prompts):
         chunk = prompts.prompts[start:start + batch_prompts]
@@ -31,7 +32,7 @@ def render(policy, prompts: PromptSet, *, images_per_prompt: int, num_steps: int
         with policy.local_forward():
             traj = rollout(policy, chunk, group_size=images_per_prompt, num_steps=num_steps, guidance_scale=guidance,
                            noise_level=0.0, plan=StepPlan(num_steps, sde_start=num_steps - 1, sde_size=1),
-                           metadata=metadata,
+                           metadata=metadata, self_guidance=self_guidance,
                            seeds=root_seeds(seed, (first_prompt + start) * images_per_prompt,
                                             len(chunk) * images_per_prompt))
         images.append(traj.images)

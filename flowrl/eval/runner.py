@@ -137,7 +137,9 @@ def render_settings(cfg, checkpoint: EvalCheckpoint) -> dict:
     return {"model": model,
             "seed": e.seed, "images_per_prompt": e.images_per_prompt, "num_steps": e.num_steps or cfg.sampling.num_steps,
             "guidance_scale": cfg.sampling.guidance_scale if e.guidance_scale is None else e.guidance_scale,
-            "checkpoint": None if checkpoint.is_base else [str(checkpoint.path), checkpoint.ema, digest]}
+            "checkpoint": None if checkpoint.is_base else [str(checkpoint.path), checkpoint.ema, digest],
+            # only when on: renders cached before self-guidance existed stay valid
+            **({"self_guidance": cfg.sampling.self_guidance.settings()} if cfg.sampling.self_guidance.scale else {})}
 
 
 def _manifest_prompts(folder: Path, settings: dict) -> dict[str, str]:
@@ -167,18 +169,20 @@ def _render_missing(policy, suite, todo: list[int], folder: Path, cfg, *, base: 
 
     from flowrl.eval.held_out import render
     from flowrl.media import stills
+    from flowrl.sampling.self_guidance import SelfGuidance
 
     e, n = cfg.eval, cfg.eval.images_per_prompt
     folder.mkdir(parents=True, exist_ok=True)
     done = {k: v for k, v in _manifest_prompts(folder, settings).items() if int(k) not in todo}
     steps = e.num_steps or cfg.sampling.num_steps
     guidance = cfg.sampling.guidance_scale if e.guidance_scale is None else e.guidance_scale
+    guide = SelfGuidance.maybe(**cfg.sampling.self_guidance.settings())
     context = policy.reference() if base and policy.has_lora else contextlib.nullcontext()
     with context, tqdm(total=len(todo), desc=f"eval {label}", unit="prompt") as bar:
         for chunk in _batches(todo, e.batch_prompts):  # consecutive suite indices: one rollout per batch
             images, latents = render(policy, suite.subset(chunk), images_per_prompt=n, num_steps=steps,
                                      guidance=guidance, seed=e.seed, first_prompt=chunk[0], batch_prompts=len(chunk),
-                                     with_latents=True)  # seeds depend on the suite index only
+                                     with_latents=True, self_guidance=guide)  # seeds: the suite index only
             strips = stills(images)  # [P*n, 3, H, W]; a video's frames side by side
             for row, index in enumerate(chunk):
                 for k in range(n):

@@ -35,6 +35,7 @@ from flowrl.eval.report import write_report
 from flowrl.rewards_api import build_rewards, nan_summary
 from flowrl.sampling import StepPlan, chunked_rollout, concat_trajectories, rollout, root_seeds
 from flowrl.sampling.pilot import commit_candidates, join_committed, slot_seeds
+from flowrl.sampling.self_guidance import SelfGuidance
 from flowrl.training.ema import LoraEMA, ema_weights
 from flowrl.training.faults import TrainingAborted, grad_norm as total_grad_norm
 from flowrl.training.metrics import MetricsLogger
@@ -245,6 +246,8 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
                                       strata=strata, store_x0_preds=store_x0_preds, store_means=store_means,
                                       batch_windows=batch_windows)
     roots_per_group = s.group_size // plan.leaves_per_root
+    # Self-guidance only where configured for rollouts (recipe grpo's config refuses it: see its validate).
+    guide = SelfGuidance.maybe(**s.self_guidance.settings()) if s.self_guidance.in_rollouts else None
     parts, futures = [], []
     for b in range(cfg.train.batches_per_epoch):
         batch_index = epoch * cfg.train.batches_per_epoch + b
@@ -261,7 +264,7 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
                                    metadata=batch.metadata, store_x0_preds=store_x0_preds, ode_solver=s.ode_solver,
                                    store_means=store_means,
                                    seeds=root_seeds(cfg.seed, first_root, len(batch) * roots_per_group),
-                                   rollout_fn=rollout_fn)
+                                   rollout_fn=rollout_fn, **({"self_guidance": guide} if guide else {}))
         part.group_ids = part.group_ids + (batch_index * world + rank) * s.prompts_per_batch
         futures.append(scorer.submit(part.images, part.row_prompts, part.row_metadata))
         parts.append(part)

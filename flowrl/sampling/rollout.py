@@ -23,6 +23,7 @@ import torch
 
 from flowrl.models.base import Policy, TextCond
 from flowrl.sampling.plan import StepPlan
+from flowrl.sampling.self_guidance import ONE_IMAGE_ERROR, SelfGuidance, installed
 from flowrl.sampling.steps import ODE_SOLVERS, ScheduleSteps, StepKind, clean_prediction, euler_ode_step
 from flowrl.sampling.trajectory import Trajectory, concat_trajectories
 from flowrl.seeding import derive_seed, generators
@@ -53,6 +54,7 @@ def rollout(
     store_x0_preds: bool = False,
     ode_solver: str = "euler",
     store_means: bool = False,
+    self_guidance: SelfGuidance | None = None,
 ) -> Trajectory:
     """Sample ``len(prompts) * group_size`` trajectories; only the plan's SDE steps are stored.
 
@@ -61,7 +63,8 @@ def rollout(
     With ``store_x0_preds`` the trajectory also keeps the clean-latent prediction ``x - sigma v`` at
     every stored state from the velocities the loop computes anyway (no extra model call). With
     ``store_means`` it keeps the float32 mean of every stored step (GRPO-Guard's ratio needs the sampling
-    policy's mean).
+    policy's mean). ``self_guidance`` disperses the transformer features of each group's rows at its steps
+    (:mod:`flowrl.sampling.self_guidance`; None: off).
     ``ode_solver`` names the solver of the unstored deterministic steps (:data:`ODE_SOLVERS`): where it
     acts (after the window only, or on every deterministic step) and whether its history carries the
     window's clean-latent predictions or restarts after every SDE step.
@@ -78,6 +81,9 @@ def rollout(
     num_prompts = len(prompts)
     if len(seeds) != num_prompts * roots_per_group:
         raise ValueError(f"need {num_prompts * roots_per_group} root seeds, got {len(seeds)}")
+    if self_guidance is not None and group_size < 2:
+        raise ValueError(ONE_IMAGE_ERROR)
+    guided = policy.transformer if self_guidance is not None else None  # the blocks self-guidance hooks
 
     # 1. Text conditioning once per prompt; rows index into it.
     if cond is None:
@@ -142,7 +148,8 @@ def rollout(
             seed_list = row_seeds.tolist()
             step_generators = [torch.Generator(device=x.device) for _ in seed_list]
 
-        velocity = policy.velocity(x, step_sigmas[i], row_cond, guidance_scale)
+        with installed(self_guidance, guided, i, prompt_ids):
+            velocity = policy.velocity(x, step_sigmas[i], row_cond, guidance_scale)
         if store_x0_preds and i in range(sde_steps.start, sde_steps.stop + 1):  # stored states only
             stored_x0.append(x.float() - step_sigmas[i].float() * velocity.float())
         if i in sde_steps:

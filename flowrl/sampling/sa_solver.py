@@ -156,6 +156,9 @@ def sa_solver_rollout(policy: Policy, prompts: Sequence[str], *, group_size: int
     as a deterministic rollout's plan does: only ``final_latents`` and ``images`` are meant to be used."""
     if plan is not None and (plan.branch_steps or plan.num_steps != num_steps):
         raise ValueError("SA-Solver rollouts have no tree and take their steps from num_steps")
+    if _solver_options.get("self_guidance") is not None:
+        raise ValueError("self-guidance is not wired into SA-Solver rollouts: set nft.sampler=ode or "
+                         "sampling.self_guidance.in_rollouts=false")
     if store_x0_preds or _solver_options.get("store_means"):
         raise ValueError("SA-Solver rollouts keep clean samples only (store_x0_preds and store_means do not apply)")
     if cond is None:

@@ -1,0 +1,185 @@
+"""Feature self-guidance: training-free diversity for a batch of images of one prompt (``sampling.self_guidance``).
+
+Images of one prompt collapse onto a few looks because the transformer's inner features of those images are
+nearly the same. At chosen denoising steps and transformer blocks this module pushes the image-token features
+of rows that share a prompt (one group id) apart, then lets the block pull them back toward what it expects:
+
+1. **Dispersal.** Each row's block output ``h_i`` (its image tokens, flattened: ``[L * D]``) has direction
+   ``u_i = h_i / |h_i|``. The energy of a group is the log of the mean exponentiated cosine similarity over its
+   ordered pairs of distinct rows, ``G = log mean_{i != j} exp(cos(u_i, u_j) / temperature)``; ``iterations``
+   steps of projected gradient descent on the unit sphere, ``u_i <- normalise(u_i - scale * dG/du_i)``, spread
+   the directions, and each row keeps its own norm, ``h~_i = |h_i| u_i``.
+2. **Manifold step.** The dispersed features go through the same block once more (the block's residual update,
+   read from the dispersed stream, is its own correction toward features it has seen) and the result is mixed
+   back: ``h' = manifold_mix * block(h~) + (1 - manifold_mix) * h~``. Only image tokens change; the text stream
+   the block wrote in the first pass is kept.
+
+Source: "Don't Settle at the Mode! Mitigating Diversity Collapse in Pretrained Flow Models via Feature
+Self-Guidance" (arXiv 2606.27371), its abstract and a public summary of its method: the LogSumExp cosine
+energy with a temperature, gradient steps on the features (30 at rate 0.5 there), the second pass through the
+same block mixed with weight beta (0.4 there), FLUX.1-dev's second block and t in [1.0, 0.8]. No public code
+of the paper was found, so these choices are flowrl's: the gradient is taken on feature directions and each
+row keeps its norm (cosine similarity ignores norms, and a step on the raw features would shrink as 1 / |h|, so
+``scale`` would mean something different for every model and block); pairs are distinct rows; the whole
+image-token block output of a row is one vector; the second pass reads the first pass's text stream (the
+block's input text stream where the block writes none); under classifier-free guidance the unconditional and
+conditional halves of the transformer batch are dispersed separately (each half holds the same groups).
+
+``scale == 0`` installs nothing, so sampling is bit-identical to sampling without it. It changes the velocity
+of every row as a function of the other rows of its group, so a policy-gradient log-probability recomputed
+row by row would not be the one sampled: recipe grpo refuses it in rollouts, recipe nft (whose rollouts only
+supply clean samples) accepts it.
+
+Use: ``flowrl sample CONFIG --num-per-prompt 4 sampling.self_guidance.scale=0.1`` (``flowrl eval`` likewise;
+training rollouts with ``sampling.self_guidance.in_rollouts=true``). On the toy model
+(``scripts/bench/self_guidance_toy.py``) scale 0.1 widens latent and background diversity with strict ToyEval
+within noise; 0.3 starts to break objects.
+
+Supported transformers: those whose blocks are called with keyword arguments and return
+``(encoder_hidden_states, hidden_states)``: SD3 (``transformer_blocks``) and FLUX.1 (``transformer_blocks``
+then ``single_transformer_blocks``, indexed as one list).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")  # indexed as one list, in this order
+ONE_IMAGE_ERROR = "self-guidance needs at least 2 images per prompt"
+
+
+@dataclass(frozen=True)
+class SelfGuidance:
+    """The method's settings (see the module docstring); built from ``sampling.self_guidance``."""
+
+    scale: float
+    blocks: tuple[int, ...] = (1,)
+    steps: tuple[int, ...] = (0, 1)
+    iterations: int = 30
+    temperature: float = 1.0
+    manifold_mix: float = 0.4
+
+    @classmethod
+    def maybe(cls, scale: float, blocks: Sequence[int], steps: Sequence[int], iterations: int, temperature: float,
+              manifold_mix: float) -> "SelfGuidance | None":
+        """The settings, or None at ``scale == 0`` (nothing is installed then)."""
+        if scale == 0:
+            return None
+        return cls(float(scale), tuple(blocks), tuple(steps), int(iterations), float(temperature), float(manifold_mix))
+
+
+def dispersal_energy(directions: torch.Tensor, group_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Sum over groups of ``log mean_{i != j} exp(cos(u_i, u_j) / temperature)``; ``directions`` ``[N, D]``,
+    ``group_ids`` ``[N]``. A scalar; groups of one row contribute nothing."""
+    unit = F.normalize(directions, dim=1)  # [N, D]
+    cos = unit @ unit.T / temperature  # [N, N]
+    energy = directions.new_zeros(())
+    for group in group_ids.unique():
+        rows = (group_ids == group).nonzero().squeeze(1)  # [n]
+        n = len(rows)
+        if n < 2:
+            continue
+        distinct = ~torch.eye(n, dtype=torch.bool, device=directions.device)  # [n, n]
+        logits = cos[rows][:, rows][distinct]  # [n (n - 1)]
+        energy = energy + torch.logsumexp(logits, dim=0) - math.log(n * (n - 1))
+    return energy
+
+
+def disperse(features: torch.Tensor, group_ids: torch.Tensor, *, scale: float, iterations: int,
+             temperature: float) -> torch.Tensor:
+    """Step 1 of the module docstring: ``features`` ``[N, ...]`` (a row per image) spread apart within each
+    group by ``iterations`` projected gradient steps on their directions; each row keeps its norm. float32
+    inside, returned in the input dtype."""
+    flat = features.reshape(len(features), -1).float()  # [N, D]
+    norms = flat.norm(dim=1, keepdim=True)  # [N, 1]
+    directions = flat / norms.clamp_min(1e-12)
+    group_ids = group_ids.to(features.device)
+    with torch.enable_grad():
+        for _ in range(iterations):
+            u = directions.detach().requires_grad_(True)
+            (grad,) = torch.autograd.grad(dispersal_energy(u, group_ids, temperature), u)
+            directions = F.normalize(u.detach() - scale * grad, dim=1)
+    return (directions * norms).reshape(features.shape).to(features.dtype)
+
+
+def guided_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer's blocks in the order ``blocks`` indexes them (:data:`BLOCK_LISTS`)."""
+    blocks = [block for name in BLOCK_LISTS for block in getattr(transformer, name, None) or []]
+    if not blocks:
+        raise ValueError(f"self-guidance needs a transformer with transformer_blocks (SD3, FLUX); "
+                         f"{type(transformer).__name__} has none")
+    return blocks
+
+
+class GuidanceHooks:
+    """Forward hooks on the chosen blocks for one transformer call on rows of the given groups."""
+
+    def __init__(self, guidance: SelfGuidance, transformer: torch.nn.Module, group_ids: torch.Tensor):
+        self.guidance = guidance
+        self.group_ids = group_ids  # [N] rows of the rollout, on the CPU (moved only when a hook runs)
+        self.in_second_pass = False
+        blocks = guided_blocks(transformer)
+        bad = [b for b in guidance.blocks if not 0 <= b < len(blocks)]
+        if bad:
+            raise ValueError(f"self-guidance blocks {bad} out of range: {type(transformer).__name__} has "
+                             f"{len(blocks)} blocks (0..{len(blocks) - 1})")
+        self.handles = [blocks[b].register_forward_hook(self.hook, with_kwargs=True) for b in guidance.blocks]
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def batch_groups(self, batch: int, device: torch.device) -> torch.Tensor:
+        """Group ids ``[batch]`` of the transformer's batch: the rollout's rows, repeated with new ids for
+        every further copy (the CFG halves)."""
+        rows = len(self.group_ids)
+        if batch % rows:
+            raise ValueError(f"self-guidance: a transformer batch of {batch} rows does not hold the {rows} rows "
+                             "of the rollout a whole number of times")
+        offset = int(self.group_ids.max()) + 1
+        return torch.cat([self.group_ids + copy * offset for copy in range(batch // rows)]).to(device)
+
+    def hook(self, module, args, kwargs, output):
+        if self.in_second_pass:
+            return None
+        if args or not isinstance(output, tuple) or len(output) != 2:
+            raise ValueError(f"self-guidance supports blocks called with keywords that return (text, image) "
+                             f"streams (SD3, FLUX); {type(module).__name__} is not one")
+        text, image = output  # [B, L_text, D] or None, [B, L_image, D]
+        g = self.guidance
+        groups = self.batch_groups(image.shape[0], image.device)  # [B]
+        dispersed = disperse(image, groups, scale=g.scale, iterations=g.iterations, temperature=g.temperature)
+        if g.manifold_mix == 0:
+            return text, dispersed
+        second = dict(kwargs, hidden_states=dispersed)
+        if text is not None:
+            second["encoder_hidden_states"] = text
+        self.in_second_pass = True  # module(...) runs every hook of the block (FSDP's too) but not this one again
+        try:
+            _, projected = module(**second)
+        finally:
+            self.in_second_pass = False
+        return text, g.manifold_mix * projected + (1 - g.manifold_mix) * dispersed
+
+
+@contextlib.contextmanager
+def installed(guidance: SelfGuidance | None, transformer: torch.nn.Module | None, step: int,
+              group_ids: torch.Tensor) -> Iterator[GuidanceHooks | None]:
+    """The hooks of ``guidance`` on ``transformer`` around denoising step ``step`` of rows ``group_ids`` ``[N]``;
+    nothing is installed without guidance or at a step it does not guide."""
+    if guidance is None or step not in guidance.steps:
+        yield None
+        return
+    if (torch.unique(group_ids, return_counts=True)[1] < 2).any():
+        raise ValueError(ONE_IMAGE_ERROR)
+    hooks = GuidanceHooks(guidance, transformer, group_ids)
+    try:
+        yield hooks
+    finally:
+        hooks.remove()
