@@ -31,9 +31,8 @@ row by row would not be the one sampled: recipe grpo refuses it in rollouts, rec
 supply clean samples) accepts it.
 
 Use: ``flowrl sample CONFIG --num-per-prompt 4 sampling.self_guidance.scale=0.1`` (``flowrl eval`` likewise;
-training rollouts with ``sampling.self_guidance.in_rollouts=true``). On the toy model
-(``scripts/bench/self_guidance_toy.py``) scale 0.1 widens latent and background diversity with strict ToyEval
-within noise; 0.3 starts to break objects.
+training rollouts with ``sampling.self_guidance.in_rollouts=true``); ``scripts/bench/self_guidance_toy.py``
+measures it on the toy model (results: ``docs/results.md``).
 
 Supported transformers: those whose blocks are called with keyword arguments and return
 ``(encoder_hidden_states, hidden_states)``: SD3 (``transformer_blocks``) and FLUX.1 (``transformer_blocks``

@@ -54,7 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=16, help="held-out prompts drawn")
     parser.add_argument("--images", type=int, default=8, help="images per prompt (>= 2)")
-    parser.add_argument("--scales", type=float, nargs="+", default=[0.5, 2.0], help="guidance scales to compare")
+    parser.add_argument("--scales", type=float, nargs="+", default=[0.1, 0.3], help="guidance scales to compare")
     parser.add_argument("--blocks", type=int, nargs="+", default=[1])
     parser.add_argument("--steps", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--iterations", type=int, default=30)
