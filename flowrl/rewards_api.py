@@ -49,6 +49,22 @@ class Reward(Protocol):
                  metadata: list[dict]) -> dict[str, torch.Tensor]: ...
 
 
+@runtime_checkable
+class TrainableReward(Protocol):
+    """A reward trained during the run (Adv-GRPO's discriminator): the run extra of
+    :mod:`flowrl.recipes.reward_updates` calls ``update(images [N,3,H,W], prompts [N], metadata [N]) -> {metric:
+    float}`` with each ``update_every``-th epoch's rollouts, and saves ``state_dict()`` (JSON-safe) in the
+    checkpoint, restored by ``load_state_dict`` on resume, so a resumed run scores as the uninterrupted one."""
+
+    update_every: int
+
+    def update(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> dict[str, float]: ...
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
 REWARD_REGISTRY: dict[str, str] = {
     "brightness": "rewards.simple:Brightness",
     "jpeg_compressibility": "rewards.simple:JpegCompressibility",

@@ -16,8 +16,10 @@ from tqdm.auto import tqdm
 from flowrl.algorithms.combine import COMBINERS, marble_initial
 from flowrl.algorithms.marble import MarbleBalancer
 from flowrl.recipes.guard import DiversityGuard
+from flowrl.recipes.reward_updates import RewardUpdates
 from flowrl.recipes.run import Run
 from flowrl.recipes.snapshots import PhaseAnchor
+from flowrl.rewards_api import TrainableReward
 from flowrl.training.ema import AdapterSnapshot
 from flowrl.training.faults import FaultCounter
 from flowrl.training.lr import build_lr_scheduler
@@ -67,13 +69,19 @@ def guard(run: Run) -> DiversityGuard | None:
                           best=snapshot(run, taken=False))
 
 
+def reward_updates(run: Run) -> RewardUpdates | None:
+    """The rewards that train during the run (Adv-GRPO's discriminator), by name; None where none does."""
+    found = {reward.name: reward for reward in run.rewards if isinstance(reward, TrainableReward)}
+    return RewardUpdates(found) if found else None
+
+
 def faults(run: Run) -> FaultCounter:
     """Skipped non-finite steps and NaN epochs in a row, counted on across a restart."""
     t = run.cfg.train
     return FaultCounter(max_skipped_steps=t.max_skipped_steps, max_nan_epochs=t.max_nan_epochs)
 
 
-# Before a recipe's own extras: marble, lr_scheduler, anchor, guard; after them: faults.
+# Before a recipe's own extras: marble, lr_scheduler, anchor, guard, reward_updates; after them: faults.
 COMMON_EXTRAS: dict[str, ExtraBuilder] = {"marble": marble, "lr_scheduler": lr_scheduler, "anchor": anchor,
-                                          "guard": guard}
+                                          "guard": guard, "reward_updates": reward_updates}
 LAST_EXTRAS: dict[str, ExtraBuilder] = {"faults": faults}

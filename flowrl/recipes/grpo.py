@@ -215,14 +215,15 @@ def train(cfg: GRPOConfig, *, accelerator: Accelerator | None = None) -> dict[st
                     done = (epoch * t.inner_epochs + inner) * t.optimizer_steps_per_epoch + chunk_index + 1
                     ema.scheduled_step(done, start=t.ema_start_step, every=t.ema_every, warmup=t.ema_warmup)
         reference_metrics = {} if gardo_reference is None else gardo_reference.after_update(run, epoch, stats)
+        update_metrics = run.after_epoch(epoch, traj)  # trainable rewards learn from these rollouts
         train_done = time.perf_counter()
 
         # 8. Log, render eval grids, checkpoint.
         advantage_size = update.advantage_size(combined_adv, t.advantage_clip)
         metrics = end_epoch(run, epoch, gathered=gathered, combined=combined, group_ids=all_groups, stats=stats,
                             extra={"advantages/abs_mean": advantage_size, "policy/trained_fraction": trained_fraction,
-                                   **gardo_metrics(distances, kl_gate), **reference_metrics, **phase_metrics,
-                                   **guard_metrics, **traj.sampling_metrics},
+                                   **gardo_metrics(distances, kl_gate), **reference_metrics, **update_metrics,
+                                   **phase_metrics, **guard_metrics, **traj.sampling_metrics},
                             rollouts=traj.rollouts_sampled,
                             times=(epoch_start, sample_done, reward_done, train_done), bar=bar)
         if out_of_time(run) or run.stopped:

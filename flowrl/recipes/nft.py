@@ -233,11 +233,13 @@ def train(cfg: NFTConfig, *, accelerator: Accelerator | None = None) -> dict[str
             sampler.blend(decay_schedule(steps_so_far, n.sampler_schedule()))
         if run.eval_ema is not None and not eval_every_step:  # AWM's: min(decay, (1 + s) / (10 + s)), once an epoch
             run.eval_ema.scheduled_step(steps_so_far, start=0, warmup="flow_grpo")
+        update_metrics = run.after_epoch(epoch, traj)  # trainable rewards learn from these rollouts
         train_done = time.perf_counter()
 
         # 4. Log, render eval grids, checkpoint.
         metrics = end_epoch(run, epoch, gathered=gathered, combined=combined, group_ids=all_groups, stats=stats,
-                            extra={**forward_loss.metrics(clipped), **phase_metrics, **guard_metrics, **traj.sampling_metrics},
+                            extra={**forward_loss.metrics(clipped), **phase_metrics, **guard_metrics, **update_metrics,
+                                   **traj.sampling_metrics},
                             rollouts=traj.rollouts_sampled, times=(epoch_start, sample_done, reward_done, train_done),
                             bar=bar)
         if out_of_time(run) or run.stopped:

@@ -13,6 +13,8 @@ the scaffold, the checkpoint code and the other recipe stay as they are. Every m
   :class:`~flowrl.training.ema.LoraEMA`) saved beside ``ema.safetensors`` as ``<name>.safetensors``;
 - ``begin_epoch(run, epoch)`` -> metrics, at the start of each epoch (:meth:`Run.begin_epoch`);
 - ``before_step(run)``: on the accumulated gradients, before each optimizer step;
+- ``after_epoch(run, epoch, traj)`` -> metrics, after the epoch's policy update and before its checkpoint, with
+  its rollouts (:meth:`Run.after_epoch`: the trainable rewards learn from them);
 - ``metrics()``: logged at the end of each epoch;
 - ``kl_beta``: the live KL beta, in place of ``train.beta``; ``stopped``: the extra ended the run;
 - ``finish(run)``: before the final export and report.
@@ -92,6 +94,13 @@ class Run:
         metrics: dict[str, float] = {}
         for begin in self.hook("begin_epoch"):
             metrics.update(begin(self, epoch))
+        return metrics
+
+    def after_epoch(self, epoch: int, traj) -> dict[str, float]:
+        """Each extra's work on the epoch's rollouts ``traj`` after the policy's update; returns their metrics."""
+        metrics: dict[str, float] = {}
+        for after in self.hook("after_epoch"):
+            metrics.update(after(self, epoch, traj))
         return metrics
 
     @property
