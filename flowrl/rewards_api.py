@@ -87,6 +87,8 @@ REWARD_REGISTRY: dict[str, str] = {
     "motion_direction": "rewards.video:MotionDirection",
     "temporal_consistency": "rewards.video:TemporalConsistency",
     "fitted": "rewards.fitted:FittedReward",
+    "adversarial": "rewards.adversarial:AdversarialReward",
+    "reference_similarity": "rewards.adversarial:ReferenceSimilarity",
 }
 """Short name -> dotted path. Strings only: nothing is imported until `build_reward`."""
 
