@@ -256,7 +256,8 @@ class SamplingConfig:
                   f"at most {self.num_steps - 1 - high}: the untrained window must fit between the last branch step "
                   f"({high}) and step {self.num_steps - 2}")
         guide = self.self_guidance
-        check(all(s < self.num_steps for s in guide.steps), "self_guidance.steps",
+        # off (scale 0), its steps are never read: a 1-step config must not trip over the default [0, 1]
+        check(guide.scale == 0 or all(s < self.num_steps for s in guide.steps), "self_guidance.steps",
               f"every step must lie in [0, {self.num_steps}) (sampling.num_steps={self.num_steps})")
         if guide.scale > 0 and guide.in_rollouts:
             check(self.group_size >= 2, "self_guidance.in_rollouts", "self-guidance needs at least 2 images per "

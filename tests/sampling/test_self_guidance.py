@@ -85,7 +85,7 @@ def test_one_image_per_prompt_is_one_line_error(sd3):
 
 @pytest.mark.parametrize("overrides, key", [
     (["sampling.self_guidance.scale=-0.1"], "sampling.self_guidance.scale"),
-    (["sampling.self_guidance.steps=[4]"], "sampling.self_guidance.steps"),
+    (["sampling.self_guidance.scale=0.1", "sampling.self_guidance.steps=[4]"], "sampling.self_guidance.steps"),
     (["sampling.self_guidance.blocks=[]"], "sampling.self_guidance.blocks"),
     (["sampling.self_guidance.manifold_mix=1.5"], "sampling.self_guidance.manifold_mix"),
     (["sampling.self_guidance.temperature=0"], "sampling.self_guidance.temperature"),
