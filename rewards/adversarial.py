@@ -43,8 +43,7 @@ import torch.nn.functional as F
 from flowrl.devices import resolve_device
 from flowrl.features import build_feature_network
 from flowrl.media import image_files
-from flowrl.rewards_api import check_batch
-from rewards.base import chunked, score_finite
+from rewards.base import score_per_image
 from rewards.fitted import file_features, standardise
 
 OPTIMIZERS = ("adam", "sgd")
@@ -147,9 +146,7 @@ class _ReferenceReward:
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: Sequence[str],
                  metadata: Sequence[Mapping[str, Any] | None]) -> dict[str, torch.Tensor]:
-        check_batch(images, prompts, metadata)
-        return chunked(lambda x, p, m: {self.name: score_finite(x, self.score)}, images, prompts, metadata,
-                       self.batch_size)
+        return score_per_image(self.name, self.score, images, prompts, metadata, self.batch_size)
 
 
 class AdversarialReward(_ReferenceReward):

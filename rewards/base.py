@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from flowrl.rewards_api import IMAGE_TOLERANCE
+from flowrl.rewards_api import IMAGE_TOLERANCE, check_batch
 
 
 def chunked(score_chunk: Callable[[torch.Tensor, Sequence[str], Sequence[dict]], dict[str, torch.Tensor]],
@@ -41,3 +41,12 @@ def score_finite(images: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor
         images = torch.nan_to_num(images, nan=0.0, posinf=1.0, neginf=0.0)
     out = fn(images)
     return torch.where(finite.to(out.device), out, torch.full_like(out, float("nan")))
+
+
+def score_per_image(name: str, fn: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor,
+                    prompts: Sequence[str], metadata: Sequence[dict | None],
+                    batch_size: int) -> dict[str, torch.Tensor]:
+    """``{name: fn(images) [N]}`` for a reward that scores each image alone (it reads no prompt): the batch
+    checked, scored in chunks of ``batch_size``, NaN for rows holding NaN/inf."""
+    check_batch(images, prompts, metadata)
+    return chunked(lambda x, p, m: {name: score_finite(x, fn)}, images, prompts, metadata, batch_size)

@@ -39,8 +39,7 @@ import torch.nn.functional as F
 from flowrl.devices import resolve_device
 from flowrl.features import FEATURE_NETWORKS, build_feature_network
 from flowrl.media import image_files, read_rgb
-from flowrl.rewards_api import check_batch
-from rewards.base import chunked, score_finite
+from rewards.base import score_per_image
 
 CLASSES = ("clean", "artifact")  # label 1 and label 0: the head's sigmoid is P(clean)
 FORMAT = "flowrl.fitted_reward/1"  # metadata "format": what wrote the file, and which layout it has
@@ -209,9 +208,7 @@ class FittedReward:
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: Sequence[str],
                  metadata: Sequence[Mapping[str, Any] | None]) -> dict[str, torch.Tensor]:
-        check_batch(images, prompts, metadata)
-        return chunked(lambda x, p, m: {self.name: score_finite(x, self.p_clean)}, images, prompts, metadata,
-                       self.batch_size)
+        return score_per_image(self.name, self.p_clean, images, prompts, metadata, self.batch_size)
 
     @classmethod
     def fit(cls, clean_dir: str | Path, artifact_dir: str | Path, out: str | Path, *, features: str = "toy",
