@@ -14,6 +14,7 @@ once without guidance and once per ``--scales`` value, on the same seeds, and pr
 
 Run from the repository root:
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench/self_guidance_toy.py --prompts 16 --images 8
+    (add ``--seeds 0 1 2`` for the 3-seed summary of docs/results.md)
 """
 
 from __future__ import annotations
@@ -61,29 +62,47 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--manifold-mix", type=float, default=0.4)
     parser.add_argument("--batch-prompts", type=int, default=8, help="prompts per rollout")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
+                        help="each seed draws its own prompts and noise; with several, a summary of mean +- s.e.")
     args = parser.parse_args()
     if args.images < 2:
         parser.error("self-guidance needs at least 2 images per prompt (--images >= 2)")
 
     held_out = load_prompts("assets/prompts/toy/heldout.jsonl")
-    pick = torch.randperm(len(held_out), generator=torch.Generator().manual_seed(args.seed))[:args.prompts]
-    prompts = held_out.subset(sorted(pick.tolist()))
-    policy = build_policy("sd3", "assets/toy", max_sequence_length=1, seed=args.seed)
-    settings = [("none", None)] + [
-        (f"scale {s:g}", SelfGuidance(s, tuple(args.blocks), tuple(args.steps), args.iterations, args.temperature,
-                                      args.manifold_mix)) for s in args.scales]
-    print(f"{len(prompts)} held-out prompts x {args.images} images; blocks {args.blocks}, steps {args.steps}, "
-          f"{args.iterations} iterations, temperature {args.temperature:g}, manifold_mix {args.manifold_mix:g}")
-    header = None
-    for name, guide in settings:
-        row = measure(policy, prompts, args, guide)
-        if header is None:
-            header = list(row)
-            print(f"{'setting':<12}" + "".join(f"{k:>11}" for k in header))
-        print(f"{name:<12}" + "".join(f"{row[k]:>11.4f}" if not math.isnan(row[k]) else f"{'nan':>11}"
-                                      for k in header))
+    print(f"{args.prompts} held-out prompts x {args.images} images per seed; blocks {args.blocks}, steps "
+          f"{args.steps}, {args.iterations} iterations, temperature {args.temperature:g}, "
+          f"manifold_mix {args.manifold_mix:g}")
+    rows: dict[str, list[dict[str, float]]] = {}
+    for seed in args.seeds:
+        args.seed = seed
+        pick = torch.randperm(len(held_out), generator=torch.Generator().manual_seed(seed))[:args.prompts]
+        prompts = held_out.subset(sorted(pick.tolist()))
+        policy = build_policy("sd3", "assets/toy", max_sequence_length=1, seed=seed)
+        settings = [("none", None)] + [
+            (f"scale {s:g}", SelfGuidance(s, tuple(args.blocks), tuple(args.steps), args.iterations,
+                                          args.temperature, args.manifold_mix)) for s in args.scales]
+        print(f"seed {seed}")
+        for name, guide in settings:
+            rows.setdefault(name, []).append(measure(policy, prompts, args, guide))
+            print_row(name, rows[name][-1])
+    if len(args.seeds) > 1:
+        print(f"mean +- s.e. over seeds {args.seeds}; change: paired with the same seed's 'none'")
+        for name, runs in rows.items():
+            print(f"{name:<12}" + "".join(f"{k:>9} {mean_se([r[k] for r in runs])}" for k in runs[0]))
+            if name != "none":
+                print(f"{'  change':<12}" + "".join(
+                    f"{k:>9} {mean_se([r[k] - b[k] for r, b in zip(runs, rows['none'])])}" for k in runs[0]))
 
+
+def print_row(name: str, row: dict[str, float]) -> None:
+    print(f"{name:<12}" + "".join(f" {k}={row[k]:.4f}" for k in row))
+
+
+def mean_se(values: list[float]) -> str:
+    """``mean +- s.e.`` with the sample standard deviation over sqrt(n)."""
+    x = torch.tensor(values, dtype=torch.float64)
+    se = float(x.std() / math.sqrt(len(x))) if len(x) > 1 else float("nan")
+    return f"{float(x.mean()):+.4f}+-{se:.4f}"
 
 if __name__ == "__main__":
     main()
