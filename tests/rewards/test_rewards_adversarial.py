@@ -200,3 +200,34 @@ def test_the_shipped_toy_config_scores_toy_renders(tmp_path):
     metrics = rewards[1].update(torch.rand(4, 3, 32, 32), ["a red circle"] * 4, [{}] * 4)
     assert metrics["disc_loss"] == pytest.approx(math.log(2))
     assert float(rewards[1](torch.rand(2, 3, 32, 32), ["a"] * 2, [{}] * 2)["adversarial"].std()) > 0
+
+
+@pytest.mark.slow
+def test_two_processes_train_the_same_head_as_one(tmp_path):
+    """Under ``accelerate launch`` every process updates its copy of the head on the images of all processes, so
+    the head two processes checkpoint is the head one process trains on the same global batch."""
+    import subprocess
+    import sys
+
+    from tests import REPO
+
+    references = write_references(tmp_path / "refs", [(0.9, 0.1, 0.1), (0.8, 0.2, 0.1), (0.7, 0.1, 0.2)], size=8)
+    rewards = ("rewards=[{name: adversarial, kwargs: {references: '" + str(references) + "', update_every: 1, "
+               "lr: 0.05, steps: 2}}]")
+    common = [SMOKE, "train.epochs=2", "log.progress=false", "log.eval_every=0", "log.report_prompts=0",
+              "train.learning_rate=1e-2", "train.clip_range=0.2", "train.checkpoint_every=1", rewards]
+    two = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    for launcher, name, batch in ((two, "two", "sampling.prompts_per_batch=2"),
+                                  ([sys.executable], "one", "sampling.prompts_per_batch=4")):
+        result = subprocess.run([*launcher, "-m", "flowrl", "train", *common, batch, f"run_dir={tmp_path / name}"],
+                                cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-2000:]
+    one, two_state = head_state(tmp_path / "one"), head_state(tmp_path / "two")
+    assert one["updates"] == two_state["updates"] == 2
+    for part in ("weight", "bias"):
+        a, b = (torch.tensor(state["head"][part]["values"]) for state in (one, two_state))
+        assert a.abs().sum() > 0 and torch.allclose(a, b, rtol=1e-3, atol=1e-5), part
+    losses = [[r["reward/adversarial/disc_loss"] for r in read_metrics(tmp_path / n)] for n in ("one", "two")]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-3)
