@@ -133,8 +133,9 @@ class SelfGuidanceConfig:
     scale: float = 0.0
     """Step size of the dispersal on feature directions (0: off, and sampling is bit-identical to no guidance)."""
     blocks: list[int] = field(default_factory=lambda: [1])
-    """Transformer blocks whose output is dispersed (SD3: transformer_blocks; FLUX: transformer_blocks then
-    single_transformer_blocks, as one list); checked against the model when it loads."""
+    """Transformer blocks whose output is dispersed, indexed per family as in
+    flowrl.sampling.self_guidance.GUIDED_BLOCKS (FLUX.1: transformer_blocks then single_transformer_blocks, as one
+    list; Wan: blocks; Z-Image: noise_refiner); checked against the model when it loads."""
     steps: list[int] = field(default_factory=lambda: [0, 1])
     """Denoising steps (indices of the schedule, 0 = the noisiest) at which the blocks are guided."""
     iterations: int = 30

@@ -34,9 +34,13 @@ Use: ``flowrl sample CONFIG --num-per-prompt 4 sampling.self_guidance.scale=0.1`
 training rollouts with ``sampling.self_guidance.in_rollouts=true``); ``scripts/bench/self_guidance_toy.py``
 measures it on the toy model (results: ``docs/results.md``).
 
-Supported transformers: those whose blocks are called with keyword arguments and return
-``(encoder_hidden_states, hidden_states)``: SD3 (``transformer_blocks``) and FLUX.1 (``transformer_blocks``
-then ``single_transformer_blocks``, indexed as one list).
+Supported transformers (:data:`GUIDED_BLOCKS`), their blocks indexed as one list in the order named: blocks
+whose output holds the image tokens apart from the text, either as the second of ``(encoder_hidden_states,
+hidden_states)`` (SD3, FLUX.1 and Kontext, FLUX.2's double-stream blocks, Qwen-Image) or as the whole output
+(Wan's blocks, which read the text by cross-attention; Z-Image's noise refiner, the image-only blocks before its
+joint layers). FLUX.2's single-stream blocks and Z-Image's joint layers carry text and image tokens in one
+tensor, so they are not offered. Kontext's stream also holds the source image's tokens, which are dispersed
+with the rest.
 """
 
 from __future__ import annotations
@@ -49,7 +53,15 @@ from typing import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")  # indexed as one list, in this order
+# Transformer class -> its block lists that guidance may index, as one list in this order.
+GUIDED_BLOCKS = {
+    "SD3Transformer2DModel": ("transformer_blocks",),
+    "FluxTransformer2DModel": ("transformer_blocks", "single_transformer_blocks"),  # FLUX.1, Kontext
+    "Flux2Transformer2DModel": ("transformer_blocks",),  # its single blocks hold text and image as one stream
+    "QwenImageTransformer2DModel": ("transformer_blocks",),
+    "WanTransformer3DModel": ("blocks",),
+    "ZImageTransformer2DModel": ("noise_refiner",),  # image tokens alone; its main layers hold the caption too
+}
 ONE_IMAGE_ERROR = "self-guidance needs at least 2 images per prompt"
 
 
@@ -108,12 +120,13 @@ def disperse(features: torch.Tensor, group_ids: torch.Tensor, *, scale: float, i
 
 
 def guided_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
-    """The transformer's blocks in the order ``blocks`` indexes them (:data:`BLOCK_LISTS`)."""
-    blocks = [block for name in BLOCK_LISTS for block in getattr(transformer, name, None) or []]
-    if not blocks:
-        raise ValueError(f"self-guidance needs a transformer with transformer_blocks (SD3, FLUX); "
-                         f"{type(transformer).__name__} has none")
-    return blocks
+    """The transformer's blocks in the order ``blocks`` indexes them (:data:`GUIDED_BLOCKS`; a wrapper class such
+    as FSDP2's is looked through by its bases)."""
+    names = next((GUIDED_BLOCKS[c.__name__] for c in type(transformer).__mro__ if c.__name__ in GUIDED_BLOCKS), None)
+    if names is None:
+        raise ValueError(f"self-guidance does not know the blocks of {type(transformer).__name__}; it supports "
+                         f"{', '.join(GUIDED_BLOCKS)}")
+    return [block for name in names for block in getattr(transformer, name)]
 
 
 class GuidanceHooks:
@@ -147,24 +160,34 @@ class GuidanceHooks:
     def hook(self, module, args, kwargs, output):
         if self.in_second_pass:
             return None
-        if args or not isinstance(output, tuple) or len(output) != 2:
-            raise ValueError(f"self-guidance supports blocks called with keywords that return (text, image) "
-                             f"streams (SD3, FLUX); {type(module).__name__} is not one")
-        text, image = output  # [B, L_text, D] or None, [B, L_image, D]
+        two_streams = isinstance(output, tuple)
+        if two_streams and len(output) != 2 or two_streams and args:
+            raise ValueError(f"self-guidance supports blocks that return (text, image) streams, called with "
+                             f"keywords, or the image tokens alone; {type(module).__name__} is neither")
+        text, image = output if two_streams else (None, output)  # [B, L_text, D] or None, [B, L_image, D]
         g = self.guidance
         groups = self.batch_groups(image.shape[0], image.device)  # [B]
         dispersed = disperse(image, groups, scale=g.scale, iterations=g.iterations, temperature=g.temperature)
-        if g.manifold_mix == 0:
-            return text, dispersed
-        second = dict(kwargs, hidden_states=dispersed)
-        if text is not None:
-            second["encoder_hidden_states"] = text
+        if g.manifold_mix > 0:
+            projected = self.second_pass(module, args, kwargs, dispersed, text)
+            dispersed = g.manifold_mix * projected + (1 - g.manifold_mix) * dispersed
+        return (text, dispersed) if two_streams else dispersed
+
+    def second_pass(self, module, args, kwargs, dispersed: torch.Tensor, text: torch.Tensor | None) -> torch.Tensor:
+        """The block once more on the dispersed image tokens (the first positional argument, or ``hidden_states``),
+        reading the text stream the first pass wrote."""
+        if args:
+            args = (dispersed, *args[1:])
+        else:
+            kwargs = dict(kwargs, hidden_states=dispersed)
+            if text is not None:
+                kwargs["encoder_hidden_states"] = text
         self.in_second_pass = True  # module(...) runs every hook of the block (FSDP's too) but not this one again
         try:
-            _, projected = module(**second)
+            out = module(*args, **kwargs)
         finally:
             self.in_second_pass = False
-        return text, g.manifold_mix * projected + (1 - g.manifold_mix) * dispersed
+        return out[1] if isinstance(out, tuple) else out
 
 
 @contextlib.contextmanager

@@ -59,9 +59,10 @@ def test_scale_zero_is_the_identity_bit_for_bit(sd3):
     assert torch.equal(plain.final_latents, again.final_latents)
 
 
-@pytest.mark.parametrize("family, guidance", [("sd3", 4.5), ("flux", 3.5)])
+@pytest.mark.parametrize("family, guidance", [("sd3", 4.5), ("flux", 3.5), ("flux_kontext", 2.5), ("flux2_klein", 1.0),
+                                              ("qwen_image", 4.0), ("z_image", 1.0), ("wan", 5.0)])
 def test_guidance_spreads_the_images_of_one_prompt(family, guidance, sd3):
-    policy = sd3 if family == "sd3" else build_policy("flux", "tiny", seed=0)
+    policy = sd3 if family == "sd3" else build_policy(family, "tiny", seed=0)
     kwargs = dict(group_size=4, num_steps=4, guidance_scale=guidance, noise_level=0.0, seeds=[1, 2, 3, 4])
     plain = rollout(policy, ["a red circle"], **kwargs)
     guided = rollout(policy, ["a red circle"], **kwargs,
