@@ -63,6 +63,13 @@ class EvalConfig:
     """ODE steps of the eval samples (null: sampling.num_steps)."""
     guidance_scale: float | None = None
     """CFG scale of the eval samples (null: sampling.guidance_scale)."""
+    height: int | None = None
+    """Height of every evaluation image: `flowrl eval`, the held-out curve (log.test_every), the eval grids and the
+    end-of-run report (null: model.height; train small, evaluate large)."""
+    width: int | None = None
+    """Width of every evaluation image (null: model.width)."""
+    num_frames: int | None = None
+    """Clip length of every evaluation video (video families; null: model.num_frames)."""
     seed: int = 4242
     """Seed of the eval images' noise."""
     batch_prompts: int = 4
@@ -96,6 +103,8 @@ class EvalConfig:
         check(self.num_steps is None or self.num_steps >= 1, "num_steps", "must be >= 1 or null")
         check(self.batch_prompts >= 1, "batch_prompts", "must be >= 1")
         check(self.grid_prompts >= 0, "grid_prompts", "must be >= 0")
+        for key in ("height", "width", "num_frames"):
+            check(getattr(self, key) is None or getattr(self, key) >= 1, key, "must be >= 1 or null (the training size)")
 
 
 @dataclass

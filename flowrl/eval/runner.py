@@ -94,6 +94,7 @@ def generate_all(cfg, suite, specs: list[EvalCheckpoint], out_dir: Path, device)
     policy, attached = None, None
     if any(todo for *_, todo in plans):
         policy = policy_from_config(m, device=device, seed=cfg.seed)
+        policy.check_size(e.height or policy.height, e.width or policy.width, e.num_frames)
         for checkpoint, *_, todo in plans:  # refuse a LoRA of another shape before rendering anything
             if todo and not checkpoint.is_base:
                 check_fits(policy.transformer, checkpoint, read_adapter(checkpoint)[0])
@@ -132,14 +133,16 @@ def render_settings(cfg, checkpoint: EvalCheckpoint) -> dict:
                     sha.update(block)
         digest = sha.hexdigest()
     model = [m.family, str(m.path), m.dtype, m.height, m.width, m.max_sequence_length]
+    size = [e.height, e.width, e.num_frames]  # eval's own size (null: the model's)
     if m.num_frames is not None or m.negative_prompt:  # only then: renders cached before these existed stay valid
         model += [m.num_frames, m.negative_prompt]
     return {"model": model,
             "seed": e.seed, "images_per_prompt": e.images_per_prompt, "num_steps": e.num_steps or cfg.sampling.num_steps,
             "guidance_scale": cfg.sampling.guidance_scale if e.guidance_scale is None else e.guidance_scale,
             "checkpoint": None if checkpoint.is_base else [str(checkpoint.path), checkpoint.ema, digest],
-            # only when on: renders cached before self-guidance existed stay valid
-            **({"self_guidance": cfg.sampling.self_guidance.settings()} if cfg.sampling.self_guidance.scale else {})}
+            # only when on / set: renders cached before self-guidance and eval sizes existed stay valid
+            **({"self_guidance": cfg.sampling.self_guidance.settings()} if cfg.sampling.self_guidance.scale else {}),
+            **({"size": size} if size != [None, None, None] else {})}
 
 
 def _manifest_prompts(folder: Path, settings: dict) -> dict[str, str]:
@@ -178,7 +181,7 @@ def _render_missing(policy, suite, todo: list[int], folder: Path, cfg, *, base: 
     guidance = cfg.sampling.guidance_scale if e.guidance_scale is None else e.guidance_scale
     guide = SelfGuidance.maybe(**cfg.sampling.self_guidance.settings())
     context = policy.reference() if base and policy.has_lora else contextlib.nullcontext()
-    with context, tqdm(total=len(todo), desc=f"eval {label}", unit="prompt") as bar:
+    with context, policy.sized(e.height, e.width, e.num_frames), tqdm(total=len(todo), desc=f"eval {label}", unit="prompt") as bar:
         for chunk in _batches(todo, e.batch_prompts):  # consecutive suite indices: one rollout per batch
             images, latents = render(policy, suite.subset(chunk), images_per_prompt=n, num_steps=steps,
                                      guidance=guidance, seed=e.seed, first_prompt=chunk[0], batch_prompts=len(chunk),

@@ -139,6 +139,38 @@ class PolicyBase:
         module = self.forward_module if self.forward_module is not None else self.transformer
         return module(return_dict=False, **kwargs)[0]
 
+    # --- size ----------------------------------------------------------------------------
+    @property
+    def size_multiple(self) -> int:
+        """Height and width must be multiples of this: the VAE's factor times the transformer's 2x2 patches."""
+        return self.pipeline.vae_scale_factor * 2
+
+    def check_size(self, height: int, width: int, num_frames: int | None = None) -> None:
+        """Raise a one-line ValueError where this model cannot sample ``height`` x ``width`` (x ``num_frames``)."""
+        multiple = self.size_multiple
+        if height % multiple or width % multiple:
+            raise ValueError(f"{self.family}: height and width must be multiples of {multiple}, got {height}x{width}")
+        if num_frames is not None and not self.video:
+            raise ValueError(f"num_frames is for video families; {self.family} makes images")
+
+    @contextlib.contextmanager
+    def sized(self, height: int | None = None, width: int | None = None,
+              num_frames: int | None = None) -> Iterator[None]:
+        """Sample at another size inside the block (``eval.height``/``width``/``num_frames``: train small, evaluate
+        large); None keeps the training size. The LoRA is resolution-free; positions are computed per call."""
+        old = (self.height, self.width, getattr(self, "num_frames", None))
+        new = (height or self.height, width or self.width, num_frames or old[2])
+        self.check_size(*new[:2], num_frames)
+        self.height, self.width = new[:2]
+        if self.video:
+            self.num_frames = new[2]
+        try:
+            yield
+        finally:
+            self.height, self.width = old[:2]
+            if self.video:
+                self.num_frames = old[2]
+
     # --- placement -----------------------------------------------------------------------
     @property
     def device(self) -> torch.device:

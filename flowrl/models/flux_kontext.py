@@ -41,10 +41,7 @@ class FluxKontextPolicy(FluxPolicy):
     def __init__(self, pipeline, *, height: int | None = None, width: int | None = None,
                  max_sequence_length: int = 512):
         super().__init__(pipeline, height=height, width=width, max_sequence_length=max_sequence_length)
-        multiple = pipeline.vae_scale_factor * 2
-        if self.height % multiple or self.width % multiple:
-            raise ValueError(f"flux_kontext: height and width must be multiples of {multiple}, got "
-                             f"{self.height}x{self.width}")
+        self.check_size(self.height, self.width)
         self._source_latents: OrderedDict = OrderedDict()  # (path, size, device, dtype) -> [1, C, h, w]
 
     # --- the source image ------------------------------------------------------------------

@@ -68,12 +68,19 @@ class WanPolicy(PolicyBase):
         pipeline.scheduler = euler_scheduler_for(pipeline.scheduler)  # see the module docstring
         self.max_sequence_length = max_sequence_length
         self.num_frames = num_frames or self.default_num_frames
-        temporal = pipeline.vae_scale_factor_temporal
-        if (self.num_frames - 1) % temporal:
-            raise ValueError(f"Wan needs num_frames = {temporal} k + 1 (1, 5, 9, ... 81), got {self.num_frames}")
-        multiple = pipeline.vae_scale_factor_spatial * self.transformer.config.patch_size[1]
-        if self.height % multiple or self.width % multiple:
-            raise ValueError(f"Wan needs height and width divisible by {multiple}, got {self.height}x{self.width}")
+        self.check_size(self.height, self.width, self.num_frames)
+
+    @property
+    def size_multiple(self) -> int:
+        return self.pipeline.vae_scale_factor_spatial * self.transformer.config.patch_size[1]
+
+    def check_size(self, height: int, width: int, num_frames: int | None = None) -> None:
+        temporal = self.pipeline.vae_scale_factor_temporal
+        if num_frames is not None and (num_frames - 1) % temporal:
+            raise ValueError(f"Wan needs num_frames = {temporal} k + 1 (1, 5, 9, ... 81), got {num_frames}")
+        multiple = self.size_multiple
+        if height % multiple or width % multiple:
+            raise ValueError(f"Wan needs height and width divisible by {multiple}, got {height}x{width}")
 
     def default_lora_targets(self) -> tuple[str, ...]:
         return WAN_LORA_TARGETS

@@ -88,6 +88,20 @@ def save_run_checkpoint(run: Run, *, epoch: int) -> Path:
     )
 
 
+def check_eval_size(policy, cfg: Config) -> None:
+    """A size the model cannot sample (``eval.height``/``width``/``num_frames``) is a config error at start."""
+    e = cfg.eval
+    try:
+        policy.check_size(e.height or policy.height, e.width or policy.width, e.num_frames)
+    except ValueError as error:
+        raise ConfigError(str(error), key="eval") from None
+
+
+def eval_size(policy, cfg: Config):
+    """The policy at the evaluation size (``eval.height``, ``width``, ``num_frames``; training's where null)."""
+    return policy.sized(cfg.eval.height, cfg.eval.width, cfg.eval.num_frames)
+
+
 @torch.no_grad()
 def eval_grid(policy, ema, prompts: PromptSet, cfg: Config, guidance: float, out: Path, *, save: bool = True) -> Path:
     """ODE samples of the fixed eval prompts (EMA weights when kept), one grid row per prompt.
@@ -99,7 +113,7 @@ def eval_grid(policy, ema, prompts: PromptSet, cfg: Config, guidance: float, out
     from flowrl.media import stills
 
     n = cfg.log.eval_images_per_prompt
-    with ema_weights(ema):
+    with ema_weights(ema), eval_size(policy, cfg):
         images = render(policy, prompts, images_per_prompt=n, guidance=guidance, seed=cfg.seed + 1,
                         num_steps=cfg.log.eval_num_steps or cfg.sampling.num_steps)
     if save:
@@ -158,6 +172,7 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, extras: di
               f"must be >= the {sampling.prompts_per_batch} prompts per batch that sampling.groups_per_epoch gives")
     t = cfg.train
     policy = build_training_policy(cfg, accelerator.device)
+    check_eval_size(policy, cfg)
     params = policy.trainable_parameters()
     optimizer = torch.optim.AdamW(params, lr=t.learning_rate, betas=tuple(t.adam_betas), eps=t.adam_eps,
                                   weight_decay=t.weight_decay)
@@ -468,12 +483,13 @@ def finish_run(run: Run, metrics: dict) -> dict[str, float]:
         export_final_lora(run.policy, run.exported_ema, run.run_dir / "lora", write=accelerator.is_main_process)
     if cfg.log.report_prompts:
         prompts = stratified_prefix(run.test_prompts, cfg.log.report_prompts)  # equal share per task
-        report = write_report(run.run_dir, policy=run.policy, ema=run.exported_ema, rewards=run.rewards,
-                              prompts=prompts, images_per_prompt=cfg.log.eval_images_per_prompt,
-                              num_steps=cfg.log.eval_num_steps or cfg.sampling.num_steps, guidance=run.eval_guidance,
-                              seed=cfg.seed + 2, diversity=cfg.log.report_diversity,
-                              save=accelerator.is_main_process,
-                              trained=[r.key or r.name for r in cfg.rewards if r.weight != 0])
+        with eval_size(run.policy, cfg):
+            report = write_report(run.run_dir, policy=run.policy, ema=run.exported_ema, rewards=run.rewards,
+                                  prompts=prompts, images_per_prompt=cfg.log.eval_images_per_prompt,
+                                  num_steps=cfg.log.eval_num_steps or cfg.sampling.num_steps,
+                                  guidance=run.eval_guidance, seed=cfg.seed + 2, diversity=cfg.log.report_diversity,
+                                  save=accelerator.is_main_process,
+                                  trained=[r.key or r.name for r in cfg.rewards if r.weight != 0])
         metrics.update({f"report/{when}/{k}": v for when in ("before", "after") for k, v in report[when].items()})
         if accelerator.is_main_process:
             tqdm.write(f"flowrl train: {metrics.get('epoch', -1) + 1} epochs; {report['summary']}")
@@ -486,7 +502,7 @@ def held_out_metrics(policy, ema, rewards, prompts, cfg: Config, guidance: float
     """test/<reward> on held-out prompts: ODE samples with fixed seeds and the EMA weights; with task
     metadata also test/<reward>/task/<task> and test/<reward>/task_mean (the mean over tasks)."""
     n = cfg.log.eval_images_per_prompt
-    with ema_weights(ema):
+    with ema_weights(ema), eval_size(policy, cfg):
         images = render(policy, prompts, images_per_prompt=n, guidance=guidance, seed=cfg.seed + 3,
                         num_steps=cfg.log.eval_num_steps or cfg.sampling.num_steps)
     scores = evaluate(images, prompts, n, rewards, cfg.log.report_diversity)

@@ -542,3 +542,22 @@ def test_report_in_headless_chromium(world, tmp_path):
         colours = image.convert("RGB").getcolors(maxcolors=1 << 20)
     assert colours is not None and len(colours) > 50  # text, tables and image grids, not one colour
     assert script.main([str(report), "--out", str(tmp_path / "main.png"), "--width", "800", "--height", "900"]) == 0
+
+
+# --- train small, evaluate large ---------------------------------------------------------------------
+def test_eval_size_renders_larger_images_and_is_part_of_the_settings(world, tmp_path):
+    """eval.height / eval.width: `flowrl eval` renders at that size (the toy trains at 32 px), and renders cached at
+    the training size are not reused for it."""
+    from PIL import Image
+
+    out = tmp_path / "eval"
+    shutil.copytree(world.eval2, out)
+    _eval(world, ["base"], out, **{"eval.height": 64, "eval.width": 48})
+    sizes = {Image.open(f).size for f in (out / "images/base").glob("*.png")}
+    assert sizes == {(48, 64)}, sizes  # PIL: (width, height)
+    assert {Image.open(f).size for f in (world.eval2 / "images/base").glob("*.png")} == {(32, 32)}
+
+
+def test_an_eval_size_the_model_cannot_sample_is_one_line(world):
+    line = _one_line_error(world, "base", **{"eval.height": 34})  # the toy VAE halves, then 2x2 patches: 4
+    assert "multiples of 4" in line and "34x32" in line, line
