@@ -14,6 +14,7 @@ def run_sample(args) -> Path:
     from flowrl.data import load_prompts
     from flowrl.devices import resolve_device
     from flowrl.models import policy_from_config
+    from flowrl.models.text_cache import attach_configured_cache
     from flowrl.models.lora_io import load_lora_into
     from flowrl.media import stills
     from flowrl.sampling import StepPlan, rollout, root_seeds
@@ -40,6 +41,7 @@ def run_sample(args) -> Path:
     device = resolve_device(cfg.device)
     model = cfg.model
     policy = policy_from_config(model, device=device, seed=cfg.seed)
+    attach_configured_cache(policy, model, cfg.run_dir, prompts)
     if args.lora:
         load_lora_into(policy, args.lora)
     steps = cfg.sampling.num_steps

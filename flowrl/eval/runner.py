@@ -77,7 +77,6 @@ def generate_all(cfg, suite, specs: list[EvalCheckpoint], out_dir: Path, device)
     A label's folder keeps ``manifest.json`` (the render settings, a digest of the checkpoint's files and
     the prompt of each index): files rendered under other settings, another prompt or another version of
     the checkpoint (a run trained further) are rendered again instead of being reused."""
-    from flowrl.models import policy_from_config
 
     m, e = cfg.model, cfg.eval
     plans = []
@@ -93,7 +92,7 @@ def generate_all(cfg, suite, specs: list[EvalCheckpoint], out_dir: Path, device)
         plans.append((checkpoint, folder, settings, todo))
     policy, attached = None, None
     if any(todo for *_, todo in plans):
-        policy = policy_from_config(m, device=device, seed=cfg.seed)
+        policy = cached_policy(cfg, suite, device)
         policy.check_size(e.height or policy.height, e.width or policy.width, e.num_frames)
         for checkpoint, *_, todo in plans:  # refuse a LoRA of another shape before rendering anything
             if todo and not checkpoint.is_base:
@@ -105,7 +104,7 @@ def generate_all(cfg, suite, specs: list[EvalCheckpoint], out_dir: Path, device)
             shape = None if adapter is None else (int(adapter["r"]), float(adapter["lora_alpha"]),
                                                   tuple(sorted(adapter["target_modules"])))
             if shape is not None and attached is not None and shape != attached:
-                policy = policy_from_config(m, device=device, seed=cfg.seed)
+                policy = cached_policy(cfg, suite, device)
                 attached = None
             if not checkpoint.is_base:
                 load_adapter(policy, checkpoint)
@@ -160,6 +159,16 @@ def _manifest_prompts(folder: Path, settings: dict) -> dict[str, str]:
 def _prompt_done(folder: Path, index: int, n: int) -> bool:
     return (folder / f"p{index:04d}.latents.safetensors").is_file() and all(
         (folder / f"p{index:04d}_{k:02d}.png").is_file() for k in range(n))
+
+
+def cached_policy(cfg, suite, device):
+    """The config's model, with the text cache of ``model.text_cache: disk`` holding the suite's prompts."""
+    from flowrl.models import policy_from_config
+    from flowrl.models.text_cache import attach_configured_cache
+
+    policy = policy_from_config(cfg.model, device=device, seed=cfg.seed)
+    attach_configured_cache(policy, cfg.model, cfg.run_dir, suite.prompts)
+    return policy
 
 
 def _render_missing(policy, suite, todo: list[int], folder: Path, cfg, *, base: bool, label: str,

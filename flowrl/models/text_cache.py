@@ -8,10 +8,12 @@ cpu`` keeps them off the accelerator altogether.
 **Exactness.** A cached row is bit-identical to what :meth:`PolicyBase.encode` computes live, because both
 go through the same :meth:`PolicyBase.encode_chunks`: every text-encoder call holds exactly ``TEXT_CHUNK``
 prompts (a GEMM's rounding depends on its batch size, not on the other rows), and a row is stored in the
-dtype the encoders produced it in. The cache holds what the device that filled it computed; a run on
-another device type (CPU encoders vs GPU encoders) reuses those bits rather than its own live rounding.
+dtype the encoders produced it in. The key holds the device type the encoders run on, so a run whose
+encoders sit elsewhere (CPU encoders against GPU encoders, whose kernels round differently) encodes its own rows
+rather than reusing another device's.
 
-**Key.** :func:`text_encoder_hash`: sha256 over the family, ``max_sequence_length``, ``TEXT_CHUNK``, each
+**Key.** :func:`text_encoder_hash`: sha256 over the family, ``max_sequence_length``, ``TEXT_CHUNK``, the
+encoders' device type (``cpu``, ``cuda``, ...), each
 text encoder's config JSON, and for every tensor of its state dict its name, shape, dtype and 1024 values
 sampled at an even stride (their raw bytes), plus each tokenizer's class, vocabulary, special tokens and
 length limits. Sampling values instead of hashing every byte keeps it well under a second for T5-XXL on
@@ -58,7 +60,7 @@ def text_encoder_hash(pipeline, *, family: str, max_sequence_length: int, chunk:
     """The cache key of a pipeline's text encoders and tokenizers (64 hex digits; see the module doc)."""
     sha = hashlib.sha256()
     sha.update(json.dumps({"format": FORMAT, "family": family, "max_sequence_length": max_sequence_length,
-                           "chunk": chunk}, sort_keys=True).encode())
+                           "chunk": chunk, "device": encoder_device_type(pipeline)}, sort_keys=True).encode())
     for name in TEXT_ENCODER_NAMES:
         encoder = getattr(pipeline, name, None)
         sha.update(f"\n{name}:{type(encoder).__name__}".encode())
@@ -79,6 +81,15 @@ def text_encoder_hash(pipeline, *, family: str, max_sequence_length: int, chunk:
                                "special": {k: str(v) for k, v in tokenizer.special_tokens_map.items()}},
                               sort_keys=True).encode())
     return sha.hexdigest()
+
+
+def encoder_device_type(pipeline) -> str:
+    """The device type of the pipeline's first text encoder's weights (``cpu`` without any)."""
+    for name in TEXT_ENCODER_NAMES:
+        encoder = getattr(pipeline, name, None)
+        if encoder is not None:
+            return next(encoder.parameters()).device.type
+    return "cpu"
 
 
 def _tensor_name(prompt: str) -> str:
@@ -197,3 +208,14 @@ def attach_text_cache(policy, path: str | Path, prompts: Sequence[str], *, write
     if free:
         policy.free_text_encoders()
     return cache
+
+
+def attach_configured_cache(policy, model, run_dir: str | Path, prompts: Sequence[str], *,
+                            write: bool = True) -> TextCache | None:
+    """``model.text_cache: disk`` (a :class:`flowrl.config.ModelConfig`) for training, ``flowrl sample`` and
+    ``flowrl eval`` alike: the cache at ``model.text_cache_path`` (default ``RUN_DIR/text_cache``) filled with
+    ``prompts``, the encoders freed after with ``model.free_text_encoders``; None without a cache."""
+    if model.text_cache != "disk":
+        return None
+    return attach_text_cache(policy, model.text_cache_path or Path(run_dir) / "text_cache", prompts, write=write,
+                             free=model.free_text_encoders)

@@ -29,7 +29,7 @@ from flowrl.config import Config, ConfigError, check, save_config, to_dict
 from flowrl.data import PromptSet, epoch_prompt_indices, prompts_per_batch
 from flowrl.eval_tasks import stratified_prefix
 from flowrl.models.lora_io import lora_config_dict, lora_state_dict
-from flowrl.models.text_cache import attach_text_cache
+from flowrl.models.text_cache import attach_configured_cache
 from flowrl.eval.held_out import evaluate, render
 from flowrl.eval.report import write_report
 from flowrl.rewards_api import build_rewards, nan_summary
@@ -194,9 +194,9 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, extras: di
         tqdm.write(f"flowrl train: {'resuming the run in' if t.resume else 'this run goes to'} {run_dir}"
                    + (f" (the run that was there is now {moved})" if moved else ""))
     if cfg.model.text_cache == "disk":  # every prompt the run encodes, once; the encoders may go after
-        attach_text_cache(policy, cfg.model.text_cache_path or run_dir / "text_cache",
-                          [*train_prompts.prompts, *test_prompts.prompts, *eval_prompt_set(cfg, test_prompts).prompts],
-                          write=accelerator.is_main_process, free=cfg.model.free_text_encoders)
+        attach_configured_cache(policy, cfg.model, run_dir, [*train_prompts.prompts, *test_prompts.prompts,
+                                                             *eval_prompt_set(cfg, test_prompts).prompts],
+                                write=accelerator.is_main_process)
     logger = MetricsLogger(run_dir, enabled=accelerator.is_main_process,
                            tracker=accelerator if cfg.log.backend != "none" else None)
     if cfg.log.backend != "none":

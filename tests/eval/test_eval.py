@@ -561,3 +561,12 @@ def test_eval_size_renders_larger_images_and_is_part_of_the_settings(world, tmp_
 def test_an_eval_size_the_model_cannot_sample_is_one_line(world):
     line = _one_line_error(world, "base", **{"eval.height": 34})  # the toy VAE halves, then 2x2 patches: 4
     assert "multiples of 4" in line and "34x32" in line, line
+
+
+def test_eval_reads_the_text_cache_with_freed_encoders(world, tmp_path):
+    """``model.text_cache: disk`` with the encoders freed renders the images the live encoders give."""
+    out, cache = tmp_path / "eval", tmp_path / "cache"
+    _eval(world, ["base"], out, **{"model.text_cache": "disk", "model.free_text_encoders": "true",
+                                   "model.text_cache_path": cache})
+    assert list(cache.glob("*.safetensors"))
+    assert _pngs(out / "images/base") == _pngs(world.eval2 / "images/base")

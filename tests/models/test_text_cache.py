@@ -155,3 +155,39 @@ def test_runs_with_the_cache_and_freed_encoders_equal_live_runs(tmp_path, recipe
     assert runs["cached"][1].keys() == runs["live"][1].keys()
     assert all(torch.equal(runs["cached"][1][k], runs["live"][1][k]) for k in runs["live"][1])
     assert list((tmp_path / "cached" / "text_cache").glob("*.safetensors"))
+
+
+def test_the_key_holds_the_encoders_device_type(monkeypatch):
+    """A cache filled by encoders on one device type is not read by encoders on another (their kernels round
+    differently), so the device type is part of the key."""
+    from flowrl.models import text_cache
+
+    policy = build_policy("sd3", "tiny")
+    assert text_cache.encoder_device_type(policy.pipeline) == "cpu"
+    on_cpu = key_of(policy)
+    monkeypatch.setattr(text_cache, "encoder_device_type", lambda pipeline: "cuda")
+    assert key_of(policy) != on_cpu
+
+
+def test_sample_reads_the_text_cache_with_freed_encoders(tmp_path):
+    """``flowrl sample`` fills and reads ``model.text_cache: disk`` as training does: with the encoders freed after
+    caching, the images are the ones the live encoders give (``flowrl eval``: tests/eval/test_eval.py)."""
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    from tests import REPO
+
+    def sample(out, *overrides):
+        result = subprocess.run([sys.executable, "-m", "flowrl", "sample", "configs/smoke/sd3_tiny.yaml",
+                                 "sampling.num_steps=2", f"run_dir={tmp_path / 'run'}", *overrides, "--prompt",
+                                 "a cat", "--num-per-prompt", "2", "--out", str(out)], cwd=REPO,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return Image.open(out).tobytes()
+
+    live = sample(tmp_path / "live.png")
+    cached = sample(tmp_path / "cached.png", "model.text_cache=disk", "model.free_text_encoders=true")
+    assert list((tmp_path / "run" / "text_cache").glob("*.safetensors"))
+    assert cached == live
