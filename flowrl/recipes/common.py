@@ -415,7 +415,7 @@ def optimizer_step(run: Run, stats: StatsAccumulator) -> None:
     run.optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     if grad_norm is not None:
-        stats.add_scalar("optim/grad_norm", float(grad_norm))
+        stats.add_scalar("optim/grad_norm", grad_norm)
 
 
 def end_epoch(run: Run, epoch: int, *, gathered: dict[str, torch.Tensor], combined: torch.Tensor,

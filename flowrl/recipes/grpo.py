@@ -128,7 +128,9 @@ def train(cfg: GRPOConfig, *, accelerator: Accelerator | None = None) -> dict[st
         trained = trained_mask(traj.row_step_indices, s.num_steps, skip_last, t.timestep_fraction, seed=cfg.seed,
                                epoch=epoch)
         # Per-step noise levels come with per-split levels only, where every row stores the same steps.
-        noise_at = lambda k: plan.noise_level_at(int(traj.row_step_indices[0, k]), s.noise_level)  # noqa: E731
+        # The rows' steps and sigmas as host lists, read once: the update below looks them up per micro-batch.
+        host_steps, host_sigmas = traj.row_step_indices.tolist(), traj.row_sigmas.tolist()  # [N][K], [N][K+1]
+        noise_at = lambda k: plan.noise_level_at(host_steps[0][k], s.noise_level)  # noqa: E731
         trained[:, [k for k in range(traj.num_stored_steps) if noise_at(k) == 0]] = False  # ODE steps between splits
         trained_cols = [k for k in range(traj.num_stored_steps) if trained[:, k].any()]
         scored_adv = combined_adv.where(torch.isfinite(combined), torch.tensor(float("nan")))  # [N_all] NaN: unscored
@@ -182,15 +184,18 @@ def train(cfg: GRPOConfig, *, accelerator: Accelerator | None = None) -> dict[st
             for chunk_index, chunk in enumerate(chunks):
                 chunk = torch.as_tensor(chunk, dtype=torch.long)
                 weight = accelerator.reduce(mask[chunk].sum().float().to(accelerator.device), "sum").item()
-                work = [(part, k) for rows in chunk.split(t.micro_batch_size) for k in trained_cols
-                        for part in same_step_rows(traj.row_step_indices, rows, k)]
+                rows_of_chunk, micro = chunk.tolist(), t.micro_batch_size
+                work = [(torch.tensor(part, dtype=torch.long), k, tuple(host_sigmas[part[0]][k:k + 2]))
+                        for start in range(0, len(rows_of_chunk), micro) for k in trained_cols
+                        for part in same_step_parts(host_steps, rows_of_chunk[start:start + micro], k)]
 
                 def chunk_backward(advantages: torch.Tensor, chunk_stats: StatsAccumulator) -> None:
                     traj.advantages = advantages  # [N, K]
-                    for i, (rows, k) in enumerate(work):
+                    for i, (rows, k, sigmas) in enumerate(work):
                         sync = i == len(work) - 1
                         with micro_batch(accelerator, policy.forward_module, last=sync):
                             loss_sum = transition_loss(policy, traj, rows, k, mask, accelerator=accelerator,
+                                                       sigmas=sigmas,
                                                        guidance=guidance, noise_level=noise_at(k), kind=s.kind,
                                                        beta=run.beta, policy_loss=policy_loss, clip_low=t.clip_range,
                                                        clip_high=clip_high, stats=chunk_stats,
@@ -392,8 +397,15 @@ def trained_mask(row_step_indices: torch.Tensor, num_steps: int, skip_last_step:
 def same_step_rows(row_step_indices: torch.Tensor, rows: torch.Tensor, k: int) -> list[torch.Tensor]:
     """``rows`` split by the schedule step their stored column ``k`` holds (one part when they share a window),
     so each model call runs at one sigma; parts in order of first appearance, rows in their order."""
-    steps = row_step_indices[rows, k]
-    return [rows[steps == step] for step in dict.fromkeys(steps.tolist())]
+    return [torch.tensor(part, dtype=torch.long)
+            for part in same_step_parts(row_step_indices.tolist(), rows.tolist(), k)]
+
+
+def same_step_parts(host_steps: list[list[int]], rows: list[int], k: int) -> list[list[int]]:
+    """:func:`same_step_rows` on host lists (``host_steps`` [N][K]), which the recipe reads once per epoch, so
+    splitting a micro-batch reads no tensor."""
+    steps = [host_steps[r][k] for r in rows]
+    return [[r for r, s in zip(rows, steps) if s == step] for step in dict.fromkeys(steps)]
 
 
 def trained_columns(step_indices: torch.Tensor, num_steps: int, skip_last_step: bool, fraction: float, *,
@@ -446,7 +458,8 @@ def ode_credit(policy, traj, scorer, columns, all_groups, local, *, accelerator,
 
 def transition_loss(policy, traj, rows, k, mask, *, accelerator, guidance, noise_level, kind, beta, policy_loss,
                     clip_low, clip_high, stats, on_policy, ratio_norm: str = "none", sensitivity: float | None = None,
-                    kl_gate: torch.Tensor | None = None, reference=None) -> torch.Tensor:
+                    kl_gate: torch.Tensor | None = None, reference=None,
+                    sigmas: tuple[float, float] | None = None) -> torch.Tensor:
     """Summed (not averaged) loss of stored transitions ``rows`` at stored step ``k``; ``ratio_norm``
     grpo_guard uses GRPO-Guard's log-ratio (from ``traj.means``) and divides the policy loss by ``|dt|``,
     batch_sensitivity centres the log-ratio and divides it by ``sensitivity``; with ``kl_gate`` [N] (bool)
@@ -455,7 +468,8 @@ def transition_loss(policy, traj, rows, k, mask, *, accelerator, guidance, noise
     device = accelerator.device
     x = traj.latents[rows, k].to(device)  # [B, C, h, w]
     x_next = traj.latents[rows, k + 1].to(device)
-    sigma, sigma_next = traj.row_sigmas[rows[0], k].item(), traj.row_sigmas[rows[0], k + 1].item()  # rows share step k
+    # rows share step k; ``sigmas`` (sigma, sigma_next), when given, saves reading them here
+    sigma, sigma_next = sigmas or (traj.row_sigmas[rows[0], k].item(), traj.row_sigmas[rows[0], k + 1].item())
     cond = traj.cond.select(traj.prompt_ids[rows])
     with accelerator.autocast():
         velocity = policy.velocity(x, sigma, cond, guidance)
@@ -488,5 +502,5 @@ def transition_loss(policy, traj, rows, k, mask, *, accelerator, guidance, noise
     stats.add("policy/approx_kl", loss_stats["approx_kl"], weights)
     if on_policy:
         deviation = ((loss_stats["ratio"] - 1).abs() * weights).max()
-        stats.add_scalar("policy/onpolicy_ratio_maxdev", float(deviation), reduce="max")
+        stats.add_scalar("policy/onpolicy_ratio_maxdev", deviation, reduce="max")
     return (total * weights).sum()

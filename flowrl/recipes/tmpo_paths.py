@@ -164,7 +164,7 @@ class TmpoPaths:
                                  ("advantages/tmpo_abs", advantages[members].abs())):
                 stats.add(name, values.detach(), ones / len(members))
             if on_policy:
-                stats.add_scalar("policy/onpolicy_ratio_maxdev", float((ratio_stats["ratio"] - 1).abs().max()),
+                stats.add_scalar("policy/onpolicy_ratio_maxdev", (ratio_stats["ratio"] - 1).abs().max(),
                                  reduce="max")
         coefficients = torch.zeros(len(self.edge_rows)).index_add_(
             0, self.index[rows].flatten(), gradient[rows].repeat_interleave(len(self.columns)))  # [E]

@@ -136,12 +136,19 @@ class LoraEMA:
 
         # DTensor has no sharding rule for aten._foreach_copy_ (FSDP2): copy one by one, the same values.
         foreach, self.model.foreach = self.model.foreach, self.model.foreach and not is_sharded(self.parameters[0])
-        self.model.store(self.parameters)
+        # The live weights wait on their own device (diffusers' store() copies them to the host, a sync per swap:
+        # recipe nft swaps the old adapter in for every micro-batch).
+        live = [p.detach().clone() for p in self.parameters]
         self.model.copy_to(self.parameters)
         try:
             yield
         finally:
-            self.model.restore(self.parameters)
+            with torch.no_grad():
+                if self.model.foreach:
+                    torch._foreach_copy_([p.data for p in self.parameters], live)
+                else:
+                    for param, kept in zip(self.parameters, live):
+                        param.data.copy_(kept)
             self.model.foreach = foreach
 
 
