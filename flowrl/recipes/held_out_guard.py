@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from flowrl.config import ConfigError
 from flowrl.eval_tasks import paired_task_mean_gain, row_tasks
 from flowrl.training.ema import AdapterSnapshot, LoraEMA
 
@@ -255,12 +256,10 @@ class HeldOutGuard:
         if held_out is None:
             return {}
         if self.reward not in held_out:
-            from flowrl.config import ConfigError
-
             raise ConfigError(f"config key 'guard.held_out.reward': the held-out points score no {self.reward!r} "
                               f"(they score {', '.join(held_out)})", key="guard.held_out.reward")
         prompts = run.test_set
-        out = self.observe(epoch, prompt_means(held_out[self.reward], len(prompts)), prompt_tasks(prompts.metadata))
+        out = self.observe(epoch, prompt_means(held_out[self.reward], len(prompts.metadata)), prompt_tasks(prompts.metadata))
         if self.action == "new_best" and self.weights is not None:
             self.weights.take(run.optimizer)
         if self.action == "rollback":
