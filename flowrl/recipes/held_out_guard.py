@@ -258,8 +258,8 @@ class HeldOutGuard:
         if self.reward not in held_out:
             raise ConfigError(f"config key 'guard.held_out.reward': the held-out points score no {self.reward!r} "
                               f"(they score {', '.join(held_out)})", key="guard.held_out.reward")
-        prompts = run.test_set
-        out = self.observe(epoch, prompt_means(held_out[self.reward], len(prompts.metadata)), prompt_tasks(prompts.metadata))
+        metadata = run.test_set.metadata  # one entry per held-out prompt
+        out = self.observe(epoch, prompt_means(held_out[self.reward], len(metadata)), prompt_tasks(metadata))
         if self.action == "new_best" and self.weights is not None:
             self.weights.take(run.optimizer)
         if self.action == "rollback":

@@ -256,3 +256,15 @@ def test_bad_input_is_one_line_and_leaves_no_run_directory(tmp_path, capsys, ove
     assert len(errors) == 1 and errors[0].startswith("flowrl train: error: "), errors
     assert all(word in errors[0] for word in words), errors[0]
     assert not run.exists()
+
+
+def test_the_metrics_table_reads_the_exported_adapters_report(tmp_path):
+    # experiments/held_out_guard.yaml's columns: the kept adapter's figures come from report.json.
+    from flowrl.experiments.tables.metrics import values
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"epoch": 0, "guard/held_out_rollbacks": 1.0}) + "\n")
+    (tmp_path / "report.json").write_text(json.dumps({"before": {"eval/toyeval/task_mean": 0.2},
+                                                      "after": {"eval/toyeval/task_mean": 0.25}, "prompts": 64}))
+    found = values(tmp_path)
+    assert found["report/after/eval/toyeval/task_mean"] == (0.25, 0.25)
+    assert found["report/before/eval/toyeval/task_mean"] == (0.2, 0.2) and found["guard/held_out_rollbacks"] == (1, 1)
