@@ -136,7 +136,8 @@ class HeldOutWeights:
     @torch.no_grad()
     def restore(self, optimizer=None) -> None:
         """Put the taken weights (and with ``optimizer`` its moments) back into the live run."""
-        self.live.model.copy_to(self.live.parameters)
+        for param, shadow in zip(self.live.parameters, self.live.model.shadow_params):  # one by one: FSDP2's
+            param.data.copy_(shadow)  # DTensors have no foreach copy
         for name, ema in self.emas.items():
             copy_shadows(self.ema_copies[name], ema)
         if optimizer is None or not self.moments:

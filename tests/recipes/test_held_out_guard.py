@@ -158,6 +158,13 @@ def test_rollback_restores_the_best_tensors_exactly_and_lowers_the_lr():
     step()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05)  # the scheduler's base moved too
     assert guard.kl_scale == 2.0
+    # The KL beta in force: train.beta (or the diversity guard's) times every extra's kl_scale.
+    from flowrl.recipes.run import Run
+
+    cfg = SimpleNamespace(train=SimpleNamespace(beta=0.01))
+    assert Run.beta.fget(SimpleNamespace(cfg=cfg, extras={"held_out_guard": guard})) == pytest.approx(0.02)
+    diversity = SimpleNamespace(kl_beta=0.08)
+    assert Run.beta.fget(SimpleNamespace(cfg=cfg, extras={"guard": diversity, "held_out_guard": guard})) == 0.16
     # A best point taken before any optimizer step (the base model): rollback gives AdamW a fresh start.
     fresh = HeldOutWeights(named, params, {}, moments=True)
     fresh.take(torch.optim.AdamW(params, lr=0.1))
