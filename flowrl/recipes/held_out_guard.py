@@ -115,9 +115,9 @@ class HeldOutWeights:
         self.steps: list[float | None] | None = None  # AdamW's step per parameter at the best point (None: no state)
 
     def snapshots(self) -> dict[str, AdapterSnapshot]:
-        copies = {"held_out_best": self.live, **{f"held_out_best_{n}": c for n, c in self.ema_copies.items()},
-                  **{f"held_out_best_{k}": c for k, c in self.moments.items()}}
-        return copies
+        """By checkpoint file name: held_out_best (the live LoRA), held_out_best_ema / _old, _exp_avg / _exp_avg_sq."""
+        return {"held_out_best": self.live, **{f"held_out_best_{n}": c for n, c in self.ema_copies.items()},
+                **{f"held_out_best_{k}": c for k, c in self.moments.items()}}
 
     @torch.no_grad()
     def take(self, optimizer) -> None:
@@ -130,7 +130,10 @@ class HeldOutWeights:
             self.steps = [float(s["step"]) if "step" in s else None for s in states]
             for key, copy in self.moments.items():
                 for shadow, state in zip(copy.model.shadow_params, states):
-                    shadow.zero_() if key not in state else shadow.copy_(state[key])
+                    if key in state:
+                        shadow.copy_(state[key])
+                    else:  # no step yet: restore() drops the state (steps None) and never reads this
+                        shadow.zero_()
                 copy.taken = True
 
     @torch.no_grad()
@@ -153,10 +156,6 @@ class HeldOutWeights:
                                          device=old.device if old is not None else "cpu")
             for key, copy in self.moments.items():
                 state[key] = copy.model.shadow_params[i].detach().clone()
-
-    def exported(self) -> None:
-        """For the final export: the live weights and every EMA back to the best point's."""
-        self.restore(None)
 
 
 @torch.no_grad()
@@ -286,7 +285,7 @@ class HeldOutGuard:
     def finish(self, run) -> None:
         """stop and rollback: the export and the report get the best held-out point's weights."""
         if self.weights is not None and self.weights.live.taken:
-            self.weights.exported()
+            self.weights.restore()  # the live weights and every EMA; the optimizer is done with
 
     def state_dict(self) -> dict:
         """JSON-safe state for the checkpoint (the best point's weights are its ``held_out_best*`` snapshots)."""
