@@ -171,8 +171,8 @@ class HeldOutGuard:
     """The held-out guard's decisions and state; a run extra (:class:`flowrl.recipes.run.Run`) whose
     :meth:`end_epoch` sees every epoch's metrics and, at held-out points, the per-image scores.
 
-    ``weights``: the best point's :class:`HeldOutWeights` (None: policy warn keeps none); ``write``: where the
-    firing line goes; ``lr_scheduler``: a callable returning the run's LR scheduler (rollback scales its base)."""
+    ``train_weights``: the run's reward weights (the training reward is their weighted sum); ``weights``: the best
+    point's :class:`HeldOutWeights` (None: policy warn keeps none); ``write``: where the firing line goes."""
 
     def __init__(self, *, reward: str, margin: float, z: float, patience: int, policy: str, lr_factor: float,
                  kl_factor: float, max_rollbacks: int, train_weights: dict[str, float],
@@ -224,7 +224,8 @@ class HeldOutGuard:
             self.beta_scale *= self.kl_factor
             self.window = []  # the rolled-back branch's rewards no longer describe the weights
         metrics.update({"guard/held_out_best": self.best_score if self.best_score is not None else math.nan,
-                        "guard/held_out_best_epoch": float(self.best_epoch if self.best_epoch is not None else -2),
+                        "guard/held_out_best_epoch": float(self.best_epoch if self.best_epoch is not None
+                                                           else -2),  # -1 is the base model; -2: no point yet
                         "guard/held_out_drop": drop, "guard/held_out_se": se, "guard/held_out_train_slope": rise,
                         "guard/held_out_strikes": float(self.strikes),
                         "guard/held_out_fired": float(self.action in ("warn", "stop", "rollback")),
@@ -241,8 +242,9 @@ class HeldOutGuard:
             return (f"{head}: rolling back to epoch {self.best_epoch}'s weights (rollback {self.rollbacks + 1} of "
                     f"{self.max_rollbacks}), learning rate x{self.lr_factor:g}, KL beta x{self.kl_factor:g}")
         if self.action == "stop":
-            return (f"{head}: stopping after this epoch; RUN_DIR/lora and the report get epoch {self.best_epoch}'s "
-                    "weights")
+            spent = f" (guard.held_out.max_rollbacks={self.max_rollbacks} spent)" if self.policy == "rollback" else ""
+            return (f"{head}: stopping after this epoch{spent}; RUN_DIR/lora and the report get epoch "
+                    f"{self.best_epoch}'s weights")
         return (f"{head}: the trained reward is being hacked; keep an earlier checkpoint, raise train.beta, or rerun "
                 "with guard.held_out.policy=rollback or stop")
 
