@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from flowrl.config.loader import check
-from flowrl.config.reporting import EvalConfig, GuardConfig, LogConfig  # noqa: F401  (re-exported)
+from flowrl.config.reporting import EvalConfig, GuardConfig, HeldOutGuardConfig, LogConfig  # noqa: F401
 from flowrl.config.sampling import (  # noqa: F401
     BetaScheduleConfig, PilotConfig, SamplingConfig, SelfGuidanceConfig, TreeConfig, WindowConfig,
 )
@@ -332,6 +332,16 @@ class Config:
               "group advantages need at least 2 trajectories per prompt")
         check(not self.guard.enabled or self.sampling.group_size >= 2, "guard.enabled",
               "the guard measures diversity within a prompt's group: use sampling.group_size >= 2")
+        held_out = self.guard.held_out
+        if held_out.enabled:
+            names = [r.name for r in self.rewards] + [r.key for r in self.rewards if r.key]
+            check(held_out.reward in names, "guard.held_out.reward", f"{held_out.reward!r} is not a reward of "
+                  f"`rewards` ({', '.join(dict.fromkeys(names))}): add it, with weight 0 for a gold reward")
+            check(self.log.test_every > 0, "log.test_every", f"guard.held_out (policy {held_out.policy}) watches "
+                  "the held-out curve, which log.test_every=0 never scores: set log.test_every, e.g. 5")
+            check(held_out.policy != "rollback" or held_out.kl_factor == 1 or self.train.beta > 0,
+                  "guard.held_out.kl_factor", "raises the KL beta, but train.beta is 0: set train.beta > 0, or "
+                  "kl_factor=1 and lower lr_factor")
         check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device",
               "use auto, cpu, cuda or cuda:N")
         check(bool(self.rewards), "rewards", "is empty, so nothing trains: list at least one reward, e.g. "

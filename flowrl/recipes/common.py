@@ -30,7 +30,7 @@ from flowrl.data import PromptSet, epoch_prompt_indices, prompts_per_batch
 from flowrl.eval_tasks import stratified_prefix
 from flowrl.models.lora_io import lora_config_dict, lora_state_dict
 from flowrl.models.text_cache import attach_configured_cache
-from flowrl.eval.held_out import evaluate, render
+from flowrl.eval.held_out import evaluate_rows, render
 from flowrl.eval.report import write_report
 from flowrl.rewards_api import build_rewards, nan_summary
 from flowrl.sampling import StepPlan, chunked_rollout, concat_trajectories, rollout, root_seeds
@@ -388,9 +388,10 @@ def group_advantages(run: Run, traj, estimator):
 def log_base_model(run: Run) -> None:
     """With ``log.test_every``, the held-out score of the base model: the curve's starting point."""
     if run.cfg.log.test_every and run.start_epoch == 0:
-        run.logger.log({"epoch": -1, **held_out_metrics(run.policy, run.exported_ema, run.rewards, run.test_set,
-                                                        run.cfg, run.eval_guidance, run.accelerator),
-                        **{f"perf/{k}": v for k, v in run.counters.items()}}, step=-1)
+        points, held_out = held_out_scores(run.policy, run.exported_ema, run.rewards, run.test_set, run.cfg,
+                                           run.eval_guidance)
+        metrics = {"epoch": -1, **points, **{f"perf/{k}": v for k, v in run.counters.items()}}
+        run.logger.log({**metrics, **run.end_epoch(-1, metrics, held_out)}, step=-1)  # the guard's first point
 
 
 def optimizer_step(run: Run, stats: StatsAccumulator) -> None:
@@ -453,9 +454,13 @@ def end_epoch(run: Run, epoch: int, *, gathered: dict[str, torch.Tensor], combin
         run.logger.log(metrics, step=epoch)
         raise aborted
     last = out_of_time(run) or run.stopped  # the run ends after this epoch, before train.epochs
+    held_out = None  # per-image held-out scores, at a point of the curve
     if cfg.log.test_every and ((epoch + 1) % cfg.log.test_every == 0 or last):  # the curve's last point
-        metrics.update(held_out_metrics(run.policy, run.exported_ema, run.rewards, run.test_set, cfg, run.eval_guidance,
-                                        accelerator))
+        points, held_out = held_out_scores(run.policy, run.exported_ema, run.rewards, run.test_set, cfg,
+                                           run.eval_guidance)
+        metrics.update(points)
+    metrics.update(run.end_epoch(epoch, metrics, held_out))  # the held-out guard: warn, stop or roll back
+    last = last or run.stopped
     if cfg.log.eval_every and (epoch + 1) % cfg.log.eval_every == 0:  # every rank samples (sharded models)
         eval_grid(run.policy, run.exported_ema, run.eval_prompts, cfg, run.eval_guidance,
                   run.run_dir / "grids" / f"epoch_{epoch:05d}.png", save=accelerator.is_main_process)
@@ -501,12 +506,18 @@ def finish_run(run: Run, metrics: dict) -> dict[str, float]:
 def held_out_metrics(policy, ema, rewards, prompts, cfg: Config, guidance: float, accelerator) -> dict[str, float]:
     """test/<reward> on held-out prompts: ODE samples with fixed seeds and the EMA weights; with task
     metadata also test/<reward>/task/<task> and test/<reward>/task_mean (the mean over tasks)."""
+    return held_out_scores(policy, ema, rewards, prompts, cfg, guidance)[0]
+
+
+def held_out_scores(policy, ema, rewards, prompts, cfg: Config,
+                    guidance: float) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """:func:`held_out_metrics` and the per-image scores ``{key: [P * n]}`` (prompt-major) behind them."""
     n = cfg.log.eval_images_per_prompt
     with ema_weights(ema), eval_size(policy, cfg):
         images = render(policy, prompts, images_per_prompt=n, guidance=guidance, seed=cfg.seed + 3,
                         num_steps=cfg.log.eval_num_steps or cfg.sampling.num_steps)
-    scores = evaluate(images, prompts, n, rewards, cfg.log.report_diversity)
-    return {f"test/{k.removeprefix('eval/')}": v for k, v in scores.items()}
+    summary, scores = evaluate_rows(images, prompts, n, rewards, cfg.log.report_diversity)
+    return {f"test/{k.removeprefix('eval/')}": v for k, v in summary.items()}, scores
 
 
 def reward_metrics(rewards: dict[str, torch.Tensor], combined: torch.Tensor, main: list[str]) -> dict[str, float]:

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from flowrl.algorithms.combine import COMBINERS, marble_initial
 from flowrl.algorithms.marble import MarbleBalancer
 from flowrl.recipes.guard import DiversityGuard
+from flowrl.recipes.held_out_guard import HeldOutGuard, HeldOutWeights
 from flowrl.recipes.reward_updates import RewardUpdates
 from flowrl.recipes.run import Run
 from flowrl.recipes.snapshots import PhaseAnchor
@@ -69,6 +70,23 @@ def guard(run: Run) -> DiversityGuard | None:
                           best=snapshot(run, taken=False))
 
 
+def held_out_guard(run: Run) -> HeldOutGuard | None:
+    """guard.held_out.reward: the held-out guard; stop keeps the best point's weights and EMAs, rollback also
+    AdamW's moments (warn keeps none)."""
+    h = run.cfg.guard.held_out
+    if not h.enabled:
+        return None
+    emas = {"ema": run.exported_ema} if run.exported_ema is not None else {}
+    if run.ema is not None and run.ema is not run.exported_ema:
+        emas["old"] = run.ema  # recipe nft: the old adapter its loss trains against
+    weights = None if h.policy == "warn" else HeldOutWeights(
+        run.policy.named_trainable_parameters(), run.params, emas, moments=h.policy == "rollback")
+    return HeldOutGuard(reward=h.reward, margin=h.margin, z=h.z, patience=h.patience, policy=h.policy,
+                        lr_factor=h.lr_factor, kl_factor=h.kl_factor, max_rollbacks=h.max_rollbacks,
+                        train_weights=dict(run.weights), weights=weights,
+                        write=tqdm.write if run.accelerator.is_main_process else None)
+
+
 def reward_updates(run: Run) -> RewardUpdates | None:
     """The rewards that train during the run (Adv-GRPO's discriminator), by name; None where none does."""
     found = {reward.name: reward for reward in run.rewards if isinstance(reward, TrainableReward)}
@@ -81,7 +99,9 @@ def faults(run: Run) -> FaultCounter:
     return FaultCounter(max_skipped_steps=t.max_skipped_steps, max_nan_epochs=t.max_nan_epochs)
 
 
-# Before a recipe's own extras: marble, lr_scheduler, anchor, guard, reward_updates; after them: faults.
+# Before a recipe's own extras: marble, lr_scheduler, anchor, guard, held_out_guard, reward_updates; after them:
+# faults.
 COMMON_EXTRAS: dict[str, ExtraBuilder] = {"marble": marble, "lr_scheduler": lr_scheduler, "anchor": anchor,
-                                          "guard": guard, "reward_updates": reward_updates}
+                                          "guard": guard, "held_out_guard": held_out_guard,
+                                          "reward_updates": reward_updates}
 LAST_EXTRAS: dict[str, ExtraBuilder] = {"faults": faults}

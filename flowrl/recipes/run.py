@@ -16,7 +16,11 @@ the scaffold, the checkpoint code and the other recipe stay as they are. Every m
 - ``after_epoch(run, epoch, traj)`` -> metrics, after the epoch's policy update and before its checkpoint, with
   its rollouts (:meth:`Run.after_epoch`: the trainable rewards learn from them);
 - ``metrics()``: logged at the end of each epoch;
-- ``kl_beta``: the live KL beta, in place of ``train.beta``; ``stopped``: the extra ended the run;
+- ``end_epoch(run, epoch, metrics, held_out)`` -> metrics, at the end of each epoch (and at the base model's
+  held-out point, epoch -1) with the epoch's metrics and, at a held-out point, the per-image held-out scores
+  ``{key: [P * n]}`` (else None); before the checkpoint, so what it changes is saved;
+- ``kl_beta``: the live KL beta, in place of ``train.beta``; ``kl_scale``: a factor on the KL beta in force;
+  ``stopped``: the extra ended the run;
 - ``finish(run)``: before the final export and report.
 
 :mod:`flowrl.recipes.common` builds a ``Run`` and :mod:`flowrl.recipes.snapshots` defines extras; both read this
@@ -25,6 +29,7 @@ one definition, so neither imports the other.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,14 +110,24 @@ class Run:
 
     @property
     def stopped(self) -> bool:
-        """Whether an extra (the diversity guard, guard.policy=stop) ended the run."""
+        """Whether an extra (a guard with policy stop) ended the run."""
         return any(getattr(extra, "stopped", False) for extra in self.extras.values())
 
     @property
     def beta(self) -> float:
-        """The KL beta in force: train.beta, or what an extra (the diversity guard) moved it to."""
-        return next((extra.kl_beta for extra in self.extras.values() if hasattr(extra, "kl_beta")),
+        """The KL beta in force: train.beta, or what an extra (the diversity guard) moved it to, times every
+        extra's ``kl_scale`` (the held-out guard's rollbacks)."""
+        beta = next((extra.kl_beta for extra in self.extras.values() if hasattr(extra, "kl_beta")),
                     self.cfg.train.beta)
+        return math.prod([beta, *(extra.kl_scale for extra in self.extras.values() if hasattr(extra, "kl_scale"))])
+
+    def end_epoch(self, epoch: int, metrics: dict[str, float],
+                  held_out: dict[str, torch.Tensor] | None) -> dict[str, float]:
+        """Each extra's work on the epoch's metrics and held-out scores (the held-out guard); returns its metrics."""
+        out: dict[str, float] = {}
+        for end in self.hook("end_epoch"):
+            out.update(end(self, epoch, metrics, held_out))
+        return out
 
     # --- convenience accessors ------------------------------------------------------------------------------
     @property

@@ -1,5 +1,7 @@
 """A table read straight from each run's metrics log: one row per run, one column per entry of ``columns``
-(``{header, key, at: first | last | change, format}``), each cell the mean ± s.e. over seeds.
+(``{header, key, at: first | last | change, format}``), each cell the mean ± s.e. over seeds. The end-of-run
+report's figures are columns too: ``report/before/<key>`` and ``report/after/<key>`` read ``report.json``
+(``after``: the adapter the run exported, e.g. a guard's kept snapshot).
 
 Why: the simplest comparison (train some configs, read one metric before and after) needs no Python of its
 own; its columns are data in the experiment file.
@@ -7,6 +9,7 @@ own; its columns are data in the experiment file.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from flowrl.experiments.cells import CELL_NOTE, fmt_mean_se
@@ -18,12 +21,19 @@ AT = ("first", "last", "change")
 
 
 def values(run_dir: Path) -> dict[str, tuple[float, float]]:
-    """{metric: (first value, last value)} over the run's metrics log."""
+    """{metric: (first value, last value)} over the run's metrics log, plus ``report/<before|after>/<key>`` from
+    its ``report.json`` (one value: first = last)."""
     found: dict[str, tuple[float, float]] = {}
     for record in read_metrics(run_dir):
         for key, value in record.items():
             if isinstance(value, (int, float)):
                 found[key] = (found[key][0] if key in found else value, value)
+    report = Path(run_dir) / "report.json"
+    if report.is_file():
+        results = json.loads(report.read_text())
+        for side in ("before", "after"):
+            found.update({f"report/{side}/{key}": (value, value) for key, value in results.get(side, {}).items()
+                          if isinstance(value, (int, float))})
     return found
 
 
