@@ -247,15 +247,37 @@ def read_preference_header(path: str | Path) -> dict[str, str]:
         return dict(handle.metadata() or {})
 
 
-def load_preference(target, path: str | Path) -> PreferenceEmbedding:
-    """Install the exported preference embedding at ``path`` (an export directory or its
-    ``preference_embedding.safetensors``) into ``target``: a plain diffusers pipeline, its transformer, or a flowrl
-    policy. Load the LoRA as usual (``pipe.load_lora_weights(DIR)``), then this, then :func:`set_preference`."""
+def read_preference(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """An export's preference embedding: (tensors keyed without the prefix, header)."""
     from safetensors.torch import load_file
 
     header = read_preference_header(path)
     tensors = {k[len(EXPORT_PREFIX):]: v for k, v in load_file(str(preference_file(path))).items()
                if k.startswith(EXPORT_PREFIX)}
+    return tensors, header
+
+
+def checkpoint_preference(state: dict[str, torch.Tensor], family: str, preference: dict
+                          ) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
+    """A checkpoint's preference embedding, as :func:`read_preference` gives an export's: its tensors out of the
+    adapter ``state`` and a header rebuilt from the run's ``model.preference`` (``preference``) and ``family``;
+    None where the state has none."""
+    from flowrl.models import policy_class
+
+    _, tensors = split_preference(state)
+    if not tensors:
+        return None
+    where = preference.get("where", "timestep")
+    width, hidden = tensors["out.weight"].shape  # [D, H]
+    return tensors, {"flowrl.preference.rewards": json.dumps(list(preference.get("rewards") or [])),
+                     "flowrl.preference.site": policy_class(family).preference_sites[where],
+                     "flowrl.preference.where": where, "flowrl.preference.hidden": str(hidden),
+                     "flowrl.preference.dim": str(width)}
+
+
+def install_preference(target, tensors: dict[str, torch.Tensor], header: dict[str, str]) -> PreferenceEmbedding:
+    """Install a trained (frozen) preference embedding from its ``tensors`` and ``header`` into ``target``: a
+    diffusers pipeline, its transformer, or a flowrl policy (whose ``velocity`` and ``reference()`` then know it)."""
     transformer = transformer_of(target)
     embedding = PreferenceEmbedding(json.loads(header["flowrl.preference.rewards"]), int(header["flowrl.preference.dim"]),
                                     hidden=int(header["flowrl.preference.hidden"]), site=header["flowrl.preference.site"],
@@ -263,14 +285,36 @@ def load_preference(target, path: str | Path) -> PreferenceEmbedding:
     try:
         transformer.get_submodule(embedding.site)
     except AttributeError:
-        raise ValueError(f"{path}: this model has no {embedding.site!r} to take the preference embedding "
-                         "(trained on another model family?)") from None
+        raise ValueError(f"this model has no {embedding.site!r} to take the preference embedding (trained on another "
+                         "model family?)") from None
     install(transformer, embedding)
     load_preference_state(transformer, tensors)
     embedding.requires_grad_(False)
-    if hasattr(target, "preference_sites"):  # a flowrl policy: velocity and reference() know it
+    if hasattr(target, "preference_sites"):  # a flowrl policy
         wire_policy(target, embedding)
     return embedding
+
+
+def remove_preference(target) -> None:
+    """Take an installed preference embedding off ``target`` (nothing installed: nothing to do)."""
+    transformer = transformer_of(target)
+    embedding = getattr(transformer, PREFERENCE_ATTRIBUTE, None)
+    if embedding is None:
+        return
+    if embedding.handle is not None:
+        embedding.handle.remove()
+    delattr(transformer, PREFERENCE_ATTRIBUTE)
+    if hasattr(target, "preference_sites"):
+        target.preference = None
+        target.__dict__.pop("velocity", None)  # the class's own velocity again
+
+
+def load_preference(target, path: str | Path) -> PreferenceEmbedding:
+    """Install the exported preference embedding at ``path`` (an export directory or its
+    ``preference_embedding.safetensors``) into ``target``: a plain diffusers pipeline, its transformer, or a flowrl
+    policy. Load the LoRA as usual (``pipe.load_lora_weights(DIR)``), then this, then :func:`set_preference`."""
+    tensors, header = read_preference(path)
+    return install_preference(target, tensors, header)
 
 
 # --- the slider --------------------------------------------------------------------------------------
@@ -315,4 +359,5 @@ def set_preference(target, values: Sequence[float]) -> torch.Tensor:
 
 
 __all__ = ["PREFERENCE_WEIGHT_NAME", "PreferenceEmbedding", "attach_preference", "check_preference",
-           "load_preference", "parse_preference", "preference_of", "set_preference"]
+           "install_preference", "load_preference", "parse_preference", "preference_of", "remove_preference",
+           "set_preference"]
