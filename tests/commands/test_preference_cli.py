@@ -75,3 +75,17 @@ def test_a_bad_preference_is_one_line_and_leaves_nothing(command, w, run, words,
     assert len(errors) == 1 and errors[0].startswith(f"flowrl {command}: error: "), err[-2000:]
     assert all(word in errors[0] for word in words), errors[0]
     assert not out.exists()
+
+
+def test_eval_renders_a_slider_checkpoint_at_the_given_weights(runs, tmp_path, capsys):
+    suite = tmp_path / "suite.txt"
+    suite.write_text("a red circle\n")
+    common = [f"eval.suite={suite}", "eval.images_per_prompt=2", "eval.features=pixels", "sampling.num_steps=2"]
+    images = {}
+    for w in ("1,0", "0,1"):
+        out = tmp_path / f"eval_{w.replace(',', '_')}"
+        code, err = run_cli(["eval", CONFIG, *common, "--checkpoint", f"s={runs / 'slider'}", "--out", str(out),
+                             f"--preference={w}"], capsys)
+        assert code == 0, err[-2000:]
+        images[w] = np.asarray(Image.open(out / "images" / "s" / "p0000_00.png"), dtype=np.int16)
+    assert (images["1,0"] != images["0,1"]).any()
