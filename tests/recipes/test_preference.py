@@ -80,3 +80,8 @@ def test_slider_config_errors_name_the_key(tmp_path):
         slider_config(tmp_path, "model.preference.rewards=[brightness]")
     with pytest.raises(ConfigError, match="train.combine"):
         load_config(Config, SMOKE, ["train.combine=preference"])
+
+
+def test_dense_ode_credit_is_refused_with_a_slider(tmp_path):
+    with pytest.raises(ConfigError, match="train.credit"):
+        slider_config(tmp_path, "train.credit=dense_ode")
