@@ -49,7 +49,7 @@ def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
 
     from flowrl.models.preference import preference_state
 
-    return {**full_state(get_peft_model_state_dict(transformer)), **preference_state(transformer)}
+    return full_state({**get_peft_model_state_dict(transformer), **preference_state(transformer)})
 
 
 def load_adapter_state(transformer, state: dict[str, torch.Tensor]) -> None:
