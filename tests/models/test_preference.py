@@ -139,3 +139,20 @@ def test_a_preference_within_the_tolerance_is_taken_as_given():
     assert check_preference([0.3, 0.7 + 5e-7]).tolist() == pytest.approx([0.3, 0.7 + 5e-7])
     with pytest.raises(ValueError, match="comma-separated numbers"):
         parse_preference("0.3;0.7")
+
+
+def test_a_loaded_embedding_comes_off_again(tmp_path):
+    from flowrl.models.preference import install_preference, preference_of, remove_preference
+
+    policy = build_policy("sd3", "tiny", seed=0)
+    x, cond = _inputs(policy)
+    plain = _velocity(policy, x, cond)
+    trained = build_policy("sd3", "tiny", seed=0)
+    embedding = attach_preference(trained, ["a", "b"], hidden=4, seed=0)
+    _perturb(embedding)
+    install_preference(policy, {k: v for k, v in embedding.state_dict().items()}, embedding.describe())
+    set_preference(policy, [1.0, 0.0])
+    assert not torch.allclose(_velocity(policy, x, cond), plain)
+    remove_preference(policy)
+    assert preference_of(policy) is None and policy.preference is None and "velocity" not in vars(policy)
+    assert torch.equal(_velocity(policy, x, cond), plain)
