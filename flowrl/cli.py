@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--out", default=None, help="output PNG (default: RUN_DIR/samples.png)")
     sample.add_argument("--lora", default=None, help="LoRA weights to apply (.safetensors or peft dir)")
     sample.add_argument("--sde", action="store_true", help="sample with the configured SDE instead of the ODE")
+    sample.add_argument("--preference", default=None, metavar="W1,W2,...",
+                        help="ParetoSlider: reward weights on the simplex, one per reward of the --lora run's "
+                             "model.preference.rewards, in that order (e.g. 0.3,0.7)")
 
     evaluate = commands.add_parser("eval", help="benchmark checkpoints side by side: rewards, diversity, FID/KID, "
                                    "an HTML report")
@@ -51,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                                "the base model is always added; none: the config's run_dir); :ema takes a "
                                "checkpoint's EMA weights")
     evaluate.add_argument("--out", default=None, help="output directory (default: RUN_DIR/eval)")
+    evaluate.add_argument("--preference", default=None, metavar="W1,W2,...",
+                          help="ParetoSlider: render every checkpoint at these reward weights (each must be trained "
+                               "with model.preference; one weight per reward, summing to 1)")
 
     export = commands.add_parser("export-lora", help="export a checkpoint's LoRA for diffusers or ComfyUI")
     _debug_arg(export, argparse.SUPPRESS)
@@ -162,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "eval":
             from flowrl.eval.runner import run_eval
 
-            print(f"wrote {run_eval(args.config, list(args.overrides), args.checkpoint, args.out)}")
+            print(f"wrote {run_eval(args.config, list(args.overrides), args.checkpoint, args.out, args.preference)}")
             return 0
         raise NotImplementedError(f"'flowrl {args.command}' is not available in this release yet")
     except (ConfigError, FileNotFoundError, NotImplementedError, ValueError, RewardError, TrainingAborted) as error:

@@ -15,6 +15,8 @@ weighted sum of the raw rewards (NaN where any is NaN): what the run logs and ma
   fights the others (negative correlation) gains weight, one the others already carry loses it.
   With two rewards both difficulties are equal, so it is GDPO; it differs from three rewards on
   (concept sub-scores such as ``toyeval/count``, ``toyeval/color``, ``toyeval/shape``).
+- ``preference`` (ParetoSlider): ``sum_k w_k r_k`` with w drawn per prompt group, so the weights are per row
+  (:mod:`flowrl.algorithms.preference`); the recipes pass them when ``model.preference`` is set.
 - ``marble``: the weighted sum of the per-reward advantages (:func:`reward_advantages`) at the
   configured weights. The recipes replace those weights by MARBLE's gradient balancing
   (:mod:`flowrl.algorithms.marble`); this is the step-0 value and what the look-ahead credit uses.
@@ -29,6 +31,7 @@ from typing import Callable
 import torch
 
 from flowrl.algorithms.advantages import grpo_advantages
+from flowrl.algorithms.preference import preference_sum
 
 
 def weighted_sum(rewards: dict[str, torch.Tensor], weights: dict[str, float], group_ids: torch.Tensor,
@@ -119,4 +122,4 @@ def marble_initial(rewards: dict[str, torch.Tensor], weights: dict[str, float], 
 
 
 COMBINERS: dict[str, Callable] = {"weighted": weighted_sum, "gdpo": gdpo, "correlation": correlation_weighted,
-                                  "marble": marble_initial}
+                                  "marble": marble_initial, "preference": preference_sum}

@@ -15,6 +15,10 @@ rank, alpha, targets, flowrl version and config hash.
   the peft layers removed, loadable with plain ``<Transformer class>.from_pretrained``. The base
   model is rebuilt from the checkpoint's ``config.yaml`` (``model`` section and ``seed``).
 - ``--force``: overwrite files already in ``OUT``; without it an existing output is a one-line error.
+
+A run trained with ``model.preference`` (ParetoSlider) also gets ``preference_embedding.safetensors`` (keys
+``preference.*``, the rewards in its metadata), which ``flowrl.models.preference.load_preference`` installs; the
+merged transformer of ``--merge`` holds the LoRA only.
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ def export_lora(checkpoint: str | Path, out: str | Path, *, format: str = "all",
     if weights.is_file():  # a missing EMA file gets read_checkpoint_lora's own message
         check_safetensors(weights, "checkpoint file")
     state, lora_config = read_checkpoint_lora(path, ema=ema)
+    from flowrl.models.preference import checkpoint_preference
+
+    slider = checkpoint_preference(state, family, model.get("preference") or {})  # ParetoSlider's embedding, if any
     if merge and format == "kohya":
         raise ValueError("--merge reads the diffusers file back; use --format all or diffusers with --merge")
     out = Path(out)
@@ -56,7 +63,8 @@ def export_lora(checkpoint: str | Path, out: str | Path, *, format: str = "all",
     try:
         out.mkdir(parents=True, exist_ok=True)
         paths = write_lora_files(out, state, lora_config, family=family, base_model=model.get("path"),
-                                 config_text=config_text, format=format, force=force)
+                                 config_text=config_text, format=format, force=force,
+                                 preference=slider[1] if slider else None)
     except OSError as error:  # not writable, a file in the way, a full disk
         raise ValueError(f"cannot write the export to {out}: {error.strerror or error}"
                          f"{f' ({error.filename})' if error.filename else ''}; choose a writable directory") from None

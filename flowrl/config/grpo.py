@@ -137,6 +137,9 @@ class GRPOConfig(Config, recipe="grpo"):
     def validate(self):
         super().validate()
         t, tree, window = self.train, self.sampling.tree, self.sampling.window
+        check(t.credit != "dense_ode" or not self.model.preference.rewards, "train.credit",
+              "dense_ode scores its look-ahead states by the configured weights, not each group's w: not with "
+              "model.preference (use terminal or dense_cosine)")
         # TMPO's path loss (algorithms.tmpo.PATH_LOSSES) trains over whole paths: no KL, no per-step normalisation,
         # pruning or row weights.
         if t.loss == "tmpo":

@@ -22,6 +22,26 @@ from flowrl.config.sampling import (  # noqa: F401
 
 
 @dataclass
+class PreferenceConfig:
+    """ParetoSlider: one policy conditioned on reward weights w (flowrl/models/preference.py), trained with w drawn
+    per prompt group and the reward w . r (train.combine=preference)."""
+
+    rewards: list[str] = field(default_factory=list)
+    """The rewards the slider trades off, in the order of w's entries (their keys in `rewards:`); empty: off."""
+    hidden: int = 64
+    """Width of the embedding MLP's hidden layer (w [K] -> hidden -> the embedding's width)."""
+    where: Literal["timestep", "pooled"] = "timestep"
+    """Which embedding w's embedding is added to: timestep (every family) or pooled (the pooled text projection:
+    sd3, flux, flux_kontext)."""
+
+    def validate(self):
+        check(self.hidden >= 1, "hidden", "must be >= 1")
+        check(not self.rewards or len(self.rewards) >= 2, "rewards", "needs at least 2 rewards to trade off "
+              "(empty: off)")
+        check(len(set(self.rewards)) == len(self.rewards), "rewards", "names a reward twice")
+
+
+@dataclass
 class ModelConfig:
     family: Literal["sd3", "flux", "flux_kontext", "flux2_klein", "qwen_image", "z_image", "wan"] = "sd3"
     """Model family; picks the policy adapter (SD3/SD3.5, FLUX.1, FLUX.1 Kontext, FLUX.2 [klein], Qwen-Image,
@@ -57,6 +77,8 @@ class ModelConfig:
     (default RUN_DIR/text_cache)."""
     free_text_encoders: bool = False
     """After caching, delete the text encoders; an uncached prompt is then an error (needs text_cache=disk)."""
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    """ParetoSlider's preference conditioning (off unless preference.rewards is set)."""
 
     def validate(self):
         check(self.dtype in ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16"), "dtype",
@@ -308,6 +330,18 @@ class Config:
         if recipe is not None:
             Config.variants[recipe] = cls
 
+    def validate_preference(self):
+        """model.preference and train.combine=preference go together; the slider's rewards are trained rewards."""
+        names = self.model.preference.rewards
+        check(bool(names) == (self.train.combine == "preference"), "train.combine",
+              "preference (ParetoSlider's w . r) goes with model.preference.rewards: set both, or neither")
+        trained = {r.key or r.name for r in self.rewards if r.weight != 0}
+        missing = [n for n in names if n not in trained]
+        check(not missing, "model.preference.rewards", f"{missing[0] if missing else ''!r} is not a trained reward: "
+              "name rewards (their key) listed in `rewards:` with a non-zero weight, which w replaces")
+        check(not names or not self.sampling.pilot.candidates, "sampling.pilot.candidates",
+              "Pilot-Commit ranks candidates before a group has its w: not with model.preference")
+
     def trained_rewards(self) -> list[str]:
         """The names of the rewards with a nonzero weight, the ones the run trains on."""
         return [r.name for r in self.rewards if r.weight != 0]
@@ -342,6 +376,7 @@ class Config:
             check(held_out.policy != "rollback" or held_out.kl_factor == 1 or self.train.beta > 0,
                   "guard.held_out.kl_factor", "raises the KL beta, but train.beta is 0: set train.beta > 0, or "
                   "kl_factor=1 and lower lr_factor")
+        self.validate_preference()
         check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device",
               "use auto, cpu, cuda or cuda:N")
         check(bool(self.rewards), "rewards", "is empty, so nothing trains: list at least one reward, e.g. "

@@ -77,13 +77,31 @@ def unique_labels(checkpoints: list[EvalCheckpoint]) -> list[EvalCheckpoint]:
 
 
 def read_adapter(checkpoint: EvalCheckpoint) -> tuple[dict[str, torch.Tensor], dict]:
-    """The adapter's ``(state, peft config)`` with keys relative to the transformer."""
+    """The adapter's LoRA ``(state, peft config)`` with keys relative to the transformer (a preference embedding:
+    :func:`read_slider`)."""
     from flowrl.models.lora_io import read_lora
+    from flowrl.models.preference import split_preference
     from flowrl.training.checkpoint import is_checkpoint, read_checkpoint_lora
 
     if is_checkpoint(checkpoint.path):
-        return read_checkpoint_lora(checkpoint.path, ema=checkpoint.ema)
+        state, config = read_checkpoint_lora(checkpoint.path, ema=checkpoint.ema)
+        return split_preference(state)[0], config
     return read_lora(checkpoint.path)
+
+
+def read_slider(checkpoint: EvalCheckpoint) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
+    """The checkpoint's ParetoSlider preference embedding ``(tensors, header)``, or None where it has none: from a
+    checkpoint's adapter state (described by its run's ``model.preference``) or an export's own file."""
+    from flowrl.models.preference import checkpoint_preference, preference_file, read_preference
+    from flowrl.training.checkpoint import is_checkpoint, read_checkpoint_lora
+
+    if checkpoint.is_base:
+        return None
+    if is_checkpoint(checkpoint.path):
+        model = recorded_model(checkpoint) or {}
+        state, _ = read_checkpoint_lora(checkpoint.path, ema=checkpoint.ema)
+        return checkpoint_preference(state, model.get("family", "sd3"), model.get("preference") or {})
+    return read_preference(checkpoint.path) if preference_file(checkpoint.path) is not None else None
 
 
 def recorded_model(checkpoint: EvalCheckpoint) -> dict | None:
@@ -141,7 +159,9 @@ def load_adapter(policy, checkpoint: EvalCheckpoint) -> None:
                         target_modules=list(config["target_modules"]))
     from flowrl.models.lora_io import lora_state_dict
 
-    expected = lora_state_dict(policy.transformer)
+    from flowrl.models.preference import split_preference
+
+    expected = split_preference(lora_state_dict(policy.transformer))[0]
     unknown = [k for k in state if k not in expected]
     mismatched = [k for k in state if k in expected and expected[k].shape != state[k].shape]
     if unknown or mismatched:
@@ -150,3 +170,10 @@ def load_adapter(policy, checkpoint: EvalCheckpoint) -> None:
         raise ValueError(f"LoRA {checkpoint.path} does not fit this model: the model {what} {key!r} "
                          f"({len(unknown) + len(mismatched)} of {len(state)} tensors); was it trained on another model?")
     set_peft_model_state_dict(policy.transformer, state)
+    from flowrl.models.preference import install_preference, remove_preference
+
+    slider = read_slider(checkpoint)  # a slider model's embedding; none: an earlier checkpoint's comes off
+    if slider is not None:
+        install_preference(policy, *slider)
+    else:
+        remove_preference(policy)

@@ -34,8 +34,13 @@ from flowrl.eval.checkpoints import (EvalCheckpoint, check_fits, check_same_mode
 from flowrl.eval.suites import axis_scores, prompt_axes
 from flowrl.media import image_files, read_rgb
 
-def run_eval(config: str, overrides: list[str], checkpoints: list[str], out: str | None = None) -> Path:
-    """Evaluate ``checkpoints`` (specs, see :mod:`flowrl.eval.checkpoints`); returns the report path."""
+def run_eval(config: str, overrides: list[str], checkpoints: list[str], out: str | None = None,
+             preference: str | None = None) -> Path:
+    """Evaluate ``checkpoints`` (specs, see :mod:`flowrl.eval.checkpoints`); returns the report path.
+
+    ``preference`` (``--preference 0.3,0.7``): render every trained checkpoint at these ParetoSlider weights; each
+    must carry a preference embedding of as many rewards (checked before anything is written; the base model
+    renders as itself)."""
     from flowrl.config import Config, load_config
     from flowrl.devices import resolve_device
     from flowrl.eval.checkpoints import parse_checkpoint
@@ -52,12 +57,13 @@ def run_eval(config: str, overrides: list[str], checkpoints: list[str], out: str
     for checkpoint in specs:  # refuse another model's adapter before rendering anything
         if not checkpoint.is_base:
             check_same_model(checkpoint, cfg.model.family, cfg.model.path)
+    slider = check_slider(preference, specs)
     reference = load_reference(cfg.eval.reference, cfg) if cfg.eval.reference else None
     out_dir = Path(out or Path(cfg.run_dir) / "eval")
     out_dir.mkdir(parents=True, exist_ok=True)
 
     device = resolve_device(cfg.device)
-    images = generate_all(cfg, suite, specs, out_dir, device)
+    images = generate_all(cfg, suite, specs, out_dir, device, preference=slider)
     results = score_all(cfg, suite, specs, images, reference, device)
     (out_dir / "results.json").write_text(json.dumps(results, indent=2, allow_nan=True) + "\n")
     from flowrl.eval.report import write_eval_report
@@ -66,23 +72,46 @@ def run_eval(config: str, overrides: list[str], checkpoints: list[str], out: str
                              cfg.eval.images_per_prompt, grid_prompts=cfg.eval.grid_prompts)
 
 
+def check_slider(text: str | None, specs: list[EvalCheckpoint]) -> list[float] | None:
+    """``--preference`` as weights, or None; a one-line ValueError for a bad vector or a checkpoint without a
+    preference embedding of that many rewards."""
+    from flowrl.eval.checkpoints import read_slider
+    from flowrl.models.preference import check_preference, parse_preference
+
+    if text is None:
+        return None
+    values = parse_preference(text)
+    check_preference(values)
+    trained = [c for c in specs if not c.is_base]
+    if not trained:
+        raise ValueError("--preference needs a checkpoint trained with model.preference: pass --checkpoint RUN_DIR")
+    for checkpoint in trained:
+        slider = read_slider(checkpoint)
+        if slider is None:
+            raise ValueError(f"--preference: checkpoint {checkpoint.path} carries no preference embedding: it was not "
+                             "trained with model.preference")
+        check_preference(values, json.loads(slider[1]["flowrl.preference.rewards"]))
+    return values
+
+
 def _has_adapter(run_dir: Path) -> bool:
     return (run_dir / "lora").is_dir() or (run_dir / "checkpoints").is_dir()
 
 
 # --- 1. generation ---------------------------------------------------------------------------------
-def generate_all(cfg, suite, specs: list[EvalCheckpoint], out_dir: Path, device) -> dict[str, tuple]:
+def generate_all(cfg, suite, specs: list[EvalCheckpoint], out_dir: Path, device,
+                 preference: list[float] | None = None) -> dict[str, tuple]:
     """``{label: (images [P*n, 3, H, W] read back from PNG, latents [P*n, C, h, w])}`` for every checkpoint.
 
     A label's folder keeps ``manifest.json`` (the render settings, a digest of the checkpoint's files and
     the prompt of each index): files rendered under other settings, another prompt or another version of
     the checkpoint (a run trained further) are rendered again instead of being reused."""
 
-    m, e = cfg.model, cfg.eval
+    e = cfg.eval
     plans = []
     for checkpoint in specs:
         folder = out_dir / "images" / checkpoint.label
-        settings = render_settings(cfg, checkpoint)
+        settings = render_settings(cfg, checkpoint, preference)
         done = _manifest_prompts(folder, settings)
         missing = [i for i in range(len(suite))
                    if done.get(str(i)) != suite.prompts[i] or not _prompt_done(folder, i, e.images_per_prompt)]
@@ -109,14 +138,19 @@ def generate_all(cfg, suite, specs: list[EvalCheckpoint], out_dir: Path, device)
             if not checkpoint.is_base:
                 load_adapter(policy, checkpoint)
                 attached = shape
+                if preference is not None:  # ParetoSlider: the slider's position
+                    from flowrl.models.preference import set_preference
+
+                    set_preference(policy, preference)
             _render_missing(policy, suite, todo, folder, cfg, base=checkpoint.is_base, label=checkpoint.label,
                             settings=settings)
         results[checkpoint.label] = read_images(folder, len(suite), e.images_per_prompt)
     return results
 
 
-def render_settings(cfg, checkpoint: EvalCheckpoint) -> dict:
-    """What a label's images depend on besides the prompt: model, seeds, sampler and the checkpoint's bytes."""
+def render_settings(cfg, checkpoint: EvalCheckpoint, preference: list[float] | None = None) -> dict:
+    """What a label's images depend on besides the prompt: model, seeds, sampler, the checkpoint's bytes and a
+    ParetoSlider preference."""
     import hashlib
 
     m, e = cfg.model, cfg.eval
@@ -139,9 +173,10 @@ def render_settings(cfg, checkpoint: EvalCheckpoint) -> dict:
             "seed": e.seed, "images_per_prompt": e.images_per_prompt, "num_steps": e.num_steps or cfg.sampling.num_steps,
             "guidance_scale": cfg.sampling.guidance_scale if e.guidance_scale is None else e.guidance_scale,
             "checkpoint": None if checkpoint.is_base else [str(checkpoint.path), checkpoint.ema, digest],
-            # only when on / set: renders cached before self-guidance and eval sizes existed stay valid
+            # only when on / set: renders cached before self-guidance, eval sizes and preferences existed stay valid
             **({"self_guidance": cfg.sampling.self_guidance.settings()} if cfg.sampling.self_guidance.scale else {}),
-            **({"size": size} if size != [None, None, None] else {})}
+            **({"size": size} if size != [None, None, None] else {}),
+            **({"preference": preference} if preference is not None and not checkpoint.is_base else {})}
 
 
 def _manifest_prompts(folder: Path, settings: dict) -> dict[str, str]:

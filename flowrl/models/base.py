@@ -54,6 +54,7 @@ class TextCond:
     prompt_mask: torch.Tensor | None = None  # [B, L] bool, True on real tokens (families whose transformer masks)
     negative_prompt_mask: torch.Tensor | None = None  # [B, L] bool
     image_latents: torch.Tensor | None = None  # [B, ...] latents of a conditioning image (editing: Kontext)
+    preference: torch.Tensor | None = None  # [B, K] ParetoSlider's reward weights per row (flowrl.models.preference)
 
     SHARED = ("text_ids",)  # one value for the whole batch: neither indexed nor concatenated
 
@@ -122,6 +123,7 @@ class PolicyBase:
     video = False  # True: latents [N, C, F, h, w], decode gives frames [N, T, 3, H, W], takes num_frames
     tiny_size = (64, 64)
     tiny_max_sequence_length = 32
+    preference_sites: dict[str, str] = {}  # where -> the transformer submodule a preference embedding is added to
 
     def __init__(self, pipeline, *, height: int, width: int):
         self.pipeline = pipeline
@@ -133,6 +135,7 @@ class PolicyBase:
         self.text_cache = None  # a flowrl.models.text_cache.TextCache: prompts looked up before encoding
         self.text_encoders_on_cpu = False  # model.text_encoder_device=cpu: encode there, move the rows over
         self.negative_prompt = ""  # model.negative_prompt: the CFG negative of every prompt (families with CFG)
+        self.preference = None  # ParetoSlider's PreferenceEmbedding (flowrl.models.preference), when attached
 
     def run_transformer(self, **kwargs):
         """One transformer forward through the (possibly distributed) wrapper; returns the sample."""
@@ -317,16 +320,29 @@ class PolicyBase:
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
-        """The frozen base model: the LoRA adapter switched off for the duration of the block."""
-        if not self.has_lora:
+        """The frozen base model: the LoRA adapter (and a preference embedding) switched off for the block."""
+        with self.preference_off():
+            if not self.has_lora:
+                yield
+                return
+            with self.local_forward():
+                self.transformer.disable_adapters()
+                try:
+                    yield
+                finally:
+                    self.transformer.enable_adapters()
+
+    @contextlib.contextmanager
+    def preference_off(self) -> Iterator[None]:
+        """The preference embedding adds nothing for the duration of the block (none attached: nothing to do)."""
+        if self.preference is None:
             yield
             return
-        with self.local_forward():
-            self.transformer.disable_adapters()
-            try:
-                yield
-            finally:
-                self.transformer.enable_adapters()
+        enabled, self.preference.enabled = self.preference.enabled, False
+        try:
+            yield
+        finally:
+            self.preference.enabled = enabled
 
     @contextlib.contextmanager
     def local_forward(self) -> Iterator[None]:

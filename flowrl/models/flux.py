@@ -44,6 +44,7 @@ class FluxPolicy(PolicyBase):
     pipeline_class_name = "FluxPipeline"
     default_guidance = 3.5  # FLUX.1-dev's model card
     guidance_in_model = True  # the distilled-guidance embedding: one pass, no CFG batch
+    preference_sites = {"timestep": "time_text_embed", "pooled": "time_text_embed.text_embedder"}  # timestep + pooled text sum into one vector
 
     @classmethod
     def tiny_pipeline(cls, seed: int = 0):

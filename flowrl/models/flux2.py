@@ -36,6 +36,7 @@ class Flux2KleinPolicy(PolicyBase):
     family = "flux2_klein"
     pipeline_class_name = "Flux2KleinPipeline"
     default_guidance = 4.0  # Flux2KleinPipeline.__call__'s default (the base models' CFG; distilled ignore it)
+    preference_sites = {"timestep": "time_guidance_embed"}  # the timestep + guidance embedding
     tiny_size = (64, 64)
     tiny_max_sequence_length = 32
 

@@ -36,7 +36,9 @@ KOHYA_WEIGHT_NAME = "pytorch_lora_weights_kohya.safetensors"
 
 
 def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
-    """A copy of the adapter's tensors, keys relative to the transformer (``blocks.0.attn.to_q.lora_A.weight``).
+    """A copy of the adapter's tensors, keys relative to the transformer (``blocks.0.attn.to_q.lora_A.weight``),
+    and of a ParetoSlider preference embedding where one is attached (``flowrl_preference.*``, trained with it;
+    :func:`load_adapter_state` puts both back, :func:`write_lora_files` writes it to its own file).
 
     Always a copy: float32 CPU parameters would otherwise be returned as themselves, and a caller that
     reads the state inside ``ema_weights(...)`` would see it revert to the raw weights on leaving.
@@ -45,7 +47,21 @@ def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
 
     from flowrl.sharded import full_state
 
-    return full_state(get_peft_model_state_dict(transformer))
+    from flowrl.models.preference import preference_state
+
+    return full_state({**get_peft_model_state_dict(transformer), **preference_state(transformer)})
+
+
+def load_adapter_state(transformer, state: dict[str, torch.Tensor]) -> None:
+    """Put a :func:`lora_state_dict` back: the LoRA tensors through peft, the preference embedding's into it."""
+    from peft.utils import set_peft_model_state_dict
+
+    from flowrl.models.preference import load_preference_state, split_preference
+
+    lora, preference = split_preference(state)
+    set_peft_model_state_dict(transformer, lora)
+    if preference:
+        load_preference_state(transformer, preference)
 
 
 def lora_config_dict(transformer) -> dict:
@@ -322,6 +338,9 @@ ROWS = {
     DIFFUSERS_WEIGHT_NAME: "diffusers `pipe.load_lora_weights(DIR)`; ComfyUI (LoraLoader, `transformer.` keys); "
                            "flowrl `lora.init_from` / `sample --lora` / eval",
     COMFYUI_WEIGHT_NAME: f"the same tensors as {DIFFUSERS_WEIGHT_NAME} (ComfyUI, diffusers with weight_name=...)",
+    "preference_embedding.safetensors": "ParetoSlider's preference embedding (keys `preference.*`, its rewards in "
+                                        "the metadata): `flowrl.models.preference.load_preference(pipe, DIR)`, then "
+                                        "`set_preference(pipe, w)`",
     KOHYA_WEIGHT_NAME: "kohya sd-scripts-style loaders (Forge, A1111-style UIs) and ComfyUI (native `lora_unet_` "
                        f"names, q/k/v fused); not for diffusers: use {DIFFUSERS_WEIGHT_NAME} there",
 }
@@ -329,16 +348,26 @@ ROWS = {
 
 def write_lora_files(out_dir: str | Path, state: dict[str, torch.Tensor], config: dict, *, family: str,
                      base_model: str | None, config_text: str | None, format: str = "all",
-                     force: bool = False) -> list[Path]:
+                     force: bool = False, preference: dict[str, str] | None = None) -> list[Path]:
     """Write the ``format`` files of one adapter to ``out_dir`` (``all``: diffusers + kohya + README.md).
 
     Refuses (ValueError) to overwrite an existing file unless ``force``. Under ``all`` a target list with no
-    native names (custom modules) skips the kohya file and says so in the README."""
+    native names (custom modules) skips the kohya file and says so in the README. A preference embedding in
+    ``state`` (``flowrl_preference.*``) goes to ``preference_embedding.safetensors`` beside them, with
+    ``preference`` (its ``describe()``: rewards, hooked submodule, sizes) as metadata; the LoRA files stay plain."""
+    from flowrl.models.preference import PREFERENCE_WEIGHT_NAME, save_preference, split_preference
+
     if format not in FORMATS:
         raise ValueError(f"unknown export format {format!r}; use one of {', '.join(FORMATS)}")
     out_dir = Path(out_dir)
+    state, embedding = split_preference(state)
+    if embedding and preference is None:
+        raise ValueError("the adapter carries a preference embedding but no description of it (its rewards): pass "
+                         "preference=embedding.describe()")
     names = {"all": [DIFFUSERS_WEIGHT_NAME, KOHYA_WEIGHT_NAME, "README.md"], "diffusers": [DIFFUSERS_WEIGHT_NAME],
              "comfyui": [COMFYUI_WEIGHT_NAME], "kohya": [KOHYA_WEIGHT_NAME]}[format]
+    names = [*names[:-1], PREFERENCE_WEIGHT_NAME, names[-1]] if embedding and format == "all" else \
+        [*names, PREFERENCE_WEIGHT_NAME] if embedding else names
     existing = [n for n in names if (out_dir / n).exists()]
     if existing and not force:
         raise ValueError(f"{out_dir / existing[0]} already exists; pass --force to overwrite")
@@ -360,6 +389,8 @@ def write_lora_files(out_dir: str | Path, state: dict[str, torch.Tensor], config
                                  rows=rows)
             (out_dir / name).write_text(text + "".join(f"\n{note}\n" for note in notes))
             written.append(out_dir / name)
+        elif name == PREFERENCE_WEIGHT_NAME:
+            written.append(save_preference(out_dir, embedding, preference))
         else:
             written.append(save_diffusers_lora(None, out_dir, state, config, metadata=metadata, weight_name=name))
     return written

@@ -36,6 +36,7 @@ class QwenImagePolicy(PolicyBase):
     family = "qwen_image"
     pipeline_class_name = "QwenImagePipeline"
     default_guidance = 4.0  # QwenImagePipeline's true_cfg_scale default (the model card samples with 4.0)
+    preference_sites = {"timestep": "time_text_embed"}  # the timestep projection (no pooled text)
     tiny_size = (64, 64)
     tiny_max_sequence_length = 32
 

@@ -21,6 +21,7 @@ class SD3Policy(PolicyBase):
     family = "sd3"
     pipeline_class_name = "StableDiffusion3Pipeline"
     default_guidance = 4.5  # SD3.5-medium's model card
+    preference_sites = {"timestep": "time_text_embed", "pooled": "time_text_embed.text_embedder"}  # timestep + pooled text sum into one vector
 
     @classmethod
     def tiny_pipeline(cls, seed: int = 0):

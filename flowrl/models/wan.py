@@ -48,6 +48,7 @@ class WanPolicy(PolicyBase):
     family = "wan"
     pipeline_class_name = "WanPipeline"
     default_guidance = 5.0  # WanPipeline's default and the Wan2.1 model card's
+    preference_sites = {"timestep": "condition_embedder.time_embedder"}  # temb, before time_proj
     video = True
     tiny_size = (32, 32)
     tiny_max_sequence_length = 16

@@ -35,6 +35,7 @@ class ZImagePolicy(PolicyBase):
     family = "z_image"
     pipeline_class_name = "ZImagePipeline"
     default_guidance = 1.0  # Z-Image-Turbo's model card samples with the pipeline's guidance_scale=0 (no CFG)
+    preference_sites = {"timestep": "t_embedder"}  # the adaLN input
     tiny_size = (64, 64)
     tiny_max_sequence_length = 32
 

@@ -18,10 +18,12 @@ from flowrl.config import Config, ConfigError, to_dict
 from flowrl.data import PromptSet, load_prompts, train_test_split
 from flowrl.models import policy_from_config
 from flowrl.models.lora_io import load_lora_into
+from flowrl.models.preference import attach_preference
 
 
 def build_training_policy(cfg: Config, device):
-    """The configured model with a fresh (seeded) or loaded LoRA; base weights frozen."""
+    """The configured model with a fresh (seeded) or loaded LoRA, and ParetoSlider's preference embedding where
+    ``model.preference`` asks for it (zero output, seeded); base weights frozen."""
     m = cfg.model
     policy = policy_from_config(m, device=device, seed=cfg.seed)
     if cfg.lora.init_from:
@@ -29,6 +31,9 @@ def build_training_policy(cfg: Config, device):
     else:
         policy.add_lora(rank=cfg.lora.rank, alpha=cfg.lora.alpha, target_modules=cfg.lora.target_modules,
                         dropout=cfg.lora.dropout, init_seed=cfg.seed)
+    if m.preference.rewards:
+        attach_preference(policy, m.preference.rewards, hidden=m.preference.hidden, where=m.preference.where,
+                          seed=cfg.seed)
     if m.gradient_checkpointing:
         policy.transformer.enable_gradient_checkpointing()
     return policy

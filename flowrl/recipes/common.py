@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from flowrl.algorithms.advantages import group_variances, zero_std_fraction
 from flowrl.algorithms.combine import COMBINERS
+from flowrl.algorithms.preference import draw_preferences, row_weights
 from flowrl.recipes.build import (  # noqa: F401  (flat_config: re-exported for callers)
     build_training_policy, eval_prompt_set, flat_config, load_prompt_splits, make_accelerator)
 from flowrl.recipes.extras import COMMON_EXTRAS, LAST_EXTRAS, ExtraBuilder
@@ -56,8 +57,7 @@ def check_resumable(cfg: Config, policy) -> None:
 
 def restore_checkpoint(cfg: Config, policy, optimizer, ema, *, rank: int, snapshots: dict | None = None) -> dict:
     """Load the checkpoint named by ``train.resume`` into the live objects; returns its trainer state."""
-    from peft.utils import set_peft_model_state_dict
-
+    from flowrl.models.lora_io import load_adapter_state
     from flowrl.training.checkpoint import load_checkpoint
 
     from flowrl.training.ema import peft_key
@@ -67,7 +67,7 @@ def restore_checkpoint(cfg: Config, policy, optimizer, ema, *, rank: int, snapsh
                                                 rank=rank, snapshots=snapshots)
     live = {peft_key(name): param for name, param in policy.named_trainable_parameters()}
     lora_state = {k: like(v, live[k]) if k in live else v for k, v in lora_state.items()}  # FSDP2: this rank's slice
-    set_peft_model_state_dict(policy.transformer, lora_state)
+    load_adapter_state(policy.transformer, lora_state)  # the LoRA, and a preference embedding
     return trainer_state
 
 
@@ -141,8 +141,9 @@ def export_final_lora(policy, ema, out_dir: Path, config_file: Path | None = Non
     model = (yaml.safe_load(config_text) or {}).get("model", {}) if config_text else {}
     family = model.get("family") or policy.family
     base_model = model.get("path") or getattr(policy.pipeline, "name_or_path", None)
+    preference = policy.preference.describe() if getattr(policy, "preference", None) is not None else None
     return write_lora_files(out_dir, state, lora_config_dict(policy.transformer), family=family, base_model=base_model,
-                            config_text=config_text, force=True)[0]
+                            config_text=config_text, force=True, preference=preference)[0]
 
 
 def start_run(cfg: Config, accelerator: Accelerator | None = None, *, extras: dict[str, ExtraBuilder] | None = None,
@@ -270,8 +271,10 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
                                      rank=rank, world_size=world, strata=strata)
         batch = run.train_prompts.subset(index)
         first_root = (batch_index * world + rank) * s.prompts_per_batch * roots_per_group
+        first_group = (batch_index * world + rank) * s.prompts_per_batch  # this batch's groups' run-wide ids
+        cond = preference_cond(run, batch, torch.arange(first_group, first_group + len(batch)))
         with policy.local_forward():
-            part = chunked_rollout(policy, batch.prompts, group_size=s.group_size, chunk=s.rollout_chunk,
+            part = chunked_rollout(policy, batch.prompts, group_size=s.group_size, chunk=s.rollout_chunk, cond=cond,
                                    num_steps=s.num_steps, guidance_scale=run.guidance, noise_level=noise_level,
                                    kind=kind, plan=batch_plan(plan, s, batch_windows, seed=cfg.seed, epoch=epoch,
                                                               batch=b, rank=rank),
@@ -280,7 +283,7 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
                                    store_means=store_means,
                                    seeds=root_seeds(cfg.seed, first_root, len(batch) * roots_per_group),
                                    rollout_fn=rollout_fn, **({"self_guidance": guide} if guide else {}))
-        part.group_ids = part.group_ids + (batch_index * world + rank) * s.prompts_per_batch
+        part.group_ids = part.group_ids + first_group
         futures.append(scorer.submit(part.images, part.row_prompts, part.row_metadata))
         parts.append(part)
     sample_done = time.perf_counter()
@@ -289,6 +292,27 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
     traj = concat_trajectories(parts)
     traj.rollouts_sampled, traj.sampling_metrics = traj.num_rows * world, {}
     return traj, sample_done, time.perf_counter()
+
+
+def preference_cond(run: Run, batch: PromptSet, group_ids: torch.Tensor):
+    """ParetoSlider: the batch's conditioning with each prompt group's w (``TextCond.preference`` ``[P, K]``, drawn
+    from the run seed and the group's run-wide id); None without ``model.preference`` (the rollout encodes)."""
+    names = run.cfg.model.preference.rewards
+    if not names:
+        return None
+    cond = run.policy.encode(list(batch.prompts), metadata=batch.metadata)
+    cond.preference = draw_preferences(run.cfg.seed, group_ids, len(names)).to(cond.prompt_embeds.device)
+    return cond
+
+
+def run_weights(run: Run, group_ids: torch.Tensor) -> dict:
+    """The reward weights of rows in groups ``group_ids`` ``[N]``: the configured ones, or with ``model.preference``
+    each group's w in place of the slider's rewards' weights (per row, for train.combine=preference)."""
+    names = run.cfg.model.preference.rewards
+    if not names:
+        return run.weights
+    unique, inverse = torch.unique(group_ids, return_inverse=True)
+    return row_weights(draw_preferences(run.cfg.seed, unique, len(names))[inverse], names, run.weights)
 
 
 def pilot_sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_level: float, kind: str,
@@ -379,8 +403,8 @@ def group_advantages(run: Run, traj, estimator):
     accelerator, t = run.accelerator, run.cfg.train
     gathered = {k: accelerator.gather(v.to(accelerator.device)).cpu() for k, v in traj.rewards.items()}
     all_groups = accelerator.gather(traj.group_ids.to(accelerator.device)).cpu()
-    advantages, combined = COMBINERS[t.combine]({key: gathered[key] for key in run.weights}, run.weights, all_groups,
-                                                lambda r, g: estimator(r, g, std_scope=t.std_scope))
+    advantages, combined = COMBINERS[t.combine]({key: gathered[key] for key in run.weights}, run_weights(run, all_groups),
+                                                all_groups, lambda r, g: estimator(r, g, std_scope=t.std_scope))
     rank = accelerator.process_index
     return gathered, advantages, combined, slice(rank * traj.num_rows, (rank + 1) * traj.num_rows), all_groups
 

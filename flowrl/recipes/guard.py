@@ -77,9 +77,9 @@ def exported_weights(policy, ema) -> dict[str, torch.Tensor]:
 
 def restore_weights(policy, ema, tensors: dict[str, torch.Tensor]) -> None:
     """Put ``tensors`` (``lora_state_dict`` keys) into the live LoRA and the EMA, so export and report use them."""
-    from peft.utils import set_peft_model_state_dict
+    from flowrl.models.lora_io import load_adapter_state
 
-    set_peft_model_state_dict(policy.transformer, tensors)
+    load_adapter_state(policy.transformer, tensors)
     if ema is not None:
         ema.load_state_tensors(tensors)
 

@@ -183,3 +183,35 @@ def test_tiny_experiment_runs_resumes_and_writes_its_table(tmp_path, monkeypatch
     capsys.readouterr()
     assert main([str(experiment), "--dry-run"]) == 0
     assert f"{run_dir}: interrupted, starting again" in capsys.readouterr().out
+
+
+def test_the_front_table_reads_fixed_weights_from_configs_and_puts_both_fronts_side_by_side(tmp_path):
+    import yaml
+
+    from flowrl.experiments.tables import front
+
+    run = tmp_path / "fixed_025_s0"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump({"rewards": [{"name": "toyeval", "weight": 0.25},
+                                                                 {"name": "toy_proxy", "weight": 0.75}]}))
+    assert front.trained_w1(run, ["toyeval", "toy_proxy"]) == 0.25
+    p = {"slider": "slider", "rewards": ["toyeval", "toy_proxy"], "eval_suite": "held.jsonl", "eval_images": 8,
+         "compute": "each fixed 28 epochs, the slider 140", "section": None}
+    results = {"slider": {0: {0.25: {"toyeval": 0.5, "toy_proxy": 0.25}}, 1: {0.25: {"toyeval": 0.7, "toy_proxy": 0.35}}},
+               "fixed_025": {0: {0.25: {"toyeval": 0.4, "toy_proxy": 0.2}}}}
+    found = front.fronts(results, p)
+    text = front.table(found, p, "python -m flowrl.experiments experiments/pareto_front.yaml")
+    assert "| 0.25 | 0.600 ± 0.100 (2) | 0.400 (1) | 0.300 ± 0.050 (2) | 0.200 (1) |" in text
+    front.plot(found, p, tmp_path / "front.png")
+    assert (tmp_path / "front.png").stat().st_size > 0
+
+
+def test_the_pareto_front_experiment_dry_runs(capsys):
+    from flowrl.experiments.spec import load_experiment
+    from flowrl.experiments.tables import TABLES
+
+    exp = load_experiment("experiments/pareto_front.yaml")
+    exp.dry_run = True
+    assert TABLES[exp.table](exp) is None
+    out = capsys.readouterr().out
+    assert out.count("python -m flowrl train") == 18 and "--preference w1,1-w1" in out
