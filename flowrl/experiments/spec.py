@@ -140,6 +140,7 @@ class Experiment:
                 print(f"{creates}: to make\n    {shlex.join(command)}", flush=True)
                 continue
             command = [sys.executable if part == "python" else part for part in command]
+            creates.parent.mkdir(parents=True, exist_ok=True)  # the experiment's own folder may not exist yet
             if subprocess.run(command).returncode != 0:
                 raise ExperimentError(f"preparing {creates} failed: {shlex.join(command)}")
 
