@@ -92,12 +92,18 @@ def check_checkpoint_matches(path: str | Path, config: dict) -> None:
                          "was trained with, or start a fresh run in another run_dir")
 
 
-def check_checkpoint_shapes(path: str | Path, shapes: dict[str, tuple[int, ...]]) -> None:
+def check_checkpoint_shapes(path: str | Path, shapes: dict[str, tuple[int, ...]], trained: str = "lora") -> None:
     """The checkpoint's adapter tensors are exactly the run's trainable ones, ``shapes`` {peft key: full shape};
-    read from the safetensors header only. A one-line ValueError naming the first difference otherwise."""
+    read from the safetensors header only. A one-line ValueError naming the first difference otherwise. ``trained``:
+    the run's ``model.trainable`` (lora: ``lora.safetensors``; full: ``weights.safetensors``)."""
     from safetensors import safe_open
 
-    file = Path(path) / "lora.safetensors"
+    names = ("lora.safetensors", "weights.safetensors")  # a LoRA run's, a full fine-tuning run's (model.trainable)
+    file = next((Path(path) / n for n in names if (Path(path) / n).is_file()), Path(path) / names[0])
+    if file.name != ("weights.safetensors" if trained == "full" else "lora.safetensors"):
+        raise ValueError(f"checkpoint {path} holds {'a LoRA' if file.name == names[0] else 'full weights'}, and this "
+                         f"run trains {'full weights' if trained == 'full' else 'a LoRA'}: set model.trainable as in "
+                         "that run, or start a fresh run (lora.init_from fuses a LoRA into full training)")
     with safe_open(str(file), framework="pt") as handle:
         saved = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
     missing, extra = sorted(set(shapes) - set(saved)), sorted(set(saved) - set(shapes))

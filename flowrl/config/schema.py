@@ -11,6 +11,7 @@ The sampling sections live in :mod:`flowrl.config.sampling` and the logging, eva
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -79,6 +80,12 @@ class ModelConfig:
     """After caching, delete the text encoders; an uncached prompt is then an error (needs text_cache=disk)."""
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     """ParetoSlider's preference conditioning (off unless preference.rewards is set)."""
+    trainable: Literal["lora", "full"] = "lora"
+    """What is trained: lora, an adapter on the frozen base (the lora section); full, the transformer's own weights
+    (float32 master weights; the reference is a frozen copy of the base, sharded as they are)."""
+    trainable_modules: list[str] = field(default_factory=list)
+    """With trainable=full, regexes on module names (re.search) that pick the trained modules, e.g. [attn]; empty:
+    every transformer weight."""
 
     def validate(self):
         check(self.dtype in ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16"), "dtype",
@@ -90,6 +97,13 @@ class ModelConfig:
               "frees the encoders after caching every prompt: set model.text_cache=disk, or remove it")
         check(self.text_cache_path is None or self.text_cache == "disk", "text_cache_path",
               "names the cache of model.text_cache=disk: set that, or remove it")
+        check(not self.trainable_modules or self.trainable == "full", "trainable_modules",
+              "picks the modules of full training (model.trainable=full); a LoRA's modules are lora.target_modules")
+        for pattern in self.trainable_modules:
+            try:
+                re.compile(pattern)
+            except re.error as error:
+                check(False, "trainable_modules", f"{pattern!r} is not a regular expression: {error}")
 
 
 @dataclass
@@ -377,6 +391,11 @@ class Config:
                   "guard.held_out.kl_factor", "raises the KL beta, but train.beta is 0: set train.beta > 0, or "
                   "kl_factor=1 and lower lr_factor")
         self.validate_preference()
+        check(self.model.trainable == "lora" or self.lora.target_modules is None, "lora.target_modules",
+              "picks LoRA targets, and model.trainable=full trains no LoRA: pick the trained modules with "
+              "model.trainable_modules (regexes), or remove it (lora.rank/alpha/dropout are simply unused)")
+        check(self.model.trainable == "lora" or not self.model.preference.rewards, "model.preference",
+              "ParetoSlider's embedding is trained beside a LoRA; with model.trainable=full use model.trainable=lora")
         check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device",
               "use auto, cpu, cuda or cuda:N")
         check(bool(self.rewards), "rewards", "is empty, so nothing trains: list at least one reward, e.g. "

@@ -131,6 +131,7 @@ class PolicyBase:
         self.vae = pipeline.vae
         self.height, self.width = height, width
         self.has_lora = False
+        self.full_weights = None  # model.trainable=full: a flowrl.models.full_weights.FullWeights (trained + base)
         self.forward_module = None  # e.g. the DDP-wrapped transformer; None calls the transformer itself
         self.text_cache = None  # a flowrl.models.text_cache.TextCache: prompts looked up before encoding
         self.text_encoders_on_cpu = False  # model.text_encoder_device=cpu: encode there, move the rows over
@@ -318,10 +319,53 @@ class PolicyBase:
     def named_trainable_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(n, p) for n, p in self.transformer.named_parameters() if p.requires_grad]
 
+    # --- what is trained: a LoRA or the transformer's own weights ------------------------------------
+    def train_full(self, patterns: Sequence[str] = ()) -> None:
+        """Full fine-tuning: the transformer's weights (those of the modules ``patterns`` match, all without) become
+        trainable float32 master weights, the rest frozen (:mod:`flowrl.models.full_weights`)."""
+        from flowrl.models.full_weights import make_full_trainable
+
+        make_full_trainable(self, patterns)
+
+    def trained_state(self) -> dict[str, torch.Tensor]:
+        """Whole CPU float32 copies of what is trained: the LoRA (``lora_state_dict`` keys, a preference embedding
+        included) or the full weights (parameter names). Collective under FSDP2: every process calls it."""
+        if self.full_weights is not None:
+            from flowrl.models.full_weights import trained_state
+
+            return trained_state(self)
+        from flowrl.models.lora_io import lora_state_dict
+
+        return lora_state_dict(self.transformer)
+
+    def load_trained_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Put a :meth:`trained_state` back into the live weights."""
+        if self.full_weights is not None:
+            from flowrl.models.full_weights import load_trained_state
+
+            load_trained_state(self, state)
+            return
+        from flowrl.models.lora_io import load_adapter_state
+
+        load_adapter_state(self.transformer, state)
+
+    def trained_config(self) -> dict:
+        """JSON-safe description of what is trained: the peft LoRA config, or the full-training one."""
+        if self.full_weights is not None:
+            return self.full_weights.config()
+        from flowrl.models.lora_io import lora_config_dict
+
+        return lora_config_dict(self.transformer)
+
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
-        """The frozen base model: the LoRA adapter (and a preference embedding) switched off for the block."""
+        """The frozen base model: the LoRA adapter (and a preference embedding) switched off for the block; with
+        full training, the base weights swapped in (:meth:`FullWeights.base_swapped`)."""
         with self.preference_off():
+            if self.full_weights is not None:
+                with self.local_forward(), self.full_weights.base_swapped():
+                    yield
+                return
             if not self.has_lora:
                 yield
                 return

@@ -23,10 +23,23 @@ from flowrl.models.preference import attach_preference
 
 def build_training_policy(cfg: Config, device):
     """The configured model with a fresh (seeded) or loaded LoRA, and ParetoSlider's preference embedding where
-    ``model.preference`` asks for it (zero output, seeded); base weights frozen."""
+    ``model.preference`` asks for it (zero output, seeded); base weights frozen. With ``model.trainable=full`` the
+    transformer's weights (those ``model.trainable_modules`` match) train instead, from the base with
+    ``lora.init_from`` fused into it where one is given."""
     m = cfg.model
     policy = policy_from_config(m, device=device, seed=cfg.seed)
-    if cfg.lora.init_from:
+    if m.trainable == "full":
+        if cfg.lora.init_from:  # continue from the adapter's model: its update fused into the base weights
+            from flowrl.models.full_weights import merge_lora
+
+            load_lora_into(policy, cfg.lora.init_from)
+            merge_lora(policy)
+        try:
+            policy.train_full(m.trainable_modules)
+        except ValueError as error:  # a pattern that matches no module
+            raise ConfigError(f"config key 'model.trainable_modules': {str(error).partition(': ')[2]}",
+                              key="model.trainable_modules") from None
+    elif cfg.lora.init_from:
         load_lora_into(policy, cfg.lora.init_from)
     else:
         policy.add_lora(rank=cfg.lora.rank, alpha=cfg.lora.alpha, target_modules=cfg.lora.target_modules,

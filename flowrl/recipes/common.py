@@ -29,6 +29,7 @@ from flowrl.recipes.run import Run
 from flowrl.config import Config, ConfigError, check, save_config, to_dict
 from flowrl.data import PromptSet, epoch_prompt_indices, prompts_per_batch
 from flowrl.eval_tasks import stratified_prefix
+from flowrl.models.full_weights import FULL_WEIGHT_NAME
 from flowrl.models.lora_io import lora_config_dict, lora_state_dict
 from flowrl.models.text_cache import attach_configured_cache
 from flowrl.eval.held_out import evaluate_rows, render
@@ -52,7 +53,8 @@ def check_resumable(cfg: Config, policy) -> None:
     from flowrl.training.ema import peft_key
 
     check_checkpoint_shapes(resolve_checkpoint(cfg.run_dir, cfg.train.resume),
-                            {peft_key(name): tuple(p.shape) for name, p in policy.named_trainable_parameters()})
+                            {peft_key(name): tuple(p.shape) for name, p in policy.named_trainable_parameters()},
+                            trained=cfg.model.trainable)
 
 
 def restore_checkpoint(cfg: Config, policy, optimizer, ema, *, rank: int, snapshots: dict | None = None) -> dict:
@@ -65,6 +67,9 @@ def restore_checkpoint(cfg: Config, policy, optimizer, ema, *, rank: int, snapsh
 
     lora_state, trainer_state = load_checkpoint(cfg.run_dir, resume=cfg.train.resume, optimizer=optimizer, ema=ema,
                                                 rank=rank, snapshots=snapshots)
+    if policy.full_weights is not None:  # the trained transformer tensors, sliced per process in there
+        policy.load_trained_state(lora_state)
+        return trainer_state
     live = {peft_key(name): param for name, param in policy.named_trainable_parameters()}
     lora_state = {k: like(v, live[k]) if k in live else v for k, v in lora_state.items()}  # FSDP2: this rank's slice
     load_adapter_state(policy.transformer, lora_state)  # the LoRA, and a preference embedding
@@ -79,7 +84,8 @@ def save_run_checkpoint(run: Run, *, epoch: int) -> Path:
 
     cfg, policy, accelerator = run.cfg, run.policy, run.accelerator
     return save_checkpoint(
-        cfg.run_dir, epoch, lora_state=lora_state_dict(policy.transformer), lora_config=lora_config_dict(policy.transformer),
+        cfg.run_dir, epoch, lora_state=policy.trained_state(), lora_config=policy.trained_config(),
+        weights_name=FULL_WEIGHT_NAME if policy.full_weights is not None else "lora.safetensors",
         optimizer=run.optimizer, ema=run.exported_ema,
         trainer_state={"epoch": epoch, **run.counters, **run.trainer_state()}, config=to_dict(cfg),
         rank=accelerator.process_index, world_size=accelerator.num_processes, barrier=accelerator.wait_for_everyone,
@@ -146,6 +152,16 @@ def export_final_lora(policy, ema, out_dir: Path, config_file: Path | None = Non
                             config_text=config_text, force=True, preference=preference)[0]
 
 
+def export_final_transformer(policy, ema, out_dir: Path, *, write: bool = True) -> Path:
+    """Write the fully fine-tuned transformer (EMA weights when kept) to ``out_dir`` as a diffusers model folder
+    that ``<Transformer class>.from_pretrained`` loads: every tensor, in the model's dtype. Under FSDP2 every
+    process must call this (the weights are gathered whole); only ``write`` ones write."""
+    from flowrl.models.full_weights import save_transformer
+
+    with ema_weights(ema):
+        return save_transformer(policy, out_dir, write=write)
+
+
 def start_run(cfg: Config, accelerator: Accelerator | None = None, *, extras: dict[str, ExtraBuilder] | None = None,
               eval_ema_decay: float | None = None) -> Run:
     """Set up a run: processes, run directory and saved config, model + LoRA, optimizer, EMA, rewards,
@@ -179,11 +195,14 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, extras: di
                                   weight_decay=t.weight_decay)
     policy.forward_module, optimizer = accelerator.prepare(policy.transformer, optimizer)
     params = policy.trainable_parameters()  # FSDP2 shards in place: the parameters are new (DTensor) objects
+    if policy.full_weights is not None:  # the reference: the base's trained tensors, laid out (sharded) as they are
+        policy.full_weights.take_base()
     if accelerator.is_fsdp2 and accelerator.is_main_process:
         from flowrl.sharded import is_sharded
 
         tqdm.write(f"flowrl train: FSDP2 over {accelerator.num_processes} processes: "
-                   f"{sum(map(is_sharded, params))} of {len(params)} LoRA tensors sharded")
+                   f"{sum(map(is_sharded, params))} of {len(params)} "
+                   f"{'trained transformer' if policy.full_weights is not None else 'LoRA'} tensors sharded")
     ema = LoraEMA(policy.named_trainable_parameters(), decay=t.ema_decay) if t.ema else None
     rewards, weights = build_rewards(cfg.rewards, accelerator.device)
     train_prompts, test_prompts = load_prompt_splits(cfg)
@@ -508,7 +527,10 @@ def finish_run(run: Run, metrics: dict) -> dict[str, float]:
     cfg, accelerator = run.cfg, run.accelerator
     for finish in run.hook("finish"):  # the diversity guard: export and report the best reward-diversity weights
         finish(run)
-    if cfg.train.export_lora:  # every rank gathers (FSDP2), the main one writes
+    if cfg.train.export_lora and run.policy.full_weights is not None:  # full weights: a diffusers transformer folder
+        export_final_transformer(run.policy, run.exported_ema, run.run_dir / "transformer",
+                                 write=accelerator.is_main_process)
+    elif cfg.train.export_lora:  # every rank gathers (FSDP2), the main one writes
         export_final_lora(run.policy, run.exported_ema, run.run_dir / "lora", write=accelerator.is_main_process)
     if cfg.log.report_prompts:
         prompts = stratified_prefix(run.test_prompts, cfg.log.report_prompts)  # equal share per task

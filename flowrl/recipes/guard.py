@@ -69,17 +69,13 @@ def guard_score(reward: float, diversity: float, weight: float) -> float:
 
 def exported_weights(policy, ema) -> dict[str, torch.Tensor]:
     """CPU float32 copies of what the final export writes now: the EMA weights when kept, else the live ones."""
-    from flowrl.models.lora_io import lora_state_dict
-
-    with ema_weights(ema):  # lora_state_dict copies, so the EMA weights outlive the swap
-        return lora_state_dict(policy.transformer)
+    with ema_weights(ema):  # trained_state copies, so the EMA weights outlive the swap
+        return policy.trained_state()
 
 
 def restore_weights(policy, ema, tensors: dict[str, torch.Tensor]) -> None:
     """Put ``tensors`` (``lora_state_dict`` keys) into the live LoRA and the EMA, so export and report use them."""
-    from flowrl.models.lora_io import load_adapter_state
-
-    load_adapter_state(policy.transformer, tensors)
+    policy.load_trained_state(tensors)
     if ema is not None:
         ema.load_state_tensors(tensors)
 

@@ -5,6 +5,8 @@ Layout (one directory per checkpoint, under ``RUN_DIR/checkpoints/``)::
     step_000012/
         lora.safetensors     raw LoRA tensors (``lora_state_dict`` keys, float32),
                              metadata {"lora_config": <json of lora_config_dict>}
+        weights.safetensors  instead of lora.safetensors with model.trainable=full: the trained transformer
+                             tensors only (parameter names, float32), metadata {"lora_config": <FullWeights.config>}
         ema.safetensors      EMA tensors, same keys (only when an EMA is kept),
                              metadata {"ema_state": <json of LoraEMA.state_dict()>}
         optimizer.pt         optimizer.state_dict()
@@ -57,6 +59,7 @@ logger = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 _NAME = re.compile(r"^step_(\d+)$")
+WEIGHT_FILES = ("lora.safetensors", "weights.safetensors")  # a LoRA run's, a full fine-tuning run's trained tensors
 
 
 def checkpoint_name(step: int) -> str:
@@ -71,18 +74,25 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
 
 
 def is_checkpoint(path: Path) -> bool:
-    return path.is_dir() and (path / "lora.safetensors").is_file() and (path / "trainer_state.json").is_file()
+    return path.is_dir() and weights_file(path) is not None and (path / "trainer_state.json").is_file()
+
+
+def weights_file(path: Path) -> Path | None:
+    """The checkpoint's trained tensors: ``lora.safetensors`` (LoRA) or ``weights.safetensors`` (full weights)."""
+    return next((Path(path) / n for n in WEIGHT_FILES if (Path(path) / n).is_file()), None)
 
 
 # --- save ------------------------------------------------------------------------------------------
 def save_checkpoint(run_dir: str | Path, step: int, *, lora_state: dict[str, torch.Tensor], lora_config: dict,
                     optimizer, ema=None, scaler=None, trainer_state: dict | None = None, config: Any = None,
                     rank: int = 0, world_size: int = 1, barrier: Callable[[], None] | None = None,
-                    keep_last: int | None = 3, snapshots: dict | None = None) -> Path:
+                    keep_last: int | None = 3, snapshots: dict | None = None,
+                    weights_name: str = "lora.safetensors") -> Path:
     """Write ``RUN_DIR/checkpoints/step_{step:06d}`` atomically; every rank must call this.
 
     ``snapshots``: {name: :class:`~flowrl.training.ema.LoraEMA`} copies of the adapter a recipe keeps (GARDO's
-    adaptive KL reference, HRF's phase anchor), each saved like the EMA as ``<name>.safetensors``.
+    adaptive KL reference, HRF's phase anchor), each saved like the EMA as ``<name>.safetensors``. ``weights_name``:
+    the file of ``lora_state`` (``weights.safetensors`` for the tensors of full fine-tuning).
 
     Returns the final checkpoint path (on every rank). ``keep_last`` complete checkpoints are kept
     (None keeps all); the one just written and the one ``latest`` names are never pruned. Any failure to write
@@ -112,7 +122,7 @@ def save_checkpoint(run_dir: str | Path, step: int, *, lora_state: dict[str, tor
             _write_payload(tmp, step, lora_state=lora_state, lora_config=lora_config, optimizer_state=optimizer_state,
                            averaged=averaged, scaler=scaler,
                            trainer_state={"step": step, "world_size": world_size, **(trainer_state or {})},
-                           config=config)
+                           config=config, weights_name=weights_name)
     barrier()  # every rank's RNG file is in place
     if rank == 0:
         with writing():
@@ -161,11 +171,11 @@ def _state_size(state) -> int:
 
 
 def _write_payload(tmp: Path, step: int, *, lora_state, lora_config, optimizer_state, averaged, scaler,
-                   trainer_state, config) -> None:
+                   trainer_state, config, weights_name: str = "lora.safetensors") -> None:
     """Rank 0's files. Each is complete before the next starts, so a crash leaves only the tmp dir.
 
     ``averaged``: {name: (tensors, JSON state)} of the EMA and snapshots, already gathered."""
-    save_file(_cpu_float(lora_state), str(tmp / "lora.safetensors"),
+    save_file(_cpu_float(lora_state), str(tmp / weights_name),
               metadata={"format": "pt", "lora_config": json.dumps(lora_config)})
     for name, (tensors, state) in averaged.items():
         save_file(tensors, str(tmp / f"{name}.safetensors"), metadata={"format": "pt", "ema_state": json.dumps(state)})
@@ -272,8 +282,8 @@ def resolve_checkpoint(path_or_run_dir: str | Path, resume: str | Path = "latest
         for candidate in (Path(resume), base / CHECKPOINTS / str(resume)):
             if is_checkpoint(candidate):
                 return candidate
-        raise FileNotFoundError(f"checkpoint not found: {resume} (expected a directory with lora.safetensors "
-                                "and trainer_state.json, or resume=latest)")
+        raise FileNotFoundError(f"checkpoint not found: {resume} (expected a directory with lora.safetensors or "
+                                "weights.safetensors and trainer_state.json, or resume=latest)")
     if is_checkpoint(base):
         return base
     root = base / CHECKPOINTS
@@ -292,11 +302,12 @@ def load_checkpoint(path_or_run_dir: str | Path, *, resume: str | Path = "latest
     """Restore optimizer / EMA / adapter snapshots / scaler / this rank's RNG in place; return (LoRA
     tensors, trainer state).
 
-    The LoRA tensors have ``lora_state_dict`` keys, ready for peft's ``set_peft_model_state_dict``.
+    The LoRA tensors have ``lora_state_dict`` keys, ready for peft's ``set_peft_model_state_dict`` (a full
+    fine-tuning checkpoint's, parameter names).
     A checkpoint saved without EMA seeds a given ``ema`` from the raw LoRA weights.
     """
     path = resolve_checkpoint(path_or_run_dir, resume)
-    lora_state = load_file(str(path / "lora.safetensors"), device=str(map_location))
+    lora_state = load_file(str(weights_file(path)), device=str(map_location))
     trainer_state = json.loads((path / "trainer_state.json").read_text())
     if optimizer is not None:
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True))
@@ -322,18 +333,24 @@ def load_checkpoint(path_or_run_dir: str | Path, *, resume: str | Path = "latest
 
 
 def read_checkpoint_lora(path: Path, *, ema: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
-    """A checkpoint's adapter ``(state, peft config)``: its raw weights, or with ``ema`` its EMA weights."""
+    """A checkpoint's adapter ``(state, peft config)``: its raw weights, or with ``ema`` its EMA weights (a full
+    fine-tuning checkpoint: its trained tensors and ``{"trainable": "full", ...}``)."""
     from safetensors.torch import load_file
 
-    file = Path(path) / ("ema.safetensors" if ema else "lora.safetensors")
+    file = Path(path) / "ema.safetensors" if ema else weights_file(path) or Path(path) / "lora.safetensors"
     if ema and not file.is_file():
         raise ValueError(f"{path} has no EMA weights (trained with train.ema=false); use its raw weights instead")
     return load_file(str(file)), read_lora_config(path)
 
 
 def read_lora_config(path: Path) -> dict:
-    """The peft config stored with a checkpoint's ``lora.safetensors``."""
-    return json.loads(_metadata(Path(path) / "lora.safetensors").get("lora_config", "{}"))
+    """The peft config stored with a checkpoint's ``lora.safetensors`` (the full-training one, ``weights.safetensors``)."""
+    return json.loads(_metadata(weights_file(path) or Path(path) / "lora.safetensors").get("lora_config", "{}"))
+
+
+def is_full_checkpoint(path: Path) -> bool:
+    """Whether the checkpoint holds full fine-tuning weights rather than a LoRA."""
+    return (Path(path) / WEIGHT_FILES[1]).is_file()
 
 
 def _metadata(file: Path) -> dict[str, str]:
