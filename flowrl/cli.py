@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--merge", action="store_true",
                         help="also write OUT/transformer: the base transformer with the LoRA fused in")
     export.add_argument("--force", action="store_true", help="overwrite export files already in OUT")
+    export.add_argument("--svd-rank", type=int, default=None, metavar="R",
+                        help="full fine-tuning checkpoints: also a LoRA of rank R extracted by truncated SVD of "
+                             "W_trained - W_base (its reconstruction error is printed)")
 
     fit = commands.add_parser("fit-reward", help="fit the artifact reward (a logistic head on frozen image features) "
                               "on a folder of clean and a folder of artifact-containing images")

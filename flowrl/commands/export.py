@@ -16,6 +16,11 @@ rank, alpha, targets, flowrl version and config hash.
   model is rebuilt from the checkpoint's ``config.yaml`` (``model`` section and ``seed``).
 - ``--force``: overwrite files already in ``OUT``; without it an existing output is a one-line error.
 
+A full fine-tuning checkpoint (``model.trainable=full``, ``weights.safetensors``) gives ``OUT/transformer/``, the
+trained transformer as a diffusers folder (``from_pretrained``), and with ``--svd-rank R`` also the LoRA files of
+``W_trained - W_base`` truncated to rank R by SVD (ComfyUI and other LoRA loaders), the relative reconstruction
+error printed as a per-layer mean and max.
+
 A run trained with ``model.preference`` (ParetoSlider) also gets ``preference_embedding.safetensors`` (keys
 ``preference.*``, the rewards in its metadata), which ``flowrl.models.preference.load_preference`` installs; the
 merged transformer of ``--merge`` holds the LoRA only.
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 import yaml
 
 from flowrl.models.lora_io import COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME, KOHYA_WEIGHT_NAME  # noqa: F401
@@ -33,17 +39,23 @@ PIPELINE_CLASSES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline"}
 
 
 def export_lora(checkpoint: str | Path, out: str | Path, *, format: str = "all", ema: bool = False,
-                merge: bool = False, force: bool = False) -> list[Path]:
-    """Export the LoRA of ``checkpoint`` (a checkpoint dir, or a run dir: its latest); returns written paths."""
+                merge: bool = False, force: bool = False, svd_rank: int | None = None) -> list[Path]:
+    """Export the LoRA of ``checkpoint`` (a checkpoint dir, or a run dir: its latest); returns written paths.
+    A full fine-tuning checkpoint gives ``OUT/transformer`` and, with ``svd_rank``, a LoRA extracted by SVD."""
     from flowrl.models.lora_io import write_lora_files
-    from flowrl.training.checkpoint import read_checkpoint_lora, resolve_checkpoint
+    from flowrl.training.checkpoint import is_full_checkpoint, read_checkpoint_lora, resolve_checkpoint
 
     try:
         path = resolve_checkpoint(checkpoint)
     except FileNotFoundError:
         raise FileNotFoundError(f"{checkpoint} holds no adapter to export: no checkpoint with lora.safetensors "
-                                "(give a run dir with checkpoints/ or a checkpoint dir)") from None
+                                "or weights.safetensors (give a run dir with checkpoints/ or a checkpoint dir)") from None
     run_config, config_text = _run_config(path)
+    if is_full_checkpoint(path):
+        return export_full(path, out, run_config, config_text, format=format, ema=ema, force=force, svd_rank=svd_rank)
+    if svd_rank is not None:
+        raise ValueError(f"--svd-rank extracts a LoRA from full weights, and {path} holds a LoRA already: "
+                         "export it without --svd-rank")
     model = run_config.get("model", {})
     family = model.get("family", "sd3")
     from flowrl.safe_io import check_safetensors
@@ -73,6 +85,50 @@ def export_lora(checkpoint: str | Path, out: str | Path, *, format: str = "all",
     return paths
 
 
+def export_full(path: Path, out: str | Path, run_config: dict, config_text: str, *, format: str = "all",
+                ema: bool = False, force: bool = False, svd_rank: int | None = None) -> list[Path]:
+    """A full fine-tuning checkpoint: ``OUT/transformer`` (the base model with the trained tensors, a diffusers
+    folder in the model's dtype) and, with ``svd_rank``, the LoRA of ``W_trained - W_base`` by truncated SVD
+    (:mod:`flowrl.models.svd_lora`) in the ``format`` files, its reconstruction error printed. The base model is
+    rebuilt from the checkpoint's ``config.yaml``, without ``lora.init_from``: the LoRA holds the whole change from
+    the model users load."""
+    from flowrl.config import ModelConfig, from_dict
+    from flowrl.models import build_policy
+    from flowrl.models.full_weights import make_full_trainable, save_transformer
+    from flowrl.models.lora_io import write_lora_files
+    from flowrl.safe_io import check_safetensors
+    from flowrl.training.checkpoint import read_checkpoint_lora, weights_file
+
+    check_safetensors(path / "ema.safetensors" if ema and (path / "ema.safetensors").is_file() else weights_file(path),
+                      "checkpoint file")
+    trained, _ = read_checkpoint_lora(path, ema=ema)
+    out = Path(out)
+    if (out / "transformer").exists() and not force:
+        raise ValueError(f"{out / 'transformer'} already exists; pass --force to overwrite")
+    model = from_dict(ModelConfig, run_config.get("model", {}), prefix="model")
+    policy = build_policy(model.family, model.path, dtype=model.dtype, seed=int(run_config.get("seed", 0)))
+    paths = []
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if svd_rank is not None:
+            from flowrl.models.svd_lora import extract_lora
+
+            state, lora_config, report = extract_lora(policy.transformer, trained, svd_rank)
+            paths += write_lora_files(out, state, lora_config, family=model.family, base_model=model.path,
+                                      config_text=config_text, format=format, force=force)
+            print(f"flowrl export-lora: {report.summary()}")
+        make_full_trainable(policy, model.trainable_modules)  # records the model's dtype, the export's
+        named = dict(policy.transformer.named_parameters())
+        with torch.no_grad():
+            for name, value in trained.items():
+                named[name].data = value.to(named[name].device)
+        paths.append(save_transformer(policy, out / "transformer"))
+    except OSError as error:  # not writable, a file in the way, a full disk
+        raise ValueError(f"cannot write the export to {out}: {error.strerror or error}"
+                         f"{f' ({error.filename})' if error.filename else ''}; choose a writable directory") from None
+    return paths
+
+
 def _run_config(path: Path) -> tuple[dict, str]:
     file = path / "config.yaml"
     if not file.is_file():
@@ -99,4 +155,4 @@ def _merged_transformer(run_config: dict, lora_file: Path, out_dir: Path) -> Pat
 
 def run_export(args) -> list[Path]:
     return export_lora(args.checkpoint, args.out, format=args.format, ema=args.ema, merge=args.merge,
-                       force=getattr(args, "force", False))
+                       force=getattr(args, "force", False), svd_rank=getattr(args, "svd_rank", None))
