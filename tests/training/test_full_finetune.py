@@ -219,3 +219,32 @@ def test_resuming_a_lora_checkpoint_as_full_and_svd_of_a_lora_are_one_line(tmp_p
     _one_line(code, capsys.readouterr().err, ["holds a LoRA", "model.trainable"])
     code = main(["export-lora", str(run), str(tmp_path / "out"), "--svd-rank", "4"])
     _one_line(code, capsys.readouterr().err, ["--svd-rank", "holds a LoRA already"])
+
+
+def test_a_lora_fused_into_the_base_continues_as_full_training(tmp_path):
+    """``lora.init_from`` with ``model.trainable=full``: the adapter's update is fused into the base weights, the peft
+    layers are gone, and the model (and its reference) gives the LoRA'd model's velocities."""
+    from flowrl.models import build_policy
+    from flowrl.models.full_weights import merge_lora
+    from flowrl.models.lora_io import load_lora_into, lora_config_dict, lora_state_dict, write_lora_files
+
+    lora = build_policy("sd3", "tiny")
+    lora.add_lora(rank=4, alpha=8, init_seed=0)
+    with torch.no_grad():
+        for p in lora.trainable_parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    write_lora_files(tmp_path, lora_state_dict(lora.transformer), lora_config_dict(lora.transformer), family="sd3",
+                     base_model="tiny", config_text=None, format="diffusers")
+    full = build_policy("sd3", "tiny")
+    load_lora_into(full, tmp_path / "pytorch_lora_weights.safetensors")
+    merge_lora(full)
+    full.train_full()
+    full.full_weights.take_base()
+    assert not any("lora" in n for n, _ in full.transformer.named_parameters())
+    cond = lora.encode(["a red cube"], negative=False)
+    x = lora.init_noise(1, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = lora.velocity(x, 0.5, cond, 1.0)
+        assert torch.allclose(full.velocity(x, 0.5, cond, 1.0), expected, atol=1e-5)
+        with full.reference():
+            assert torch.allclose(full.velocity(x, 0.5, cond, 1.0), expected, atol=1e-5)
