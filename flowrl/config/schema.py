@@ -240,7 +240,8 @@ class TrainConfig:
     """Start afresh in a run_dir that holds another run by moving the old run aside whole, to
     ``RUN_DIR.old-<timestamp>`` (never deleted). Without it such a start is refused: a run directory holds one run."""
     export_lora: bool = True
-    """Export the final (EMA) LoRA in diffusers format to RUN_DIR/lora at the end."""
+    """Export the final (EMA) LoRA in diffusers format to RUN_DIR/lora at the end (model.trainable=full: the
+    transformer as a diffusers folder, RUN_DIR/transformer)."""
     time_limit_s: float | None = None
     """Stop after the epoch in which sampling, scoring and training time (perf/train_wall_s) passes this
     many seconds; the run then checkpoints, exports and reports as at its last epoch (null: no limit)."""

@@ -81,9 +81,13 @@ def read_adapter(checkpoint: EvalCheckpoint) -> tuple[dict[str, torch.Tensor], d
     :func:`read_slider`)."""
     from flowrl.models.lora_io import read_lora
     from flowrl.models.preference import split_preference
-    from flowrl.training.checkpoint import is_checkpoint, read_checkpoint_lora
+    from flowrl.training.checkpoint import is_checkpoint, is_full_checkpoint, read_checkpoint_lora
 
     if is_checkpoint(checkpoint.path):
+        if is_full_checkpoint(checkpoint.path):
+            raise ValueError(f"{checkpoint.path} holds full fine-tuning weights (model.trainable=full), which flowrl "
+                             "eval does not load yet: export them (flowrl export-lora RUN OUT --svd-rank 64) and "
+                             "evaluate the LoRA, or load RUN_DIR/transformer with diffusers")
         state, config = read_checkpoint_lora(checkpoint.path, ema=checkpoint.ema)
         return split_preference(state)[0], config
     return read_lora(checkpoint.path)
