@@ -166,16 +166,24 @@ def test_svd_factors_are_exact_at_full_rank_and_optimal_below():
     assert "1 layers" in report.summary() and "cannot hold" in report.summary()
 
 
+LAUNCHERS = {  # 2 CPU processes: FSDP2 (accelerate's fully_shard path over gloo) and DDP
+    "fsdp2": ["--config_file", "configs/accelerate/fsdp2_cpu_2proc.yaml"],
+    "ddp": ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+            "--dynamo_backend", "no"],
+}
+
+
 @pytest.mark.slow
-def test_fsdp2_two_processes_match_one(tmp_path):
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_two_processes_match_one(tmp_path, launcher):
     overrides = ["train.epochs=2", "sampling.groups_per_epoch=4"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-              "configs/accelerate/fsdp2_cpu_2proc.yaml", "-m", "flowrl", "train"]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", *LAUNCHERS[launcher], "-m", "flowrl", "train"]
     result = subprocess.run([*launch, *COMMON, f"run_dir={tmp_path / 'two'}", *overrides], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "FSDP2 over 2 processes: 66 of 66 trained transformer tensors sharded" in result.stdout + result.stderr
+    if launcher == "fsdp2":
+        assert "FSDP2 over 2 processes: 66 of 66 trained transformer tensors sharded" in result.stdout + result.stderr
     _train(tmp_path / "one", *overrides)
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert len(one) == len(two) == 2 and two[-1]["loss/kl"] > 0
