@@ -34,8 +34,17 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if is_sharded(tensor) else tensor
 
 
-def full_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Whole, detached float32 CPU copies (collective under FSDP2: every process, same key order)."""
+def full_state(state: dict[str, torch.Tensor], *, keep: bool = True) -> dict[str, torch.Tensor]:
+    """Whole, detached float32 CPU copies (collective under FSDP2: every process, same key order).
+
+    ``keep=False`` (a process that will not write them: not rank 0 of a checkpoint) takes part in the gathers and
+    returns ``{}``: a full fine-tuning checkpoint's weights, EMA and AdamW state are 16 bytes a parameter, which
+    every process would otherwise hold in host memory at once."""
+    if not keep:
+        for value in state.values():
+            if is_sharded(value):
+                full(value.detach())
+        return {}
     return {k: full(v.detach()).to("cpu", torch.float32, copy=True).contiguous() for k, v in state.items()}
 
 
@@ -50,13 +59,39 @@ def like(value: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(value, reference.device_mesh, reference.placements, src_data_rank=None)
 
 
-def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
-    """``optimizer.state_dict()`` with every sharded state tensor gathered (collective under FSDP2)."""
+def full_optimizer_state(optimizer: torch.optim.Optimizer, *, keep: bool = True) -> dict:
+    """``optimizer.state_dict()`` with every sharded state tensor gathered (collective under FSDP2); ``keep=False``
+    gathers and returns ``{}`` (see :func:`full_state`)."""
     state = optimizer.state_dict()
     if "state" not in state:  # not a torch.optim layout (DeepSpeed's ZeRO optimizer): as it is
         return state
+    if not keep:
+        for entry in state["state"].values():
+            for value in entry.values():
+                if is_sharded(value):
+                    full(value)
+        return {}
     state["state"] = {index: {k: full(v).cpu() if torch.is_tensor(v) else v for k, v in entry.items()}
                       for index, entry in state["state"].items()}
+    return state
+
+
+@torch.no_grad()
+def shard_loaded_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> dict:
+    """Before ``optimizer.load_state_dict(state)``: cut each whole state tensor of a sharded parameter into this
+    process's slice, one tensor at a time. ``load_state_dict`` would otherwise move every whole tensor onto the
+    parameter's GPU before :func:`shard_optimizer_state` slices it (full fine-tuning of FLUX: 95 GB of AdamW
+    state at once). The same values either way; returns ``state``."""
+    if "state" not in state:
+        return state
+    for saved, group in zip(state["param_groups"], optimizer.param_groups):
+        for index, param in zip(saved["params"], group["params"]):
+            entry = state["state"].get(index, {})
+            if not is_sharded(param):
+                continue
+            for key, value in entry.items():
+                if torch.is_tensor(value) and not is_sharded(value) and value.shape == param.shape:
+                    entry[key] = like(value, param)
     return state
 
 

@@ -327,16 +327,17 @@ class PolicyBase:
 
         make_full_trainable(self, patterns)
 
-    def trained_state(self) -> dict[str, torch.Tensor]:
+    def trained_state(self, *, keep: bool = True) -> dict[str, torch.Tensor]:
         """Whole CPU float32 copies of what is trained: the LoRA (``lora_state_dict`` keys, a preference embedding
-        included) or the full weights (parameter names). Collective under FSDP2: every process calls it."""
+        included) or the full weights (parameter names). Collective under FSDP2: every process calls it; with
+        ``keep=False`` (a process that writes nothing) it returns ``{}``."""
         if self.full_weights is not None:
             from flowrl.models.full_weights import trained_state
 
-            return trained_state(self)
+            return trained_state(self, keep=keep)
         from flowrl.models.lora_io import lora_state_dict
 
-        return lora_state_dict(self.transformer)
+        return lora_state_dict(self.transformer, keep=keep)
 
     def load_trained_state(self, state: dict[str, torch.Tensor]) -> None:
         """Put a :meth:`trained_state` back into the live weights."""

@@ -145,11 +145,12 @@ def merge_lora(policy) -> None:
     policy.has_lora = False
 
 
-def trained_state(policy) -> dict[str, torch.Tensor]:
-    """Whole float32 CPU copies of the trained tensors, keyed by parameter name (collective under FSDP2)."""
+def trained_state(policy, *, keep: bool = True) -> dict[str, torch.Tensor]:
+    """Whole float32 CPU copies of the trained tensors, keyed by parameter name (collective under FSDP2; ``keep=False``
+    takes part in the gathers and returns ``{}``)."""
     from flowrl.sharded import full_state
 
-    return full_state(dict(policy.named_trainable_parameters()))
+    return full_state(dict(policy.named_trainable_parameters()), keep=keep)
 
 
 @torch.no_grad()

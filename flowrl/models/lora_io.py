@@ -35,21 +35,22 @@ COMFYUI_WEIGHT_NAME = "pytorch_lora_weights_comfyui.safetensors"
 KOHYA_WEIGHT_NAME = "pytorch_lora_weights_kohya.safetensors"
 
 
-def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
+def lora_state_dict(transformer, *, keep: bool = True) -> dict[str, torch.Tensor]:
     """A copy of the adapter's tensors, keys relative to the transformer (``blocks.0.attn.to_q.lora_A.weight``),
     and of a ParetoSlider preference embedding where one is attached (``flowrl_preference.*``, trained with it;
     :func:`load_adapter_state` puts both back, :func:`write_lora_files` writes it to its own file).
 
     Always a copy: float32 CPU parameters would otherwise be returned as themselves, and a caller that
     reads the state inside ``ema_weights(...)`` would see it revert to the raw weights on leaving.
-    Under FSDP2 the sharded (DTensor) weights are gathered whole: every process must call this."""
+    Under FSDP2 the sharded (DTensor) weights are gathered whole: every process must call this (``keep=False``:
+    a process that writes nothing takes part and gets ``{}``)."""
     from peft.utils import get_peft_model_state_dict
 
     from flowrl.sharded import full_state
 
     from flowrl.models.preference import preference_state
 
-    return full_state({**get_peft_model_state_dict(transformer), **preference_state(transformer)})
+    return full_state({**get_peft_model_state_dict(transformer), **preference_state(transformer)}, keep=keep)
 
 
 def load_adapter_state(transformer, state: dict[str, torch.Tensor]) -> None:

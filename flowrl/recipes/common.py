@@ -84,7 +84,8 @@ def save_run_checkpoint(run: Run, *, epoch: int) -> Path:
 
     cfg, policy, accelerator = run.cfg, run.policy, run.accelerator
     return save_checkpoint(
-        cfg.run_dir, epoch, lora_state=policy.trained_state(), lora_config=policy.trained_config(),
+        cfg.run_dir, epoch, lora_state=policy.trained_state(keep=accelerator.is_main_process),
+        lora_config=policy.trained_config(),
         weights_name=FULL_WEIGHT_NAME if policy.full_weights is not None else "lora.safetensors",
         optimizer=run.optimizer, ema=run.exported_ema,
         trainer_state={"epoch": epoch, **run.counters, **run.trainer_state()}, config=to_dict(cfg),

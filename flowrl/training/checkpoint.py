@@ -51,7 +51,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from flowrl.sharded import full_optimizer_state, shard_optimizer_state
+from flowrl.sharded import full_optimizer_state, shard_loaded_optimizer_state, shard_optimizer_state
 from flowrl.training.faults import checkpoint_write_failed
 
 logger = logging.getLogger(__name__)
@@ -104,9 +104,9 @@ def save_checkpoint(run_dir: str | Path, step: int, *, lora_state: dict[str, tor
     tmp, final = root / f".tmp_{name}", root / name
     # Every rank gathers (FSDP2: the optimizer and EMA states are sharded DTensors; an all-gather each),
     # so rank 0 writes the files a 1-process run writes. Plain tensors pass through unchanged.
-    optimizer_state = full_optimizer_state(optimizer)
-    averaged = {name: (a.state_tensors(), a.state_dict()) for name, a in (("ema", ema), *(snapshots or {}).items())
-                if a is not None}
+    optimizer_state = full_optimizer_state(optimizer, keep=rank == 0)  # only rank 0 keeps what it writes
+    averaged = {name: (a.state_tensors(keep=rank == 0), a.state_dict())
+                for name, a in (("ema", ema), *(snapshots or {}).items()) if a is not None}
     writing = partial(_stop_on_write_failure, root, name, tmp, rank=rank, state=(lora_state, optimizer_state, averaged))
     if rank == 0:
         with writing():
@@ -310,7 +310,9 @@ def load_checkpoint(path_or_run_dir: str | Path, *, resume: str | Path = "latest
     lora_state = load_file(str(weights_file(path)), device=str(map_location))
     trainer_state = json.loads((path / "trainer_state.json").read_text())
     if optimizer is not None:
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True))
+        # mmap: the file's pages are shared by the processes of a node; each cuts its slices one tensor at a time
+        state = torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True, mmap=True)
+        optimizer.load_state_dict(shard_loaded_optimizer_state(optimizer, state))
         shard_optimizer_state(optimizer)  # FSDP2: whole state tensors -> this rank's slices (else a no-op)
     if ema is not None:
         if (path / "ema.safetensors").is_file():

@@ -95,14 +95,15 @@ class LoraEMA:
             del self.model.get_decay
 
     # --- tensors, by name -------------------------------------------------------------
-    def state_tensors(self) -> dict[str, torch.Tensor]:
+    def state_tensors(self, *, keep: bool = True) -> dict[str, torch.Tensor]:
         """EMA weights as float32 CPU tensors, keyed like ``lora_state_dict`` (safetensors-ready).
 
         Under FSDP2 the shadows are DTensors laid out as their (sharded) parameters; they are gathered
-        whole here, so every process must call this."""
+        whole here, so every process must call this; ``keep=False`` gathers and returns ``{}`` (a process that
+        writes nothing)."""
         from flowrl.sharded import full_state
 
-        return full_state(dict(zip(self.names, self.model.shadow_params)))
+        return full_state(dict(zip(self.names, self.model.shadow_params)), keep=keep)
 
     @torch.no_grad()
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
