@@ -109,7 +109,7 @@ def sdpo_credit(inputs, mask: torch.Tensor, stats: StatsAccumulator) -> torch.Te
     traj.advantages = advantages[inputs.local]  # [N, K]
     mask &= torch.isfinite(combined[inputs.local]).all(dim=1, keepdim=True)
     stats.add("reward/sdpo_return_mean", combined[inputs.local].nan_to_num().flatten(), mask.flatten().float())
-    stats.add_scalar("perf/sdpo_queried_images", float(count), reduce="sum")
+    stats.add_scalar("perf/sdpo_queried_images", float(count))  # images scored for the credit, per process
     stats.add_scalar("perf/sdpo_credit_s", time.perf_counter() - start, reduce="max")
     return mask
 
@@ -178,15 +178,20 @@ class SdpoPairs:
         total = accelerator.reduce(torch.tensor(float(len(pairs)), device=accelerator.device), "sum").item()
         scale = accelerator.num_processes / max(total, 1.0)
         per_batch = max(1, self.t.micro_batch_size // 2)
-        work = [(members[columns == c][i:i + per_batch], c) for c in columns.unique().tolist()
-                for i in range(0, int((columns == c).sum()), per_batch)]
-        for i, (part, c) in enumerate(work):
+        work = []  # (pairs [b, 2], column, weight): every process makes as many model calls per column (FSDP
+        for c in range(len(self.columns)):  # gathers weights in each), padding with a weight-0 pair
+            local = [part for part in members[columns == c].split(per_batch) if len(part)]
+            most = int(accelerator.reduce(torch.tensor(len(local), device=accelerator.device), "max").item())
+            work += [(part, c, 1.0) for part in local] + [(self.pairs[:1], c, 0.0)] * (most - len(local))
+        for i, (part, c, weight) in enumerate(work):
             with micro_batch(accelerator, run.policy.forward_module, last=i == len(work) - 1):
-                loss = self._pair_loss(part, c, stats, on_policy)
-                accelerator.backward(loss.sum() * scale)
+                loss = self._pair_loss(part, c, stats, on_policy and weight > 0, weight)
+                accelerator.backward(loss.sum() * scale * weight)
 
-    def _pair_loss(self, members: torch.Tensor, c: int, stats: StatsAccumulator, on_policy: bool) -> torch.Tensor:
-        """Loss [B] of pairs ``members`` [B, 2] at trained column ``self.columns[c]``."""
+    def _pair_loss(self, members: torch.Tensor, c: int, stats: StatsAccumulator, on_policy: bool,
+                   weight: float = 1.0) -> torch.Tensor:
+        """Loss [B] of pairs ``members`` [B, 2] at trained column ``self.columns[c]``; ``weight`` 0: a padding
+        call, left out of the statistics."""
         run, traj, device = self.run, self.traj, self.run.accelerator.device
         k, rows = self.columns[c], members.flatten()  # rows [2B]: pair members side by side
         x, x_next = traj.latents[rows, k].to(device), traj.latents[rows, k + 1].to(device)
@@ -199,7 +204,7 @@ class SdpoPairs:
             step.log_prob.view(shape), traj.log_probs[rows, k].to(device).view(shape),
             traj.advantages[rows, k].to(device).view(shape),
             self.weights[k].to(device, torch.float32).expand(len(members)), clip_range=self.t.clip_range)
-        ones = torch.ones(len(members), device=device)
+        ones = torch.full((len(members),), weight, device=device)
         for name, values in (("loss/policy", loss), ("loss/total", loss), ("policy/ratio", loss_stats["ratio"].mean(1)),
                              ("policy/clipfrac", loss_stats["clipped"]), ("policy/approx_kl", loss_stats["approx_kl"])):
             stats.add(name, values.detach(), ones)

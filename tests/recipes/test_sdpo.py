@@ -64,6 +64,12 @@ def test_few_step_families_train_with_sdpo(family, steps, tmp_path, monkeypatch)
     assert all(torch.equal(base_before[n], base_after[n]) for n in base_before)
 
 
+def test_sdpo_credit_trains_the_per_transition_loss_too(tmp_path):
+    overrides = [f"run_dir={tmp_path}", *TINY_TRAIN[1:], "train.epochs=1", "train.credit=sdpo"]
+    metrics = train(load_config(Config, TINY_TRAIN[0], overrides))
+    assert math.isfinite(metrics["loss/total"]) and metrics["advantages/dense_abs_mean"] > 0
+
+
 def test_sdpo_run_resumes_exactly(tmp_path):
     common = ["configs/smoke/sd3_tiny.yaml", "log.eval_every=0", "log.report_prompts=0", "log.progress=false",
               "sampling.num_steps=3", "train.optimizer_steps_per_epoch=2", *SDPO]
