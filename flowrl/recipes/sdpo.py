@@ -140,7 +140,8 @@ class SdpoPairs:
         self.pairs = group_pairs(traj.group_ids)  # [P, 2]
         self.weights = temporal_weights(traj.num_stored_steps, self.t.sdpo_lam, self.t.sdpo_log_scale)  # [K]
         self.plan: deque = deque()  # (pairs [B], position) of each chunk, in the order the recipe trains them
-        self.mask = None
+        self.steps = torch.zeros(len(self.pairs), len(columns), dtype=torch.long)  # [P, S] each pair's step order
+        self.mask = None  # [N, K] the steps that train, as the recipe passes it
 
     def chunks(self, order: np.ndarray, count: int) -> list[np.ndarray]:
         """Rows of whole pairs: for each position of the pairs' shuffled step orders, the pairs (in the order
@@ -151,7 +152,7 @@ class SdpoPairs:
         ordered = pair_of[order].numpy()[np.sort(first)]  # pairs by first appearance
         rng = np.random.default_rng([int(self.run.cfg.seed), 0x5D91, *order.tolist()])
         self.steps = torch.as_tensor(np.stack([rng.permutation(len(self.columns)) for _ in range(len(self.pairs))]))
-        out = []
+        out, self.plan = [], deque()
         for position in range(len(self.columns)):
             for part in np.array_split(ordered, count):
                 self.plan.append((torch.as_tensor(part, dtype=torch.long), position))
