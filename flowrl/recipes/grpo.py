@@ -11,11 +11,14 @@ Choices, all set in the config (``flowrl/config/schema.py``):
   them (``flowrl/algorithms/branch.py``; ``sampling.tree.backup: leaf_mean``: the mean leaf advantage), and
   branch steps draw BranchGRPO's scaled split noise; ``loss: tmpo`` trains TMPO's Softmax Trajectory Balance
   over whole paths instead (``flowrl/recipes/tmpo_paths.py``), its tree's split steps optionally drawn by
-  TMPO's reward-adaptive scheduler (``sampling.tree.schedule: beta``);
+  TMPO's reward-adaptive scheduler (``sampling.tree.schedule: beta``); ``loss: sdpo`` trains SDPO's dense reward
+  difference loss on pairs of a group that share their initial noise, each pair's steps in a shuffled order
+  (``flowrl/recipes/sdpo.py``);
 - credit (``train.credit``): every trained step gets its row's advantage (terminal), a share of it by
   how far the step moves the predicted clean latent toward the final one (dense_cosine), or its own
   group-normalised reward gain measured by ODE look-ahead from the states around it (dense_ode,
-  DenseGRPO); see ``flowrl/algorithms/dense.py``;
+  DenseGRPO; see ``flowrl/algorithms/dense.py``), or its group-normalised discounted return of SDPO's dense
+  rewards, scored on a few steps' clean predictions and predicted by latent similarity on the others (sdpo);
 - loss: PPO-clipped ratio with separate lower/upper ranges (``train.ratio_norm: grpo_guard`` takes
   GRPO-Guard's unbiased per-step log-ratio and divides each step's policy loss by ``|dt|``; see
   ``flowrl/algorithms/ratio_norm.py``), plus beta * KL to the reference
