@@ -28,9 +28,9 @@ import torch
 def cosine_similarities(x0_preds: torch.Tensor, queried: torch.Tensor) -> torch.Tensor:
     """[N, S, Q] cosine similarity of every state's x̂0 (``x0_preds`` [N, S, ...]) to each queried state's
     (``queried`` [N, Q] state indices), on the flattened latents in float64."""
-    flat = x0_preds.reshape(*x0_preds.shape[:2], -1).double()  # [N, S, D]
+    flat = torch.nn.functional.normalize(x0_preds.reshape(*x0_preds.shape[:2], -1).double(), dim=-1)  # [N, S, D]
     anchors = torch.gather(flat, 1, queried[:, :, None].expand(-1, -1, flat.shape[-1]))  # [N, Q, D]
-    return torch.nn.functional.cosine_similarity(flat[:, :, None], anchors[:, None], dim=-1)  # [N, S, Q]
+    return torch.einsum("nsd,nqd->nsq", flat, anchors)  # [N, S, Q], no [N, S, Q, D] intermediate
 
 
 def least_similar_anchors(x0_preds: torch.Tensor, count: int) -> torch.Tensor:
