@@ -238,8 +238,9 @@ def resolve_combine(cfg: Config) -> None:
 
 
 def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_level: float, kind: str = "sde",
-                     same_noise_in_group: bool = False, store_x0_preds: bool = False, store_means: bool = False,
-                     batch_windows: bool = False, rollout_fn=None):
+                     same_noise_in_group: bool = False, same_noise_in_pairs: bool = False,
+                     store_x0_preds: bool = False, store_means: bool = False, batch_windows: bool = False,
+                     rollout_fn=None):
     """This epoch's rollouts on this process, scored: batch b is scored in a worker while b+1 is sampled.
 
     With ``batch_windows`` and ``sampling.window.mode: random`` each batch rolls out with its own window,
@@ -278,7 +279,7 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
                                    num_steps=s.num_steps, guidance_scale=run.guidance, noise_level=noise_level,
                                    kind=kind, plan=batch_plan(plan, s, batch_windows, seed=cfg.seed, epoch=epoch,
                                                               batch=b, rank=rank),
-                                   same_noise_in_group=same_noise_in_group,
+                                   same_noise_in_group=same_noise_in_group, same_noise_in_pairs=same_noise_in_pairs,
                                    metadata=batch.metadata, store_x0_preds=store_x0_preds, ode_solver=s.ode_solver,
                                    store_means=store_means,
                                    seeds=root_seeds(cfg.seed, first_root, len(batch) * roots_per_group),
