@@ -1,7 +1,7 @@
 """Recipe nft's configuration (``recipe: nft``): :class:`NFTConfig`, the shared sections of
 :class:`~flowrl.config.schema.Config` and the forward-process section :class:`NFTSection` (``nft.*``): DiffusionNFT's,
-AWM's, CRD's and DPO's losses, their timesteps, samplers, old-policy decays and eval EMAs. Recipe nft has no log-prob ratios,
-so GRPO's own keys (``train.clip_range``, ``train.loss``, ``gardo.*``, ...) are unknown keys here.
+AWM's, CRD's and DPO's losses, their timesteps, samplers, old-policy decays and eval EMAs. Recipe nft has no log-prob
+ratios, so GRPO's own keys (``train.clip_range``, ``train.loss``, ``gardo.*``, ...) are unknown keys here.
 """
 
 from __future__ import annotations

@@ -212,8 +212,8 @@ def train(cfg: NFTConfig, *, accelerator: Accelerator | None = None) -> dict[str
                                 policy, ema, traj.final_latents[flat], traj.cond.select(traj.prompt_ids[flat]),
                                 advantage[micro], unit_keep[micro % units], loss=forward_loss, guidance=run.guidance,
                                 beta=run.beta, noise_seed=noise_seed, stats=chunk_stats, sigma=sigma, scale=scale,
-                                kl_guidance=kl_guidance, kl_weights=forward_loss.kl_weights(clipped[rows[:, 0]], run.beta),
-                                rows_per_unit=rows_per_unit)
+                                kl_guidance=kl_guidance, rows_per_unit=rows_per_unit,
+                                kl_weights=forward_loss.kl_weights(clipped[rows[:, 0]], run.beta))
                             accelerator.backward(loss_sum * world / max(weight, 1.0))
 
                 def log_ratios() -> torch.Tensor:
@@ -474,7 +474,8 @@ def noised_sample(x0, noise_seed: list[int], sigma: torch.Tensor | None, policy,
     drawn = torch.rand(units, generator=generator)  # [U], drawn either way: one noise stream per seed
     sigma = drawn if sigma is None else sigma.float()
     noise = torch.randn((units, *x0.shape[1:]), generator=generator, dtype=torch.float32)
-    sigma, noise = sigma.repeat_interleave(rows_per_unit), noise.repeat_interleave(rows_per_unit, dim=0)  # [B], [B, ...]
+    sigma = sigma.repeat_interleave(rows_per_unit)  # [B]
+    noise = noise.repeat_interleave(rows_per_unit, dim=0)  # [B, ...]
     x0 = x0.to(device=device, dtype=torch.float32)
     noise, sigma = noise.to(device), sigma.to(device)
     column = sigma.reshape(-1, 1, 1, 1)
@@ -519,7 +520,8 @@ def forward_process_loss(policy, old, x0, cond, advantage, weights, *, guidance:
     weights = weights.to(device)
     kl = torch.zeros_like(value)
     if beta > 0:
-        kl = ((velocity - ref_velocity) ** 2).mean(dim=tuple(range(1, velocity.ndim))).reshape(-1, rows_per_unit).mean(1)
+        kl = ((velocity - ref_velocity) ** 2).mean(dim=tuple(range(1, velocity.ndim)))  # [B]
+        kl = kl.reshape(-1, rows_per_unit).mean(1)  # [U]
     kl_factor = 1.0 if kl_weights is None else kl_weights.to(device)
     total = scale * value + beta * kl_factor * kl
     stats.add(f"loss/{loss.name}", value, weights)
