@@ -17,9 +17,11 @@ Units of ``beta``: ``e`` is the per-element mean squared velocity error, exactly
 ``model_losses = (model_pred - target).pow(2).mean(dim=[1,2,3])`` (SalesforceAIResearch/DiffusionDPO ``train.py`` at
 8d3ee5c, ``scale_term = -0.5 * args.beta_dpo``; its launchers use ``beta_dpo`` 5000 on SD1.5/SDXL's epsilon
 errors). The paper's factor ``T`` (the number of diffusion steps) is not multiplied in: like Diffusion-DPO's code,
-flowrl folds it into ``beta``. Flow-GRPO's online DPO for SD3.5-M (yifan123/flow_grpo ``scripts/train_sd3_dpo.py``
-and ``config/dpo.py``, as mirrored in yifan123/flow_grpo_refactor at 7be03dc) writes the same loss on velocity
-errors with target ``noise - x0`` and ``beta`` 100, and pairs each group's best with its worst.
+flowrl folds it into ``beta``. Flow-GRPO's online DPO for SD3.5-M writes the same loss on velocity errors with
+target ``noise - x0`` and a shared (t, noise) per pair (``scripts/train_sd3_dpo.py``, read at
+yifan123/flow_grpo_refactor 7be03dc), ``beta`` 100 (``config/dpo.py`` ``pickscore_sd3``, read in the mirror
+ltt0716/flow_grpo_official at a646ae3), and pairs each group's argmax with its argmin (its per-prompt stat
+tracker's ``dpo`` type).
 """
 
 from __future__ import annotations
