@@ -177,6 +177,6 @@ def test_bad_dpo_input_is_one_line_and_leaves_no_run_dir(overrides, key, tmp_pat
 def test_the_dpo_presets_load():
     toy = load_config(Config, "configs/toy/dpo.yaml")
     assert (toy.nft.loss, toy.nft.dpo_pairs, toy.nft.dpo_beta, toy.sampling.group_size) == ("dpo", "best_worst",
-                                                                                            100.0, 16)
+                                                                                            20.0, 16)
     real = load_config(Config, "configs/sd35_medium/dpo_pickscore.yaml")
     assert (real.nft.loss, real.nft.dpo_beta, real.sampling.group_size) == ("dpo", 100.0, 24)
