@@ -8,7 +8,7 @@ trains, and the reference policy (adapter off) is the same quantised model. flow
 | --- | --- | --- | --- |
 | ``int8`` | torchao ``Int8WeightOnlyConfig`` | int8 per output channel + one scale per row | CPU and CUDA |
 | ``fp8`` | torchao ``Float8WeightOnlyConfig`` | float8 e4m3 per output channel + one scale per row | CUDA, compute capability >= 8.9 |
-| ``nf4`` | bitsandbytes 4-bit NF4 (``BitsAndBytesConfig``) | 4-bit NormalFloat, one absmax per 64 weights | CUDA |
+| ``nf4`` | bitsandbytes NF4 (``BitsAndBytesConfig``) | 4-bit NormalFloat, an 8-bit absmax per 64 (double quant.) | CUDA |
 
 A hub or local pipeline is quantised as it loads, shard by shard (diffusers' ``PipelineQuantizationConfig``,
 so the full-precision transformer never sits on the GPU); a tiny pipeline built in code goes through the
@@ -59,7 +59,8 @@ def transformer_quantization(scheme: str, dtype: torch.dtype):
     if scheme == "nf4":
         from diffusers import BitsAndBytesConfig
 
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                  bnb_4bit_compute_dtype=dtype)
     from diffusers import TorchAoConfig
     from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig
 

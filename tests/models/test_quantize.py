@@ -228,3 +228,22 @@ def test_options_a_quantised_base_cannot_combine_with_are_one_line(tmp_path, cap
         env.setattr(build.importlib.util, "find_spec", lambda name, *a: None if name == "torchao"
                     else real_find_spec(name, *a))
         assert "flowrl[quant]" in one_line("train.optimizer=adamw8bit")
+
+
+def test_quant_memory_script_counts_flux_and_orders_the_schemes(capsys):
+    """scripts/bench/quant_memory.py (the docs/scaling.md table): FLUX.1-dev's 11.901B parameters, counted on the
+    meta device, and nf4 < int8 < bf16 in weights and in every row's step peak."""
+    import importlib.util
+
+    from tests import REPO
+
+    spec = importlib.util.spec_from_file_location("quant_memory", REPO / "scripts/bench/quant_memory.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main(["--json"])
+    out = capsys.readouterr().out
+    assert "11.901B parameters" in out and "bf16 23.80 GB" in out and "LoRA r=32: 130.8M" in out
+    rows = json.loads(out[out.index("\n[") + 1:])
+    peak = {(r["scheme"], r["size"], r["group"]): r["step_gb"] for r in rows}
+    for size, group in {(s, g) for _, s, g in peak}:
+        assert peak["nf4", size, group] < peak["int8", size, group] < peak["bf16", size, group]
