@@ -13,7 +13,9 @@ trains, and the reference policy (adapter off) is the same quantised model. flow
 A hub or local pipeline is quantised as it loads, shard by shard (diffusers' ``PipelineQuantizationConfig``,
 so the full-precision transformer never sits on the GPU); a tiny pipeline built in code goes through the
 same ``from_pretrained(quantization_config=...)`` of its transformer class from a temporary directory.
-A scheme that cannot run here (no CUDA, no package, an older GPU) is one line before anything loads.
+A scheme that cannot run here (no CUDA, no package, an older GPU) is one line before anything loads. Under DDP
+the quantised weights are kept out of DDP's broadcast (they are frozen and the same on every rank); FSDP2 and
+DeepSpeed cannot shard them and are refused (:func:`flowrl.recipes.build.check_memory_options`).
 """
 
 from __future__ import annotations
@@ -115,6 +117,22 @@ def quantized_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             found[f"{name}.packed"] = param.data
             found[f"{name}.absmax"] = param.quant_state.absmax
     return found
+
+
+def quantized_parameter_names(module: torch.nn.Module) -> list[str]:
+    """Names of ``module``'s quantised parameters (torchao subclasses, bitsandbytes 4-bit)."""
+    return sorted({name.rsplit(".", 1)[0] for name in quantized_tensors(module)})
+
+
+def ignore_quantized_in_ddp(module: torch.nn.Module) -> None:
+    """Have DDP leave the quantised base weights alone when it wraps ``module``.
+
+    DDP broadcasts every parameter from rank 0 as it wraps a module, and torchao's quantised tensors implement no
+    ``view`` for that; the weights are frozen and the same on every rank (the same file, quantised the same way),
+    so there is nothing to synchronise. torch's documented hook for parameters DDP must not touch is this one."""
+    names = quantized_parameter_names(module)
+    if names:
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
 
 
 def is_quantized(module: torch.nn.Module) -> bool:

@@ -38,10 +38,11 @@ def build_training_policy(cfg: Config, device):
 def check_memory_options(cfg: Config, accelerator: Accelerator) -> None:
     """``model.quantize`` and ``train.optimizer=adamw8bit`` under a launch they cannot run in are one line.
 
-    FSDP2 and DeepSpeed flatten or shard every parameter of the transformer, and neither torchao's quantised
-    weight subclasses nor bitsandbytes' packed 4-bit ones can be sliced into DTensors (the quantised data and
-    its per-row scales must stay together), nor can torchao's 8-bit optimizer state be gathered for a checkpoint;
-    a quantised base is already the small-GPU setting, under DDP or one process."""
+    FSDP2 and DeepSpeed shard or flatten every parameter of the transformer, frozen ones included, and torchao's
+    quantised weights cannot be split (torchao 0.18's Int8Tensor implements no ``aten.split``: ``fully_shard``
+    stops there, checked on 2 CPU processes), nor is its 8-bit optimizer state gathered for a checkpoint the way
+    ``flowrl.sharded`` gathers AdamW's. A quantised base is the small-GPU setting: one process, or DDP, which
+    leaves the quantised weights alone (:func:`flowrl.models.quantize.ignore_quantized_in_ddp`)."""
     sharded = accelerator.is_fsdp2 or _env_flag("ACCELERATE_USE_DEEPSPEED") or _env_flag("ACCELERATE_USE_FSDP")
     if not sharded:
         return

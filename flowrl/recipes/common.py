@@ -30,6 +30,7 @@ from flowrl.config import Config, ConfigError, check, save_config, to_dict
 from flowrl.data import PromptSet, epoch_prompt_indices, prompts_per_batch
 from flowrl.eval_tasks import stratified_prefix
 from flowrl.models.lora_io import lora_config_dict, lora_state_dict
+from flowrl.models.quantize import ignore_quantized_in_ddp
 from flowrl.models.text_cache import attach_configured_cache
 from flowrl.eval.held_out import evaluate, render
 from flowrl.eval.report import write_report
@@ -177,6 +178,7 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, extras: di
     check_eval_size(policy, cfg)
     params = policy.trainable_parameters()
     optimizer = build_optimizer(cfg, params, accelerator.device)
+    ignore_quantized_in_ddp(policy.transformer)  # model.quantize: frozen, identical on every rank, never broadcast
     policy.forward_module, optimizer = accelerator.prepare(policy.transformer, optimizer)
     params = policy.trainable_parameters()  # FSDP2 shards in place: the parameters are new (DTensor) objects
     if accelerator.is_fsdp2 and accelerator.is_main_process:

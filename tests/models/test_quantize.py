@@ -247,3 +247,33 @@ def test_quant_memory_script_counts_flux_and_orders_the_schemes(capsys):
     peak = {(r["scheme"], r["size"], r["group"]): r["step_gb"] for r in rows}
     for size, group in {(s, g) for _, s, g in peak}:
         assert peak["nf4", size, group] < peak["int8", size, group] < peak["bf16", size, group]
+
+
+@pytest.mark.slow
+def test_two_ddp_processes_on_a_quantised_base_match_one(tmp_path):
+    """DDP leaves the quantised base alone (it would broadcast it, and torchao's tensors cannot be viewed for
+    that): 2 gloo CPU processes under int8 give 1 process's metrics and LoRA on the same global batch, to the
+    tolerance of tests/training/test_distributed.py."""
+    import subprocess
+    import sys
+
+    from flowrl.training.metrics import read_metrics
+    from tests import REPO
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    common = [SMOKE, *RUN, "model.quantize=int8", "train.beta=0.04", "train.clip_range=0.2"]
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    for launcher, run, batch in ((accelerate, "two", 2), ([sys.executable], "one", 4)):
+        result = subprocess.run([*launcher, "-m", "flowrl", "train", *common, f"run_dir={tmp_path / run}",
+                                 f"sampling.prompts_per_batch={batch}"], cwd=REPO, env=env, capture_output=True,
+                                text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-2000:]
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    for a, b in zip(one, two, strict=True):
+        for key in a:
+            if not key.startswith("perf/") and key != "step":
+                assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-6), key
+    lora_one, lora_two = (load_file(tmp_path / r / "lora" / "pytorch_lora_weights.safetensors") for r in ("one", "two"))
+    for key in lora_one:
+        assert (lora_one[key] - lora_two[key]).norm() / lora_one[key].norm().clamp(min=1e-12) < 1e-2, key
