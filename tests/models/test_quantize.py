@@ -12,6 +12,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from flowrl.models import build_policy
 from flowrl.models.quantize import check_quantize, is_quantized, quantized_tensors
 from flowrl.models.tiny import tiny_sd3_pipeline
 from flowrl.recipes.grpo import train
+from flowrl.training.metrics import read_metrics
 
 SMOKE = "configs/smoke/sd3_tiny.yaml"
 RUN = ["log.eval_every=0", "log.report_prompts=0", "log.progress=false", "train.epochs=2", "train.learning_rate=1e-2",
@@ -138,13 +140,18 @@ def test_reference_is_the_same_quantised_model_with_the_adapter_off():
 
 def test_resume_with_a_quantised_base_and_8bit_adam(tmp_path):
     """Checkpoints hold only the LoRA, EMA and (8-bit) optimizer state; a run resumed from epoch 1 on the
-    quantised base, with gradient checkpointing on, ends with the uninterrupted run's LoRA."""
+    quantised base, with gradient checkpointing on and a cosine schedule, ends with the uninterrupted run's LoRA
+    and learning rates."""
     common = [*RUN, "model.quantize=int8", "train.optimizer=adamw8bit", "model.gradient_checkpointing=true",
               "train.checkpoint_every=1", "sampling.num_steps=2", "sampling.group_size=2",
-              "sampling.prompts_per_batch=1", "train.micro_batch_size=2", "lora.rank=2", "train.ema=false"]
+              "sampling.prompts_per_batch=1", "train.micro_batch_size=2", "lora.rank=2", "train.ema=false",
+              "train.lr_scheduler=cosine", "train.lr_warmup_steps=1"]  # the lr is a tensor under AdamW8bit
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     train(load_config(Config, SMOKE, [*common, f"run_dir={full}", "train.epochs=3"]))
-    train(load_config(Config, SMOKE, [*common, f"run_dir={resumed}", "train.epochs=2"]))
+    shutil.copytree(full, resumed)  # the run as a kill after its second checkpoint leaves it
+    shutil.rmtree(resumed / "checkpoints" / "step_000002")
+    shutil.rmtree(resumed / "lora")
+    (resumed / "checkpoints" / "latest").write_text("step_000001\n")
     train(load_config(Config, SMOKE, [*common, f"run_dir={resumed}", "train.epochs=3", "train.resume=latest"]))
     step = resumed / "checkpoints" / "step_000002"
     lora = load_file(str(step / "lora.safetensors"))
@@ -152,6 +159,8 @@ def test_resume_with_a_quantised_base_and_8bit_adam(tmp_path):
     assert json.loads((step / "trainer_state.json").read_text())["epoch"] == 2
     expected = load_file(str(full / "checkpoints" / "step_000002" / "lora.safetensors"))
     assert all(torch.equal(lora[k], expected[k]) for k in expected)
+    lrs = [[r["optim/lr"] for r in read_metrics(run)] for run in (full, resumed)]
+    assert lrs[0] == lrs[1] and len(set(lrs[0])) == 3  # warm-up, then cosine: three different rates
 
 
 def test_adamw8bit_keeps_8bit_moments_that_a_checkpoint_saves_and_loads(tmp_path):
@@ -257,7 +266,6 @@ def test_two_ddp_processes_on_a_quantised_base_match_one(tmp_path):
     import subprocess
     import sys
 
-    from flowrl.training.metrics import read_metrics
     from tests import REPO
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
