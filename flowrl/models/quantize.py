@@ -25,6 +25,8 @@ import tempfile
 
 import torch
 
+from flowrl.devices import resolve_device
+
 QUANT_SCHEMES = ("none", "int8", "nf4", "fp8")
 QUANT_EXTRA = "pip install 'flowrl[quant]'"
 
@@ -35,11 +37,12 @@ def check_quantize(scheme: str, device) -> None:
         return
     if scheme not in QUANT_SCHEMES:
         raise ValueError(f"model.quantize: unknown scheme {scheme!r}; choose one of {', '.join(QUANT_SCHEMES)}")
-    on_cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
+    device = resolve_device(device)  # "auto" too
+    on_cuda = device.type == "cuda" and torch.cuda.is_available()
     if scheme == "nf4":
         if not on_cuda:
             raise ValueError("model.quantize=nf4 needs a CUDA GPU (bitsandbytes' 4-bit kernels) and this run is on "
-                             f"{torch.device(device).type}; use model.quantize=int8, which also runs on the CPU")
+                             f"{device.type}; use model.quantize=int8, which also runs on the CPU")
         if importlib.util.find_spec("bitsandbytes") is None:
             raise ValueError("model.quantize=nf4 needs bitsandbytes, which is not installed: pip install bitsandbytes "
                              "(or use model.quantize=int8)")
@@ -49,8 +52,8 @@ def check_quantize(scheme: str, device) -> None:
     if scheme == "fp8":
         if not on_cuda:
             raise ValueError("model.quantize=fp8 needs a CUDA GPU of compute capability >= 8.9 (Ada, Hopper) and this "
-                             f"run is on {torch.device(device).type}; use model.quantize=int8")
-        capability = torch.cuda.get_device_capability(torch.device(device))
+                             f"run is on {device.type}; use model.quantize=int8")
+        capability = torch.cuda.get_device_capability(device)
         if capability < (8, 9):
             raise ValueError(f"model.quantize=fp8 needs compute capability >= 8.9 (Ada, Hopper); this GPU has "
                              f"{capability[0]}.{capability[1]}: use model.quantize=int8 or nf4")
@@ -88,7 +91,7 @@ def quantize_pipeline(pipeline, scheme: str, device) -> None:
         return
     transformer = pipeline.transformer
     dtype = transformer.dtype
-    placement = {"device_map": str(torch.device(device))} if scheme == "nf4" else {}
+    placement = {"device_map": str(resolve_device(device))} if scheme == "nf4" else {}
     from diffusers.utils import logging
 
     verbosity = logging.get_verbosity()
