@@ -115,6 +115,19 @@ def test_exported_lora_loads_into_the_unquantised_base_and_matches_the_unquantis
     assert (int8_run - plain_run).abs().mean().item() < 0.1 * change
 
 
+def test_export_merge_fuses_the_lora_into_the_unquantised_base(runs, tmp_path):
+    """``flowrl export-lora --merge`` of the int8 run rebuilds the base from the run's config without quantising
+    it: the fused transformer is plain float weights, loadable with ``from_pretrained``."""
+    from diffusers import SD3Transformer2DModel
+
+    from flowrl.commands.export import export_lora
+
+    root, _ = runs
+    export_lora(root / "int8", tmp_path / "out", merge=True)
+    merged = SD3Transformer2DModel.from_pretrained(tmp_path / "out" / "transformer")
+    assert not is_quantized(merged) and all(type(p) is torch.nn.Parameter for p in merged.parameters())
+
+
 def test_reference_is_the_same_quantised_model_with_the_adapter_off():
     torch.manual_seed(0)
     policy = build_policy("sd3", "tiny", quantize="int8")
