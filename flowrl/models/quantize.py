@@ -21,11 +21,19 @@ DeepSpeed cannot shard them and are refused (:func:`flowrl.recipes.build.check_m
 from __future__ import annotations
 
 import importlib.util
+import logging
 import tempfile
 
 import torch
 
 from flowrl.devices import resolve_device
+
+# With torchao installed, importing it or any diffusers model logs three lines a flowrl user can do nothing about:
+# torchao 0.18 registers two enums with torch's pytree the way torch 2.14 deprecates, and diffusers 0.42 cannot
+# import the tensor classes of torchao < 0.16 (for checkpoints saved quantised, which flowrl never loads). A
+# command's error is one line, so these two loggers keep to errors.
+for _name in ("torch.utils._pytree", "diffusers.quantizers.torchao.torchao_quantizer"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
 
 QUANT_SCHEMES = ("none", "int8", "nf4", "fp8")
 QUANT_EXTRA = "pip install 'flowrl[quant]'"

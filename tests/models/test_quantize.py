@@ -210,6 +210,22 @@ def test_a_scheme_this_machine_cannot_run_is_one_line_and_no_run_dir(tmp_path, c
     assert not run.exists()
 
 
+def test_nf4_on_a_cpu_is_one_stderr_line_in_a_fresh_process(tmp_path):
+    """The whole stderr of the command, imports included: torchao and diffusers log nothing on the way."""
+    import subprocess
+    import sys
+
+    from tests import REPO
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("FLOWRL_DEBUG", None)
+    result = subprocess.run([sys.executable, "-m", "flowrl", "train", SMOKE, f"run_dir={tmp_path / 'run'}",
+                             "model.quantize=nf4"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("flowrl train: error: model.quantize=nf4 needs a CUDA GPU")
+    assert not (tmp_path / "run").exists()
+
+
 def test_nf4_without_bitsandbytes_and_fp8_on_an_older_gpu_are_one_line(monkeypatch):
     import importlib.util
 
