@@ -1,7 +1,7 @@
 """Recipe nft's configuration (``recipe: nft``): :class:`NFTConfig`, the shared sections of
 :class:`~flowrl.config.schema.Config` and the forward-process section :class:`NFTSection` (``nft.*``): DiffusionNFT's,
-AWM's and CRD's losses, their timesteps, samplers, old-policy decays and eval EMAs. Recipe nft has no log-prob ratios,
-so GRPO's own keys (``train.clip_range``, ``train.loss``, ``gardo.*``, ...) are unknown keys here.
+AWM's, CRD's and DPO's losses, their timesteps, samplers, old-policy decays and eval EMAs. Recipe nft has no log-prob
+ratios, so GRPO's own keys (``train.clip_range``, ``train.loss``, ``gardo.*``, ...) are unknown keys here.
 """
 
 from __future__ import annotations
@@ -16,14 +16,22 @@ from flowrl.config.schema import Config
 @dataclass
 class NFTSection:
     """Forward-process RL (recipe: nft): ODE rollouts, flow-matching updates on their clean samples,
-    with DiffusionNFT's loss, AWM's or CRD's."""
+    with DiffusionNFT's loss, AWM's, CRD's or online DPO's."""
 
-    loss: Literal["nft", "awm", "crd"] = "nft"
+    loss: Literal["nft", "awm", "crd", "dpo"] = "nft"
     """'nft': DiffusionNFT's implicit positive/negative policies; 'awm': Advantage Weighted Matching, its
     (ghuber-weighted) flow-matching log-probability under a clipped ratio times the clipped advantage over
     train.advantage_clip, plus nft.awm_kl times ||v - v_old||^2 toward the old (EMA) adapter; 'crd': Centered
     Reward Distillation, the implicit log-ratio to the old adapter matched to the reward, both centred within
-    the prompt's group."""
+    the prompt's group; 'dpo': online Diffusion-DPO, each group's (winner, loser) pairs at a shared (t, noise), their
+    flow-matching errors against the base model's (adapter off) through -log sigmoid(-dpo_beta / 2 * difference)."""
+    dpo_beta: float = 100.0
+    """DPO: beta of -log sigmoid(-beta / 2 * ((e_w - e_ref_w) - (e_l - e_ref_l))), e the per-element mean squared
+    velocity error (Diffusion-DPO's beta_dpo, T folded in; Flow-GRPO's SD3.5-M DPO: 100)."""
+    dpo_pairs: Literal["best_worst", "all"] = "best_worst"
+    """DPO: a group's pairs, its best rollout against its worst (Flow-GRPO's) or every winner/loser pair; equal
+    advantages give no pair. best_worst: better per second of training on the toy world (flowrl/recipes/nft.py,
+    DpoLoss)."""
     crd_beta: float = 1.0
     """CRD: the KL temperature beta of beta (log-ratio - group mean) ~ (r - group mean), r in [0, 1]
     (Flow-Factory's crd_beta, 1 in its SD3.5 OCR example)."""
@@ -101,6 +109,7 @@ class NFTSection:
     def validate(self):
         check(self.strength > 0, "strength", "must be > 0")
         check(self.crd_beta > 0, "crd_beta", "must be > 0")
+        check(self.dpo_beta > 0, "dpo_beta", "must be > 0")
         check(self.crd_kl_guidance is None or self.crd_kl_guidance >= 1, "crd_kl_guidance", "must be >= 1 or null")
         check(self.loss_scale is None or self.loss_scale > 0, "loss_scale", "must be > 0, or null")
         check(self.awm_kl >= 0, "awm_kl", "must be >= 0 (it pulls v toward the old adapter)")
@@ -142,7 +151,8 @@ NFT_CHOICES = {"timestep_schedule": "sampling", "sampler": "ode", "rollout_weigh
                "eval_ema_every": "step", "old_decay": 1}
 LOSS_CHOICES = {"awm": {"timestep_schedule": "stratified", "sampler": "sa_solver", "rollout_weights": "trained",
                         "eval_ema_decay": 0.99, "eval_ema_every": "epoch", "old_decay": [0, 0.0, 0.001, 0.3]},
-                "crd": {"old_decay": [0, 0.25, 0.005, 0.999]}}
+                "crd": {"old_decay": [0, 0.25, 0.005, 0.999]},
+                "dpo": {"rollout_weights": "trained"}}  # online DPO samples from the policy it trains
 
 
 @dataclass
@@ -160,6 +170,11 @@ class NFTConfig(Config, recipe="nft"):
         check(not (n.loss == "crd" and t.combine == "marble"), "train.combine",
               "marble balances advantage-weighted gradients, and nft.loss=crd weights each sample by its reward-"
               "matching residual instead: use train.combine=weighted or gdpo with crd")
+        check(not (n.loss == "dpo" and t.combine == "marble"), "train.combine",
+              "marble balances advantage-weighted gradients, and nft.loss=dpo trains on preference pairs instead: use "
+              "train.combine=weighted or gdpo with dpo")
+        check(n.loss != "dpo" or s.group_size >= 2, "sampling.group_size",
+              f"is {s.group_size}: nft.loss=dpo pairs rollouts of one prompt, so a group needs at least 2")
         check(t.ema, "train.ema", "recipe nft keeps its old adapter as train.ema: set train.ema=true")
         check(n.choice("timestep_schedule") != "sampling" or n.timesteps_per_sample <= s.num_steps,
               "nft.timesteps_per_sample", f"exceeds the {s.num_steps} sigmas of the sampling schedule; lower it or "

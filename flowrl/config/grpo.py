@@ -19,8 +19,10 @@ class GRPOTrainConfig(TrainConfig):
     log-prob ratios and stored transitions."""
 
     loss: str = "grpo-clip"
-    """Policy loss (registry name): grpo-clip, or tmpo (TMPO's Softmax Trajectory Balance over whole paths under a
-    path-level clipped ratio, as in its authors' release; recipe grpo, flowrl/algorithms/tmpo.py)."""
+    """Policy loss (registry name): grpo-clip, tmpo (TMPO's Softmax Trajectory Balance over whole paths under a
+    path-level clipped ratio, as in its authors' release; recipe grpo, flowrl/algorithms/tmpo.py), or sdpo (SDPO's
+    dense reward difference loss on pairs of a group that share initial noise, steps shuffled per pair;
+    flowrl/algorithms/sdpo.py)."""
     tmpo_beta: float = 15.0
     """TMPO: inverse temperature of the reward's Boltzmann distribution softmax(tmpo_beta * R)."""
     tmpo_target: Literal["residual", "gradient"] = "residual"
@@ -39,12 +41,14 @@ class GRPOTrainConfig(TrainConfig):
     divided by |dt| (SDE steps; its clip ranges are ~1e-6); batch_sensitivity centres the log-ratio on the step's
     batch and divides it by the step's relative velocity sensitivity; none (or false): the plain log-ratio."""
     clip_range: float = 1e-4
-    """PPO ratio clip epsilon (1e-4 full SDE, 1e-5 window/CPS in Flow-GRPO)."""
+    """PPO ratio clip epsilon (1e-4 full SDE, 1e-5 window/CPS in Flow-GRPO); train.loss sdpo clamps each log-ratio
+    to +-this (the reference's clip_range, 1e-4)."""
     clip_range_high: float | None = None
     """Upper clip epsilon if different from the lower one (asymmetric clipping)."""
     skip_last_step: bool | None = None
     """Do not train the last, near-clean step. null: true for a full-SDE rollout (Flow-GRPO trains steps
-    0..T-2), false with an SDE window (Flow-GRPO-Fast trains every window step, the last included)."""
+    0..T-2), false with an SDE window (Flow-GRPO-Fast trains every window step, the last included) or with
+    train.loss sdpo (its reference trains every step)."""
     timestep_fraction: float = 1.0
     """Train this fraction of the stored steps, drawn per epoch."""
     ema_start_step: int = 1
@@ -55,14 +59,29 @@ class GRPOTrainConfig(TrainConfig):
     ema_warmup: Literal["none", "flow_grpo"] = "none"
     """none: the decay is ema_decay from the start; flow_grpo: Flow-GRPO's ramp min(ema_decay, (1 + s) / (10 + s)),
     s the optimizer steps since ema_start_step, so early updates average over fewer steps (recipe grpo)."""
-    credit: Literal["terminal", "dense_cosine", "dense_ode"] = "terminal"
+    credit: Literal["terminal", "dense_cosine", "dense_ode", "sdpo"] = "terminal"
     """Per-step credit (recipe grpo, see flowrl/algorithms/dense.py): terminal gives every trained step its
     row's advantage; dense_cosine splits it by how far each step moves the predicted x0 toward the final
     latent; dense_ode trains each step on its group-normalised reward gain from ODE look-ahead, DenseGRPO's
-    dense reward (its reward-aware per-timestep noise calibration is not implemented: no published code)."""
+    dense reward (its reward-aware per-timestep noise calibration is not implemented: no published code); sdpo
+    trains each step on its group-normalised discounted return of SDPO's dense rewards, queried on a few steps'
+    clean predictions and predicted by latent similarity on the others (the sdpo_* keys)."""
     dense_lookahead: int | None = None
     """dense_ode: model calls per look-ahead (the last one steps straight to sigma 0); null runs the full
     remaining ODE, which DenseGRPO finds better than a short look-ahead."""
+
+    sdpo_gamma: float = 0.99
+    """SDPO: discount of the dense rewards' returns over steps, G_j = r_j + gamma G_(j+1) (reference 0.99)."""
+    sdpo_lam: float = 0.99
+    """SDPO: temporal importance, step j's log-ratio difference weighs lam**j (j = 0 the noisiest; reference 0.99)."""
+    sdpo_log_scale: float = 1.0
+    """SDPO: the log-ratio difference is divided by this before it is matched to the advantage difference."""
+    sdpo_queries: int = 3
+    """SDPO: states scored per trajectory: the first step's, the last (the sample's own reward) and
+    sdpo_queries - 2 anchors; the others are predicted by latent similarity (reference 3; >= num_steps: all)."""
+    sdpo_anchor: Literal["least_similar", "random"] = "least_similar"
+    """SDPO: the anchors, least_similar (the reference: the state least cosine-similar to those queried so far) or
+    random middle states drawn from the row's seed."""
 
     def __post_init__(self):
         if isinstance(self.ratio_norm, bool):  # true names the method the option was written for (parsing, so
@@ -84,6 +103,10 @@ class GRPOTrainConfig(TrainConfig):
               f"{self.credit} gives per-step advantages, but train.loss=tmpo trains on per-trajectory targets; "
               "use train.loss=grpo-clip or train.credit=terminal")
         check(0 < self.tmpo_clip_range < 1, "tmpo_clip_range", "must be in (0, 1)")
+        check(0 <= self.sdpo_gamma <= 1, "sdpo_gamma", "must be in [0, 1]")
+        check(0 < self.sdpo_lam <= 1, "sdpo_lam", "must be in (0, 1]")
+        check(self.sdpo_log_scale > 0, "sdpo_log_scale", "must be > 0")
+        check(self.sdpo_queries >= 2, "sdpo_queries", "must be >= 2 (the first and the last step are always scored)")
         check(self.tmpo_ref_weight >= 0, "tmpo_ref_weight", "must be >= 0")
         if self.dense_lookahead is not None:
             check(self.dense_lookahead >= 1, "dense_lookahead", "must be >= 1 model call, or null for the full ODE")
@@ -154,6 +177,7 @@ class GRPOConfig(Config, recipe="grpo"):
             check(not (window.size is not None and window.mode == "random"), "sampling.window.mode",
                   "train.loss=tmpo scores each stored column at one step, but mode random draws a window per rollout "
                   "batch: use sampling.window.mode=random_per_epoch")
+        self.validate_sdpo()
         check(t.credit == "terminal" or not tree.branch_steps, "train.credit", f"{t.credit} is not defined on tree "
               "rollouts (sampling.tree.branch_steps), whose edges take their advantage from the leaves below them; use "
               "train.credit=terminal")
@@ -170,6 +194,29 @@ class GRPOConfig(Config, recipe="grpo"):
               "batch_sensitivity scales each stored column by its step's sensitivity, but sampling.window.mode=random "
               "draws a window per rollout batch, so a column holds different steps: use "
               "sampling.window.mode=random_per_epoch")
+
+    def validate_sdpo(self):
+        """SDPO pairs the rows of a group on one shared noise and trains every step of a full-SDE rollout, with no
+        KL or per-step ratio normalisation (its reference has neither)."""
+        t, s = self.train, self.sampling
+        if t.loss == "sdpo":
+            check(s.group_size % 2 == 0, "sampling.group_size", f"train.loss=sdpo pairs the rows of a group on one "
+                  f"initial noise: use an even group size (got {s.group_size})")
+            check(not s.rollout_chunk or min(s.rollout_chunk, s.group_size) % 2 == 0, "sampling.rollout_chunk",
+                  "train.loss=sdpo needs whole pairs per rollout chunk: use an even chunk")
+            check(t.beta == 0, "train.beta", "train.loss=sdpo has no KL term (as its reference): set train.beta=0")
+            check(t.ratio_norm == "none", "train.ratio_norm", "train.loss=sdpo matches plain log-ratio differences: "
+                  "set train.ratio_norm=none")
+            check(not self.gardo.diversity, "gardo.diversity", "train.loss=sdpo trains per-step advantage "
+                  "differences, not row advantages: set gardo.diversity=false")
+            check(not s.pilot.candidates, "sampling.pilot.candidates", "train.loss=sdpo pairs rows that share initial "
+                  "noise, and Pilot-Commit draws a group in two passes: set it to 0")
+        if "sdpo" in (t.loss, t.credit):
+            what = f"train.{'loss' if t.loss == 'sdpo' else 'credit'}=sdpo"
+            check(not s.tree.branch_steps, "sampling.tree.branch_steps", f"{what} trains the steps of flat groups, "
+                  "not tree rollouts: remove the branch steps")
+            check(s.window.size is None, "sampling.window.size", f"{what} rewards and trains every step of a "
+                  "full-SDE rollout (few-step schedules): set the window to null")
 
     def validate_gardo(self):
         g, gated = self.gardo, self.gardo.kl_fraction < 1

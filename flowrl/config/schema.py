@@ -67,6 +67,9 @@ class ModelConfig:
     """The negative prompt of classifier-free guidance, for every prompt (families that run CFG)."""
     gradient_checkpointing: bool = False
     """Recompute transformer activations in the backward pass to save memory."""
+    quantize: Literal["none", "int8", "nf4", "fp8"] = "none"
+    """Quantise the frozen transformer base under the LoRA (QLoRA): int8 (torchao weight-only, also on the CPU),
+    nf4 (bitsandbytes 4-bit, CUDA) or fp8 (torchao, CUDA compute capability >= 8.9); the LoRA stays float32."""
     text_encoder_device: Literal["gpu", "cpu"] = "gpu"
     """Where the text encoders live: gpu, the run's device; cpu, off the accelerator (T5-XXL alone is ~9.5 GB in
     bf16), encoding there and moving the embeddings over."""
@@ -188,6 +191,9 @@ class TrainConfig:
     """Trajectories per forward/backward (gradient accumulation fills the rest)."""
     learning_rate: float = 3e-4
     """AdamW learning rate."""
+    optimizer: Literal["adamw", "adamw8bit"] = "adamw"
+    """adamw: torch's AdamW; adamw8bit: torchao's AdamW8bit, its two moments in 8 bits per value plus one scale per
+    256 (block-wise; ~1/4 of AdamW's state), on the CPU as on CUDA (needs the quant extra)."""
     lr_scheduler: Literal["constant", "constant_with_warmup", "cosine", "linear"] = "constant"
     """Learning-rate schedule over the run's optimizer steps (diffusers.optimization.get_scheduler), stepped
     once per optimizer step and restored on resume; cosine and linear decay to 0 at the last step."""

@@ -24,7 +24,9 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -62,8 +64,14 @@ def run_eval(config: str, overrides: list[str], checkpoints: list[str], out: str
     out_dir = Path(out or Path(cfg.run_dir) / "eval")
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    device = resolve_device(cfg.device)
-    images = generate_all(cfg, suite, specs, out_dir, device, preference=slider)
+    from accelerate import PartialState
+
+    state = PartialState()  # under `accelerate launch` each process renders a share of the suite's batches
+    device = state.device if state.num_processes > 1 else resolve_device(cfg.device)
+    images = generate_all(cfg, suite, specs, out_dir, device, preference=slider,
+                          shard=Shard(state.process_index, state.num_processes, state.wait_for_everyone))
+    if not state.is_main_process:  # the main process scores the files every process wrote
+        return out_dir / "report.html"
     results = score_all(cfg, suite, specs, images, reference, device)
     (out_dir / "results.json").write_text(json.dumps(results, indent=2, allow_nan=True) + "\n")
     from flowrl.eval.report import write_eval_report
@@ -99,13 +107,26 @@ def _has_adapter(run_dir: Path) -> bool:
 
 
 # --- 1. generation ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Shard:
+    """This process's share of the rendering under ``accelerate launch``: every ``world``-th batch of prompts
+    from ``rank``; ``barrier`` waits for every process."""
+
+    rank: int = 0
+    world: int = 1
+    barrier: Callable[[], None] = lambda: None
+
+
 def generate_all(cfg, suite, specs: list[EvalCheckpoint], out_dir: Path, device,
-                 preference: list[float] | None = None) -> dict[str, tuple]:
-    """``{label: (images [P*n, 3, H, W] read back from PNG, latents [P*n, C, h, w])}`` for every checkpoint.
+                 preference: list[float] | None = None, shard: Shard = Shard()) -> dict[str, tuple]:
+    """``{label: (images [P*n, 3, H, W] read back from PNG, latents [P*n, C, h, w])}`` for every checkpoint
+    (on the main process; the others render their share and return ``{}``).
 
     A label's folder keeps ``manifest.json`` (the render settings, a digest of the checkpoint's files and
     the prompt of each index): files rendered under other settings, another prompt or another version of
-    the checkpoint (a run trained further) are rendered again instead of being reused."""
+    the checkpoint (a run trained further) are rendered again instead of being reused. Under several
+    processes each renders whole batches (``eval.batch_prompts``, cut as one process cuts them, so the
+    images are the same bits), keeps its own ``manifest.<rank>.json``, and the main process merges them."""
 
     e = cfg.eval
     plans = []
@@ -118,7 +139,9 @@ def generate_all(cfg, suite, specs: list[EvalCheckpoint], out_dir: Path, device,
         # whole batches, as a fresh eval cuts them: a prompt's floats depend on its batch's composition
         size = e.batch_prompts
         todo = [i for b in sorted({i // size for i in missing}) for i in range(b * size, min((b + 1) * size, len(suite)))]
-        plans.append((checkpoint, folder, settings, todo))
+        batches = _batches(todo, size)[shard.rank::shard.world]  # whole batches: a prompt's floats depend on them
+        plans.append((checkpoint, folder, settings, [i for batch in batches for i in batch]))
+    shard.barrier()  # every process has read the manifests before any writes
     policy, attached = None, None
     if any(todo for *_, todo in plans):
         policy = cached_policy(cfg, suite, device)
@@ -143,7 +166,13 @@ def generate_all(cfg, suite, specs: list[EvalCheckpoint], out_dir: Path, device,
 
                     set_preference(policy, preference)
             _render_missing(policy, suite, todo, folder, cfg, base=checkpoint.is_base, label=checkpoint.label,
-                            settings=settings)
+                            settings=settings, rank=shard.rank if shard.world > 1 else None)
+    shard.barrier()  # every process has written its images
+    if shard.rank != 0:
+        return {}
+    for checkpoint, folder, settings, _ in plans:
+        if shard.world > 1:
+            _merge_manifests(folder, settings)
         results[checkpoint.label] = read_images(folder, len(suite), e.images_per_prompt)
     return results
 
@@ -180,15 +209,25 @@ def render_settings(cfg, checkpoint: EvalCheckpoint, preference: list[float] | N
 
 
 def _manifest_prompts(folder: Path, settings: dict) -> dict[str, str]:
-    """``{index: prompt}`` rendered in ``folder`` under ``settings`` (empty for other settings or none)."""
-    file = folder / "manifest.json"
-    if not file.is_file():
-        return {}
-    try:
-        manifest = json.loads(file.read_text())
-    except ValueError:
-        return {}
-    return dict(manifest.get("prompts", {})) if manifest.get("settings") == settings else {}
+    """``{index: prompt}`` rendered in ``folder`` under ``settings`` (empty for other settings or none), from
+    ``manifest.json`` and the per-process ``manifest.<rank>.json`` an interrupted multi-process eval left."""
+    done: dict[str, str] = {}
+    for file in [folder / "manifest.json", *sorted(folder.glob("manifest.*.json"))]:
+        try:
+            manifest = json.loads(file.read_text()) if file.is_file() else {}
+        except ValueError:
+            continue
+        if manifest.get("settings") == settings:
+            done.update(manifest.get("prompts", {}))
+    return done
+
+
+def _merge_manifests(folder: Path, settings: dict) -> None:
+    """One ``manifest.json`` from the per-process ones (main process, after every process has rendered)."""
+    done = _manifest_prompts(folder, settings)
+    (folder / "manifest.json").write_text(json.dumps({"settings": settings, "prompts": done}, indent=1))
+    for part in folder.glob("manifest.*.json"):
+        part.unlink()
 
 
 def _prompt_done(folder: Path, index: int, n: int) -> bool:
@@ -207,8 +246,9 @@ def cached_policy(cfg, suite, device):
 
 
 def _render_missing(policy, suite, todo: list[int], folder: Path, cfg, *, base: bool, label: str,
-                    settings: dict) -> None:
-    """Render the prompts ``todo`` (indices into the suite), ``eval.batch_prompts`` at a time, and write them."""
+                    settings: dict, rank: int | None = None) -> None:
+    """Render the prompts ``todo`` (indices into the suite), ``eval.batch_prompts`` at a time, and write them;
+    ``rank``: one of several processes, whose manifest is ``manifest.<rank>.json`` (merged by the main one)."""
     import contextlib
 
     from safetensors.torch import save_file
@@ -221,11 +261,13 @@ def _render_missing(policy, suite, todo: list[int], folder: Path, cfg, *, base: 
     e, n = cfg.eval, cfg.eval.images_per_prompt
     folder.mkdir(parents=True, exist_ok=True)
     done = {k: v for k, v in _manifest_prompts(folder, settings).items() if int(k) not in todo}
+    manifest = folder / ("manifest.json" if rank is None else f"manifest.{rank}.json")
     steps = e.num_steps or cfg.sampling.num_steps
     guidance = cfg.sampling.guidance_scale if e.guidance_scale is None else e.guidance_scale
     guide = SelfGuidance.maybe(**cfg.sampling.self_guidance.settings())
     context = policy.reference() if base and policy.has_lora else contextlib.nullcontext()
-    with context, policy.sized(e.height, e.width, e.num_frames), tqdm(total=len(todo), desc=f"eval {label}", unit="prompt") as bar:
+    bar = tqdm(total=len(todo), desc=f"eval {label}", unit="prompt", disable=bool(rank))
+    with context, policy.sized(e.height, e.width, e.num_frames), bar:
         for chunk in _batches(todo, e.batch_prompts):  # consecutive suite indices: one rollout per batch
             images, latents = render(policy, suite.subset(chunk), images_per_prompt=n, num_steps=steps,
                                      guidance=guidance, seed=e.seed, first_prompt=chunk[0], batch_prompts=len(chunk),
@@ -238,7 +280,7 @@ def _render_missing(policy, suite, todo: list[int], folder: Path, cfg, *, base: 
                 save_file({"latents": latents[row * n:(row + 1) * n].contiguous()},
                           str(folder / f"p{index:04d}.latents.safetensors"), metadata=frames)
                 done[str(index)] = suite.prompts[index]
-            (folder / "manifest.json").write_text(json.dumps({"settings": settings, "prompts": done}, indent=1))
+            manifest.write_text(json.dumps({"settings": settings, "prompts": done}, indent=1))
             bar.update(len(chunk))
 
 

@@ -13,6 +13,7 @@ import importlib
 import torch
 
 from flowrl.models.base import Policy, PolicyBase, TextCond, load_pipeline, resolve_dtype
+from flowrl.models.quantize import check_quantize, pipeline_quantization, quantize_pipeline
 
 FAMILY_CLASSES = {
     "sd3": "flowrl.models.sd3:SD3Policy",  # SD3 / SD3.5
@@ -37,13 +38,17 @@ def policy_class(family: str) -> type[PolicyBase]:
 def build_policy(family: str, path: str, *, dtype: str = "float32", device="cpu", height: int | None = None,
                  width: int | None = None, max_sequence_length: int | None = None, seed: int = 0,
                  text_encoder_device: str = "gpu", revision: str | None = None,
-                 variant: str | None = None, num_frames: int | None = None, negative_prompt: str = "") -> PolicyBase:
+                 variant: str | None = None, num_frames: int | None = None, negative_prompt: str = "",
+                 quantize: str = "none") -> PolicyBase:
     """Load the pipeline of ``family`` from ``path`` (at ``revision``, with ``variant`` weight files) and wrap it in
     its policy adapter.
 
     ``text_encoder_device="cpu"`` keeps the text encoders on the CPU (they never reach ``device``).
-    ``num_frames`` (video families) is the clip length; ``negative_prompt`` the CFG negative of every prompt."""
+    ``num_frames`` (video families) is the clip length; ``negative_prompt`` the CFG negative of every prompt.
+    ``quantize`` (none | int8 | nf4 | fp8) quantises the frozen transformer (:mod:`flowrl.models.quantize`); a
+    scheme this machine cannot run is one line before anything loads."""
     cls = policy_class(family)
+    check_quantize(quantize, device)
     extra = {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
     if num_frames is not None:
         if not cls.video:
@@ -57,13 +62,16 @@ def build_policy(family: str, path: str, *, dtype: str = "float32", device="cpu"
         extra.setdefault("max_sequence_length", cls.tiny_max_sequence_length)
         if resolve_dtype(dtype) != torch.float32:
             pipeline = pipeline.to(dtype=resolve_dtype(dtype))
+        quantize_pipeline(pipeline, quantize, device)  # built in code, so quantised after the build
         pipeline.set_progress_bar_config(disable=True)
     else:
         import diffusers
 
         pipeline_class = getattr(diffusers, cls.pipeline_class_name)
         check_pipeline_family(family, path, cls.pipeline_class_name)
-        hub = {k: v for k, v in (("revision", revision), ("variant", variant)) if v is not None}  # from_pretrained's
+        hub = {k: v for k, v in (("revision", revision), ("variant", variant),
+                                 ("quantization_config", pipeline_quantization(quantize, resolve_dtype(dtype))))
+               if v is not None}  # from_pretrained's
         pipeline = load_pipeline(pipeline_class, path, dtype=resolve_dtype(dtype), device="cpu", **hub)
     policy = cls(pipeline, height=height, width=width, **extra)
     if text_encoder_device not in ("gpu", "cpu"):
@@ -79,7 +87,7 @@ def policy_from_config(model, *, device="cpu", seed: int = 0) -> PolicyBase:
     return build_policy(model.family, model.path, dtype=model.dtype, device=device, height=model.height,
                         width=model.width, max_sequence_length=model.max_sequence_length, seed=seed,
                         text_encoder_device=model.text_encoder_device, revision=model.revision, variant=model.variant,
-                        num_frames=model.num_frames, negative_prompt=model.negative_prompt)
+                        num_frames=model.num_frames, negative_prompt=model.negative_prompt, quantize=model.quantize)
 
 
 PIPELINE_FAMILIES = {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 
 import torch
 from accelerate import Accelerator
@@ -50,6 +51,49 @@ def build_training_policy(cfg: Config, device):
     if m.gradient_checkpointing:
         policy.transformer.enable_gradient_checkpointing()
     return policy
+
+
+def check_memory_options(cfg: Config, accelerator: Accelerator) -> None:
+    """``model.quantize`` and ``train.optimizer=adamw8bit`` under a launch they cannot run in are one line.
+
+    FSDP2 and DeepSpeed shard or flatten every parameter of the transformer, frozen ones included, and torchao's
+    quantised weights cannot be split (torchao 0.18's Int8Tensor implements no ``aten.split``: ``fully_shard``
+    stops there, checked on 2 CPU processes), nor is its 8-bit optimizer state gathered for a checkpoint the way
+    ``flowrl.sharded`` gathers AdamW's. A quantised base is the small-GPU setting: one process, or DDP, which
+    leaves the quantised weights alone (:func:`flowrl.models.quantize.ignore_quantized_in_ddp`)."""
+    sharded = accelerator.is_fsdp2 or _env_flag("ACCELERATE_USE_DEEPSPEED") or _env_flag("ACCELERATE_USE_FSDP")
+    if not sharded:
+        return
+    launch = "DeepSpeed" if _env_flag("ACCELERATE_USE_DEEPSPEED") else "FSDP"
+    if cfg.model.quantize != "none":
+        raise ConfigError(f"config key 'model.quantize': a quantised base cannot be sharded by {launch} (its "
+                          "quantised weights are not DTensors); launch with DDP (configs/accelerate/ddp_8gpu.yaml) "
+                          "or one process, or set model.quantize=none", key="model.quantize")
+    if cfg.train.optimizer == "adamw8bit":
+        raise ConfigError(f"config key 'train.optimizer': adamw8bit's 8-bit state cannot be sharded by {launch}; "
+                          "launch with DDP or one process, or use train.optimizer=adamw", key="train.optimizer")
+
+
+def build_optimizer(cfg: Config, params: list[torch.nn.Parameter], device) -> torch.optim.Optimizer:
+    """``train.optimizer`` over the LoRA parameters: torch's AdamW, or torchao's AdamW8bit (8-bit block-wise
+    moments, a quarter of AdamW's state; the same update rule). torchao's step is a ``torch.compile``d function,
+    so on the CPU it needs a C++ compiler; a machine without one (or without torchao) is one line here, before
+    the run directory exists, not a traceback at the first step."""
+    t = cfg.train
+    kwargs = dict(lr=t.learning_rate, betas=tuple(t.adam_betas), eps=t.adam_eps, weight_decay=t.weight_decay)
+    if t.optimizer == "adamw":
+        return torch.optim.AdamW(params, **kwargs)
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError("config key 'train.optimizer': adamw8bit is torchao's AdamW8bit, and torchao is not "
+                          "installed: pip install 'flowrl[quant]' (or use train.optimizer=adamw)", key="train.optimizer")
+    if torch.device(device).type == "cpu" and not any(map(shutil.which, (os.environ.get("CXX", "c++"), "g++",
+                                                                          "clang++"))):
+        raise ConfigError("config key 'train.optimizer': adamw8bit compiles its step with torch.compile, which on the "
+                          "CPU needs a C++ compiler and this machine has none (install g++, or use "
+                          "train.optimizer=adamw)", key="train.optimizer")
+    from torchao.optim import AdamW8bit
+
+    return AdamW8bit(params, **kwargs)
 
 
 def load_prompt_splits(cfg: Config) -> tuple[PromptSet, PromptSet]:

@@ -21,7 +21,8 @@ from flowrl.algorithms.advantages import group_variances, zero_std_fraction
 from flowrl.algorithms.combine import COMBINERS
 from flowrl.algorithms.preference import draw_preferences, row_weights
 from flowrl.recipes.build import (  # noqa: F401  (flat_config: re-exported for callers)
-    build_training_policy, eval_prompt_set, flat_config, load_prompt_splits, make_accelerator)
+    build_optimizer, build_training_policy, check_memory_options, eval_prompt_set, flat_config, load_prompt_splits,
+    make_accelerator)
 from flowrl.recipes.extras import COMMON_EXTRAS, LAST_EXTRAS, ExtraBuilder
 from flowrl.recipes.names import check_names
 from flowrl.recipes.plans import batch_plan, step_plan  # noqa: F401  (step_plan re-exported)
@@ -31,6 +32,7 @@ from flowrl.data import PromptSet, epoch_prompt_indices, prompts_per_batch
 from flowrl.eval_tasks import stratified_prefix
 from flowrl.models.full_weights import FULL_WEIGHT_NAME
 from flowrl.models.lora_io import lora_config_dict, lora_state_dict
+from flowrl.models.quantize import ignore_quantized_in_ddp
 from flowrl.models.text_cache import attach_configured_cache
 from flowrl.eval.held_out import evaluate_rows, render
 from flowrl.eval.report import write_report
@@ -174,6 +176,7 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, extras: di
     check_names(cfg)
     resolve_combine(cfg)  # before the accelerator: a DeepSpeed launch refuses marble
     accelerator = accelerator or make_accelerator(cfg)  # checks that the configured device is there
+    check_memory_options(cfg, accelerator)
     run_dir = Path(cfg.run_dir)
     check_run_dir(run_dir, resume=bool(cfg.train.resume), overwrite=cfg.train.overwrite)
     accelerator.wait_for_everyone()  # every process has looked before the main one claims the directory
@@ -192,8 +195,8 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, extras: di
     policy = build_training_policy(cfg, accelerator.device)
     check_eval_size(policy, cfg)
     params = policy.trainable_parameters()
-    optimizer = torch.optim.AdamW(params, lr=t.learning_rate, betas=tuple(t.adam_betas), eps=t.adam_eps,
-                                  weight_decay=t.weight_decay)
+    optimizer = build_optimizer(cfg, params, accelerator.device)
+    ignore_quantized_in_ddp(policy.transformer)  # model.quantize: frozen, identical on every rank, never broadcast
     policy.forward_module, optimizer = accelerator.prepare(policy.transformer, optimizer)
     params = policy.trainable_parameters()  # FSDP2 shards in place: the parameters are new (DTensor) objects
     if policy.full_weights is not None:  # the reference: the base's trained tensors, laid out (sharded) as they are
@@ -258,8 +261,9 @@ def resolve_combine(cfg: Config) -> None:
 
 
 def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_level: float, kind: str = "sde",
-                     same_noise_in_group: bool = False, store_x0_preds: bool = False, store_means: bool = False,
-                     batch_windows: bool = False, rollout_fn=None):
+                     same_noise_in_group: bool = False, same_noise_in_pairs: bool = False,
+                     store_x0_preds: bool = False, store_means: bool = False, batch_windows: bool = False,
+                     rollout_fn=None):
     """This epoch's rollouts on this process, scored: batch b is scored in a worker while b+1 is sampled.
 
     With ``batch_windows`` and ``sampling.window.mode: random`` each batch rolls out with its own window,
@@ -298,7 +302,7 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
                                    num_steps=s.num_steps, guidance_scale=run.guidance, noise_level=noise_level,
                                    kind=kind, plan=batch_plan(plan, s, batch_windows, seed=cfg.seed, epoch=epoch,
                                                               batch=b, rank=rank),
-                                   same_noise_in_group=same_noise_in_group,
+                                   same_noise_in_group=same_noise_in_group, same_noise_in_pairs=same_noise_in_pairs,
                                    metadata=batch.metadata, store_x0_preds=store_x0_preds, ode_solver=s.ode_solver,
                                    store_means=store_means,
                                    seeds=root_seeds(cfg.seed, first_root, len(batch) * roots_per_group),
@@ -487,7 +491,7 @@ def end_epoch(run: Run, epoch: int, *, gathered: dict[str, torch.Tensor], combin
         tqdm.write(warning)
     for extra_metrics in run.hook("metrics"):  # MARBLE's weights, TMPO's split scheduler, the fault counts
         metrics.update(extra_metrics())
-    metrics["optim/lr"] = run.optimizer.param_groups[0]["lr"]
+    metrics["optim/lr"] = float(run.optimizer.param_groups[0]["lr"])  # a tensor under torchao's AdamW8bit
     metrics["perf/sample_s"] = sample_done - epoch_start
     metrics["perf/reward_wait_s"] = reward_done - sample_done
     metrics["perf/train_s"] = train_done - reward_done

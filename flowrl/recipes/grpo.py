@@ -11,11 +11,14 @@ Choices, all set in the config (``flowrl/config/schema.py``):
   them (``flowrl/algorithms/branch.py``; ``sampling.tree.backup: leaf_mean``: the mean leaf advantage), and
   branch steps draw BranchGRPO's scaled split noise; ``loss: tmpo`` trains TMPO's Softmax Trajectory Balance
   over whole paths instead (``flowrl/recipes/tmpo_paths.py``), its tree's split steps optionally drawn by
-  TMPO's reward-adaptive scheduler (``sampling.tree.schedule: beta``);
+  TMPO's reward-adaptive scheduler (``sampling.tree.schedule: beta``); ``loss: sdpo`` trains SDPO's dense reward
+  difference loss on pairs of a group that share their initial noise, each pair's steps in a shuffled order
+  (``flowrl/recipes/sdpo.py``);
 - credit (``train.credit``): every trained step gets its row's advantage (terminal), a share of it by
   how far the step moves the predicted clean latent toward the final one (dense_cosine), or its own
   group-normalised reward gain measured by ODE look-ahead from the states around it (dense_ode,
-  DenseGRPO); see ``flowrl/algorithms/dense.py``;
+  DenseGRPO; see ``flowrl/algorithms/dense.py``), or its group-normalised discounted return of SDPO's dense
+  rewards, scored on a few steps' clean predictions and predicted by latent similarity on the others (sdpo);
 - loss: PPO-clipped ratio with separate lower/upper ranges (``train.ratio_norm: grpo_guard`` takes
   GRPO-Guard's unbiased per-step log-ratio and divides each step's policy loss by ``|dt|``; see
   ``flowrl/algorithms/ratio_norm.py``), plus beta * KL to the reference
@@ -72,6 +75,7 @@ from flowrl.recipes.extras import snapshot
 from flowrl.recipes.plans import beta_split_scheduler
 from flowrl.recipes.run import Run
 from flowrl.recipes.snapshots import GardoReference
+from flowrl.recipes.sdpo import SdpoPairs, sdpo_credit
 from flowrl.recipes.tmpo_paths import TmpoPaths
 from flowrl.rewards_api import AsyncScorer
 from flowrl.sampling import sde_step, transition
@@ -117,14 +121,16 @@ def train(cfg: GRPOConfig, *, accelerator: Accelerator | None = None) -> dict[st
         # 1-3. Sample prompts, roll out groups, score batch b while batch b+1 is sampled.
         traj, sample_done, reward_done = sample_and_score(
             run, scorer, epoch, plan=plan, noise_level=s.noise_level, kind=s.kind,
-            same_noise_in_group=s.same_noise_in_group, store_x0_preds=credit.store_x0_preds,
+            same_noise_in_group=s.same_noise_in_group, same_noise_in_pairs=objective.pairs_share_noise,
+            store_x0_preds=credit.store_x0_preds,
             store_means=ratio_norm.store_means or objective.store_means, batch_windows=True)
 
         # 4. Advantages over whole groups: gather every process's rewards, keep this process's slice.
         #    TMPO's objective takes that (unclipped) as its reward R and trains whole paths (TmpoPaths) on Softmax-TB.
         gathered, combined_adv, combined, local, all_groups = group_advantages(run, traj, estimator)
         # Each row's own window (Flow-GRPO-Fast draws one per batch): which of its stored steps train [N, K].
-        skip_last = t.skip_last_step if t.skip_last_step is not None else s.window.size is None
+        skip_last = t.skip_last_step if t.skip_last_step is not None else \
+            s.window.size is None and not objective.trains_last_step
         trained = trained_mask(traj.row_step_indices, s.num_steps, skip_last, t.timestep_fraction, seed=cfg.seed,
                                epoch=epoch)
         # Per-step noise levels come with per-split levels only, where every row stores the same steps.
@@ -214,10 +220,10 @@ def train(cfg: GRPOConfig, *, accelerator: Accelerator | None = None) -> dict[st
                                           StatsAccumulator)
 
                 update.backward(chunk, stats, on_policy=inner == 0 and chunk_index == 0,
-                                transitions=transitions_backward)
+                                transitions=transitions_backward, mask=mask)
                 optimizer_step(run, stats)
                 if ema is not None:  # steps so far: train.ema_start_step / ema_every / ema_warmup count them
-                    done = (epoch * t.inner_epochs + inner) * t.optimizer_steps_per_epoch + chunk_index + 1
+                    done = (epoch * t.inner_epochs + inner) * len(chunks) + chunk_index + 1  # SDPO: steps x chunks
                     ema.scheduled_step(done, start=t.ema_start_step, every=t.ema_every, warmup=t.ema_warmup)
         reference_metrics = {} if gardo_reference is None else gardo_reference.after_update(run, epoch, stats)
         update_metrics = run.after_epoch(epoch, traj)  # trainable rewards learn from these rollouts
@@ -283,6 +289,8 @@ class TransitionObjective:
     own_split_noise = False  # tree splits draw BranchGRPO's scaled split noise
     store_means = False  # the rollout's step means are not needed (ratio_norm grpo_guard asks for them itself)
     backs_up_edges = True  # tree edges train on sampling.tree.backup's advantages
+    pairs_share_noise = False  # rows draw their own initial noise (SDPO's pairs share theirs)
+    trains_last_step = False  # a full-SDE rollout's last, near-clean step is not trained (Flow-GRPO)
 
     def __init__(self, run, traj, columns: list[int], noise_levels: list[float], rewards: torch.Tensor):
         pass  # everything it needs is the recipe's per-transition update
@@ -291,8 +299,10 @@ class TransitionObjective:
         """Rows of the epoch in ``count`` chunks, one optimizer step each."""
         return np.array_split(order, count)
 
-    def backward(self, chunk: torch.Tensor, stats: StatsAccumulator, *, on_policy: bool, transitions) -> None:
-        """Accumulate one chunk's gradient: ``transitions()``, the recipe's per-transition update."""
+    def backward(self, chunk: torch.Tensor, stats: StatsAccumulator, *, on_policy: bool, transitions,
+                 mask: torch.Tensor) -> None:
+        """Accumulate one chunk's gradient: ``transitions()``, the recipe's per-transition update (which holds the
+        mask [N, K] of the steps that train itself)."""
         transitions()
 
     def advantage_size(self, combined_advantages: torch.Tensor, clip: float) -> float:
@@ -301,7 +311,7 @@ class TransitionObjective:
 
 
 # train.loss: what one epoch trains, built per epoch from its rollouts.
-OBJECTIVES = {"grpo-clip": TransitionObjective, "tmpo": TmpoPaths}
+OBJECTIVES = {"grpo-clip": TransitionObjective, "tmpo": TmpoPaths, "sdpo": SdpoPairs}
 
 
 @dataclass
@@ -372,7 +382,7 @@ def dense(rule: Callable) -> Callable:
 
 
 CREDIT = {"terminal": Credit(terminal_credit), "dense_cosine": Credit(dense(cosine_dense_credit), store_x0_preds=True),
-          "dense_ode": Credit(dense(ode_dense_credit))}
+          "dense_ode": Credit(dense(ode_dense_credit)), "sdpo": Credit(dense(sdpo_credit), store_x0_preds=True)}
 
 
 def gardo_metrics(distances: torch.Tensor | None, kl_gate: torch.Tensor | None) -> dict[str, float]:

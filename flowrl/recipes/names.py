@@ -12,11 +12,13 @@ from __future__ import annotations
 from flowrl.algorithms.combine import COMBINERS
 from flowrl.algorithms.gardo import FEATURES
 from flowrl.algorithms.losses import POLICY_LOSSES
+from flowrl.algorithms.sdpo import PAIR_LOSSES
 from flowrl.algorithms.tmpo import PATH_LOSSES
 from flowrl.config import Config, check
 
 # Config.registry_names() kind -> (the registry, whether a dotted path 'package.module:Class' may stand in for a name)
-REGISTRIES = {"policy loss": ({**POLICY_LOSSES, **PATH_LOSSES}, False),  # per transition, and TMPO's over paths
+REGISTRIES = {"policy loss": ({**POLICY_LOSSES, **PATH_LOSSES, **PAIR_LOSSES}, False),  # per transition, TMPO's
+              # over paths, SDPO's over pairs
               "reward combiner": (COMBINERS, False), "feature space": (FEATURES, True)}
 
 

@@ -47,6 +47,7 @@ def rollout(
     kind: StepKind = "sde",
     plan: StepPlan | None = None,
     same_noise_in_group: bool = False,
+    same_noise_in_pairs: bool = False,
     metadata: Sequence[dict] | None = None,
     cond: TextCond | None = None,
     decode: bool = True,
@@ -59,7 +60,8 @@ def rollout(
     """Sample ``len(prompts) * group_size`` trajectories; only the plan's SDE steps are stored.
 
     ``seeds`` holds one seed per root row (``len(prompts) * group_size // plan.leaves_per_root``).
-    With ``same_noise_in_group`` every row of a group starts from the first row's initial noise.
+    With ``same_noise_in_group`` every row of a group starts from the first row's initial noise; with
+    ``same_noise_in_pairs`` rows 2i and 2i + 1 of a group share row 2i's (SDPO's pairs; an even group).
     With ``store_x0_preds`` the trajectory also keeps the clean-latent prediction ``x - sigma v`` at
     every stored state from the velocities the loop computes anyway (no extra model call). With
     ``store_means`` it keeps the float32 mean of every stored step (GRPO-Guard's ratio needs the sampling
@@ -92,8 +94,12 @@ def rollout(
     prompt_ids = torch.arange(num_prompts).repeat_interleave(roots_per_group)  # [R]
     row_seeds = torch.tensor([int(s) for s in seeds], dtype=torch.long)  # [R]
     init_seeds = row_seeds.clone()
+    if same_noise_in_pairs and roots_per_group % 2:
+        raise ValueError(f"same_noise_in_pairs pairs the rows of a group: group_size {group_size} must be even")
     if same_noise_in_group:
         init_seeds = row_seeds[::roots_per_group].repeat_interleave(roots_per_group)
+    elif same_noise_in_pairs:
+        init_seeds = row_seeds[::2].repeat_interleave(2)
 
     # 2. Initial noise, drawn per row like diffusers does with a list of generators.
     x = policy.init_noise(len(row_seeds), generator=generators(init_seeds.tolist()))  # [R, C, (F,) h, w]
@@ -226,6 +232,8 @@ def chunked_rollout(policy: Policy, prompts: Sequence[str], *, group_size: int, 
                          f"and a multiple of the tree's {leaves} leaves per root")
     if kwargs.get("same_noise_in_group") and chunk < group_size:
         raise ValueError("same_noise_in_group needs whole groups per rollout chunk")
+    if kwargs.get("same_noise_in_pairs") and min(chunk, group_size) % 2:
+        raise ValueError("same_noise_in_pairs needs whole pairs per rollout chunk: use an even rollout_chunk")
     cond = policy.encode(list(prompts), metadata=metadata) if cond is None else cond
     per_chunk, size = max(chunk // group_size, 1), min(chunk, group_size)  # prompts per chunk, rows per group part
     roots, group_roots = size // leaves, group_size // leaves

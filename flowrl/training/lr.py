@@ -17,4 +17,21 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, name: str, *, warmup_st
     while s < warmup_steps; cosine and linear fall from 1 after the warm-up to 0 at ``total_steps``."""
     from diffusers.optimization import get_scheduler
 
-    return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
+    scheduler = get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
+    if any(torch.is_tensor(group["lr"]) for group in optimizer.param_groups):
+        # torchao's AdamW8bit keeps each group's lr as a tensor (its compiled step reads it without recompiling),
+        # which torch's scheduler fills in place; the scheduler's own numbers are kept as plain floats, so the
+        # trainer state stays JSON and a resumed run computes the same lr as the uninterrupted one.
+        assert isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR), type(scheduler)  # every diffusers schedule
+        scheduler.__class__ = FloatStateLambdaLR
+        scheduler.base_lrs = [float(lr) for lr in scheduler.base_lrs]
+    return scheduler
+
+
+class FloatStateLambdaLR(torch.optim.lr_scheduler.LambdaLR):
+    """A LambdaLR whose state lists (``base_lrs``, ``_last_lr``) are saved as floats where the optimizer's lr is a
+    tensor."""
+
+    def state_dict(self) -> dict:
+        return {key: [float(v) if torch.is_tensor(v) else v for v in value] if isinstance(value, list) else value
+                for key, value in super().state_dict().items()}

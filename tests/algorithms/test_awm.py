@@ -100,7 +100,7 @@ def test_awm_smoke_run_trains_the_lora_through_the_awm_loss(tmp_path, monkeypatc
 
 def test_awm_config_errors_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"nft\.loss") as error:
-        awm_config(tmp_path, "nft.loss=dpo")
+        awm_config(tmp_path, "nft.loss=ppo")
     assert "\n" not in str(error.value) and "awm" in str(error.value)  # one line that lists the choices
     with pytest.raises(ConfigError, match=r"nft\.awm_kl") as error:
         awm_config(tmp_path, "nft.awm_kl=-0.1")

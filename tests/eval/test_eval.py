@@ -570,3 +570,21 @@ def test_eval_reads_the_text_cache_with_freed_encoders(world, tmp_path):
                                    "model.text_cache_path": cache})
     assert list(cache.glob("*.safetensors"))
     assert _pngs(out / "images/base") == _pngs(world.eval2 / "images/base")
+
+
+@pytest.mark.slow
+def test_two_processes_render_the_same_images_and_results_as_one(world, tmp_path):
+    """``accelerate launch flowrl eval``: each process renders whole batches of the suite, the main one scores
+    them, and results.json and every image are those of one process."""
+    one = _eval(world, [f"trained={world.run}"], tmp_path / "one")
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    proc = subprocess.run([*launcher, "-m", "flowrl", "eval", CONFIG, *_overrides(world), "--checkpoint",
+                           f"trained={world.run}", "--out", str(tmp_path / "two")], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    two = json.loads((tmp_path / "two" / "results.json").read_text())
+    for label in ("base", "trained"):
+        assert _pngs(tmp_path / "one" / "images" / label) == _pngs(tmp_path / "two" / "images" / label), label
+        assert not list((tmp_path / "two" / "images" / label).glob("manifest.*.json"))  # merged into one
+    _assert_same_results(two, one)
