@@ -100,6 +100,9 @@ class ModelConfig:
               "frees the encoders after caching every prompt: set model.text_cache=disk, or remove it")
         check(self.text_cache_path is None or self.text_cache == "disk", "text_cache_path",
               "names the cache of model.text_cache=disk: set that, or remove it")
+        check(self.trainable == "lora" or self.quantize == "none", "quantize",
+              "quantises the frozen base under a LoRA, and model.trainable=full trains the base itself: set "
+              "model.trainable=lora, or model.quantize=none")
         check(not self.trainable_modules or self.trainable == "full", "trainable_modules",
               "picks the modules of full training (model.trainable=full); a LoRA's modules are lora.target_modules")
         for pattern in self.trainable_modules:

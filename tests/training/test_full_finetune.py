@@ -210,7 +210,9 @@ def _one_line(code, err, words, run=None):
     (["model.trainable_modules=[nothing_is_named_so]"], ["model.trainable_modules", "matches no module"]),
     (["model.trainable_modules=['(']"], ["model.trainable_modules", "not a regular expression"]),
     (["model.trainable=partial"], ["model.trainable"]),
-], ids=["modules_with_lora", "lora_targets_with_full", "pattern_matches_nothing", "bad_regex", "unknown_mode"])
+    (["model.quantize=int8"], ["model.quantize", "model.trainable=lora"]),
+], ids=["modules_with_lora", "lora_targets_with_full", "pattern_matches_nothing", "bad_regex", "unknown_mode",
+        "quantized_base"])
 def test_bad_input_is_one_line_and_leaves_no_run_dir(overrides, words, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("FLOWRL_DEBUG", raising=False)
     run = tmp_path / "run"
