@@ -42,6 +42,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Mapping
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -307,7 +308,11 @@ def load_checkpoint(path_or_run_dir: str | Path, *, resume: str | Path = "latest
     A checkpoint saved without EMA seeds a given ``ema`` from the raw LoRA weights.
     """
     path = resolve_checkpoint(path_or_run_dir, resume)
-    lora_state = load_file(str(weights_file(path)), device=str(map_location))
+    file = weights_file(path)
+    # Full weights are read one tensor at a time as they are loaded (16 bytes a parameter with the EMA otherwise
+    # sit whole in every process's host memory); a LoRA is small and returned as a plain dict.
+    lora_state = (SafetensorsTensors(file) if file.name == WEIGHT_FILES[1]
+                  else load_file(str(file), device=str(map_location)))
     trainer_state = json.loads((path / "trainer_state.json").read_text())
     if optimizer is not None:
         # mmap: the file's pages are shared by the processes of a node; each cuts its slices one tensor at a time
@@ -316,14 +321,14 @@ def load_checkpoint(path_or_run_dir: str | Path, *, resume: str | Path = "latest
         shard_optimizer_state(optimizer)  # FSDP2: whole state tensors -> this rank's slices (else a no-op)
     if ema is not None:
         if (path / "ema.safetensors").is_file():
-            ema.load_state_tensors(load_file(str(path / "ema.safetensors")))
+            ema.load_state_tensors(SafetensorsTensors(path / "ema.safetensors"))
             ema.load_state_dict(json.loads(_metadata(path / "ema.safetensors").get("ema_state", "{}")))
         else:
             logger.warning("%s has no EMA weights; the EMA restarts from the checkpoint's LoRA", path)
             ema.load_state_tensors(lora_state)
     for name, snapshot in (snapshots or {}).items():
         if (path / f"{name}.safetensors").is_file():
-            snapshot.load_state_tensors(load_file(str(path / f"{name}.safetensors")))
+            snapshot.load_state_tensors(SafetensorsTensors(path / f"{name}.safetensors"))
     if scaler is not None and (path / "scaler.pt").is_file():
         scaler.load_state_dict(torch.load(path / "scaler.pt", map_location="cpu", weights_only=True))
     rng_file = path / f"rng_rank{rank}.pt"
@@ -332,6 +337,30 @@ def load_checkpoint(path_or_run_dir: str | Path, *, resume: str | Path = "latest
     else:  # resumed on more processes than saved: exactness is impossible anyway
         logger.warning("%s has no RNG state for rank %d; this rank keeps its current RNG", path, rank)
     return lora_state, trainer_state
+
+
+class SafetensorsTensors(Mapping):
+    """The tensors of a safetensors file as a read-only mapping that reads each one when it is asked for (CPU), so
+    loading a checkpoint holds one tensor of it at a time rather than the whole file."""
+
+    def __init__(self, file: Path):
+        self.handle = safe_open(str(file), framework="pt")
+        self.names = list(self.handle.keys())
+        self.known = set(self.names)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self.known:
+            raise KeyError(key)
+        return self.handle.get_tensor(key)
+
+    def __contains__(self, key) -> bool:
+        return key in self.known
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
 
 
 def read_checkpoint_lora(path: Path, *, ema: bool = False) -> tuple[dict[str, torch.Tensor], dict]:

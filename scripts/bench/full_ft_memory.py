@@ -18,8 +18,9 @@ parameter counts, nothing downloaded or allocated). Per GPU, with P trained para
 - the text encoders in bf16 unless ``model.text_cache=disk`` with ``model.free_text_encoders`` (0), and the VAE.
 
 Activations, the reward models and the CUDA context are not counted (``scripts/bench/gpu_full_size.py`` measures
-activation peaks). Also printed: the host memory a checkpoint takes per process (every process gathers the whole
-weights, EMA and AdamW state in float32 before rank 0 writes them).
+activation peaks). Also printed: the host memory rank 0 takes to write a checkpoint (the whole weights, EMA and AdamW
+state in float32: 16P; the other processes take part in the gathers and keep nothing, and a resume reads the files
+one tensor at a time, the AdamW file memory-mapped).
 
     .venv/bin/python scripts/bench/full_ft_memory.py
 """
@@ -120,8 +121,8 @@ def main() -> None:
         ref = r["rows"]["reference (base) fp32"]
         print(f"- {r['name']}: the sharded base copy costs {ref / GB:.2f} GB per GPU; a replicated frozen bf16 "
               f"transformer would cost {r['replicated_reference'] / GB:.2f} GB; offloading it to host memory costs "
-              f"0 GB of GPU but moves {ref / GB:.2f} GB over PCIe per reference forward. A checkpoint gathers "
-              f"{r['host_checkpoint'] / GB:.1f} GB of host memory on each process (weights, EMA, AdamW in fp32).")
+              f"0 GB of GPU but moves {ref / GB:.2f} GB over PCIe per reference forward. Writing a checkpoint "
+              f"gathers {r['host_checkpoint'] / GB:.1f} GB of host memory on rank 0 (weights, EMA, AdamW in fp32).")
 
 
 if __name__ == "__main__":
