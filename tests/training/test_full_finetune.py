@@ -90,16 +90,21 @@ def test_a_killed_run_resumes_bit_for_bit(grpo_run, tmp_path):
 
 
 @pytest.mark.slow
-def test_sigkill_then_resume_reproduces_the_uninterrupted_run(grpo_run, tmp_path):
+def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path):
     """As tests/training/test_resume.py kills a LoRA run: a full fine-tuning run killed with SIGKILL once its first
-    checkpoint is there, then resumed, ends with the uninterrupted run's metrics, checkpoint and export bit for bit."""
+    checkpoint is there, then resumed, ends with the uninterrupted run's metrics, checkpoint and export bit for bit.
+    Both runs are subprocesses with one thread each: bits are compared only between equal thread counts."""
     import signal
     import time
 
-    killed = tmp_path / "killed"
+    killed, grpo_run = tmp_path / "killed", tmp_path / "uninterrupted"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "flowrl", "train", *COMMON, f"run_dir={killed}", "train.epochs=3",
-               "train.checkpoint_every=1", "train.clip_range=0.2"]
+    command = [sys.executable, "-m", "flowrl", "train", *COMMON, "train.epochs=3", "train.checkpoint_every=1",
+               "train.clip_range=0.2"]
+    uninterrupted = subprocess.run([*command, f"run_dir={grpo_run}"], cwd=REPO, env=env, capture_output=True,
+                                   text=True, timeout=600)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-2000:]
+    command.append(f"run_dir={killed}")
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     pointer = killed / "checkpoints" / "latest"
     deadline = time.time() + 300
