@@ -89,40 +89,6 @@ def test_a_killed_run_resumes_bit_for_bit(grpo_run, tmp_path):
                if torch.is_tensor(v))
 
 
-@pytest.mark.slow
-def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path):
-    """As tests/training/test_resume.py kills a LoRA run: a full fine-tuning run killed with SIGKILL once its first
-    checkpoint is there, then resumed, ends with the uninterrupted run's metrics, checkpoint and export bit for bit.
-    Both runs are subprocesses with one thread each: bits are compared only between equal thread counts."""
-    import signal
-    import time
-
-    killed, grpo_run = tmp_path / "killed", tmp_path / "uninterrupted"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "flowrl", "train", *COMMON, "train.epochs=3", "train.checkpoint_every=1",
-               "train.clip_range=0.2"]
-    uninterrupted = subprocess.run([*command, f"run_dir={grpo_run}"], cwd=REPO, env=env, capture_output=True,
-                                   text=True, timeout=600)
-    assert uninterrupted.returncode == 0, uninterrupted.stderr[-2000:]
-    command.append(f"run_dir={killed}")
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    pointer = killed / "checkpoints" / "latest"
-    deadline = time.time() + 300
-    while time.time() < deadline and not (pointer.is_file() and pointer.read_text().strip() >= "step_000000"):
-        time.sleep(0.05)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    assert pointer.is_file(), "the run never wrote a checkpoint"
-    assert not (killed / "transformer").exists(), "the run finished before it could be killed"
-    resumed = subprocess.run([*command, "train.resume=latest"], cwd=REPO, env=env, capture_output=True, text=True,
-                             timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert _without_timings(read_metrics(killed)) == _without_timings(read_metrics(grpo_run))
-    for name in ("checkpoints/step_000002/weights.safetensors", "transformer/diffusion_pytorch_model.safetensors"):
-        a, b = load_file(grpo_run / name), load_file(killed / name)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
-
-
 def test_nft_trains_only_the_modules_a_pattern_matches(tmp_path):
     run = tmp_path / "nft"
     _train(run, "recipe=nft", "train.epochs=2", "model.trainable_modules=[attn\\.to_q, attn\\.to_k]")
