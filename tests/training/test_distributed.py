@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from flowrl.training.metrics import read_metrics
 from tests import REPO
+from tests.checkpoint_asserts import assert_same_optimizer_state, assert_same_safetensors
 
 COMMON = ["configs/smoke/sd3_tiny.yaml", "train.epochs=2", "log.progress=false", "log.eval_every=0",
           "train.beta=0.04", "train.learning_rate=1e-2", "train.clip_range=0.2"]
@@ -118,13 +119,11 @@ def test_fsdp2_two_processes_match_one_and_resume_exactly(tmp_path):
                              "train.resume=latest"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert _without_timings(read_metrics(resumed)) == _without_timings(metrics_two)
-    for name in ("checkpoints/step_000001/lora.safetensors", "checkpoints/step_000001/ema.safetensors",
-                 "lora/pytorch_lora_weights.safetensors"):
-        a, b = load_file(two / name), load_file(resumed / name)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
-    opt_two = torch.load(two / "checkpoints/step_000001/optimizer.pt", weights_only=True)
-    opt_resumed = torch.load(resumed / "checkpoints/step_000001/optimizer.pt", weights_only=True)
-    assert all(torch.equal(v, opt_resumed["state"][i][k]) for i, s in opt_two["state"].items() for k, v in s.items())
+    assert_same_safetensors(two, resumed, ("checkpoints/step_000001/lora.safetensors",
+                                           "checkpoints/step_000001/ema.safetensors",
+                                           "lora/pytorch_lora_weights.safetensors"))
+    assert_same_optimizer_state(two / "checkpoints/step_000001/optimizer.pt",
+                                resumed / "checkpoints/step_000001/optimizer.pt")
 
     # 4. Export: the FSDP2 run's final adapter (EMA weights, gathered) equals the 1-process one's.
     lora_one = load_file(one / "lora" / "pytorch_lora_weights.safetensors")
