@@ -1,4 +1,4 @@
-"""The ``flowrl`` command line: train, sample, eval, export-lora, fit-reward.
+"""The ``flowrl`` command line: train, sample, eval, export-lora, fit-reward, data prepare.
 
 Every subcommand takes a YAML config plus ``a.b=value`` overrides. Errors a user can fix (bad
 config keys, missing files, impossible options, a reward that fails, a run that stopped itself to contain a
@@ -90,6 +90,20 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--l2", type=float, default=1e-3, help="L2 penalty of the logistic head")
     fit.add_argument("--device", default="auto", help="where the feature network runs (auto: cuda when available)")
     fit.add_argument("--force", action="store_true", help="overwrite an existing --out")
+
+    data = commands.add_parser("data", help="prepare a full prompt set (the files under assets/prompts are "
+                               "small samples for smoke runs)")
+    _debug_arg(data, argparse.SUPPRESS)
+    data_commands = data.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    prepare = data_commands.add_parser("prepare", help="write OUT's train and eval prompt files for NAME")
+    _debug_arg(prepare, argparse.SUPPRESS)
+    prepare.add_argument("name", metavar="NAME", help="geneval (generated offline: OUT/train.jsonl, OUT/eval.jsonl), "
+                         "pickscore (Pick-a-Pic v1 captions) or ocr (Flow-GRPO's OCR prompts): OUT/train.txt, "
+                         "OUT/eval.txt")
+    prepare.add_argument("out", metavar="OUT", help="output directory")
+    prepare.add_argument("--seed", type=int, default=0, help="seed of the generated or shuffled split (geneval's "
+                         "seed 0 is GenEval's published benchmark)")
+    prepare.add_argument("--force", action="store_true", help="overwrite prompt files already in OUT")
     return parser
 
 
@@ -139,6 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in ("sample", "eval") and not args.config:
             raise ConfigError(missing_config(args.command))
+        if args.command == "data":  # before quiet_model_loading: it loads no model, so it imports none
+            from flowrl.commands.data import run_data_prepare
+
+            for path in run_data_prepare(args):
+                print(f"wrote {path}")
+            return 0
         if not os.environ.get("FLOWRL_DEBUG"):
             quiet_model_loading()
         if args.command == "sample":
