@@ -1,0 +1,126 @@
+"""Every real-model config equals the recipe it cites, value by value, or names each deliberate difference.
+
+configs/provenance/<folder>.yaml holds one entry per config in configs/<folder>/ (``_base.yaml`` aside): the recipe
+it cites, the reference file and commit its settings were read from, and per dotted flowrl key the reference's
+value, with ``ours`` and ``why`` where flowrl deliberately differs. A config that is flowrl's own has ``cites: null``
+and a ``why``. This test loads each config through the loader (so ``base:`` inheritance counts) and compares, so a
+config edited away from its reference, or a table edited away from the config, fails here. Settings flowrl has no
+key for sit under ``not_expressible`` and are shown in configs/README.md, not tested.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flowrl.config import Config, load_config, to_dict
+from tests import REPO
+
+PROVENANCE = REPO / "configs" / "provenance"
+TABLES = sorted(PROVENANCE.glob("*.yaml"))
+ENTRY_KEYS = {"cites", "source", "settings", "not_expressible", "why"}
+SOURCE_KEYS = {"repo", "commit", "file"}
+# repo and commit are optional per setting too: a setting read from another repository or commit than the entry's
+SETTING_KEYS = {"reference", "ours", "why", "file", "repo", "commit"}
+COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def _read(path: Path):
+    with path.open() as f:
+        return yaml.safe_load(f)
+
+
+def _entries() -> list[tuple[Path, str, dict]]:
+    """(table, config file name, its entry) for every entry of every table."""
+    return [(table, name, entry) for table in TABLES for name, entry in (_read(table) or {}).items()]
+
+
+ENTRIES = _entries()
+
+
+def _header(path: Path) -> str:
+    """The comment block a config file opens with (its lines up to the first that is not a comment)."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _value(cfg, dotted: str):
+    """The loaded config's value at a dotted key, as plain YAML data (tuples as lists)."""
+    node = cfg
+    for part in dotted.split("."):
+        assert hasattr(node, part), f"{dotted}: the config has no key {part!r}"
+        node = getattr(node, part)
+    return to_dict(node)
+
+
+def _same(expected, actual) -> bool:
+    """Equal as YAML data: numbers within rel tol 1e-9 (ints and floats alike), lists element by element."""
+    if isinstance(expected, bool) or isinstance(actual, bool):
+        return expected is actual
+    if isinstance(expected, (int, float)) and isinstance(actual, (int, float)):
+        return math.isclose(expected, actual, rel_tol=1e-9, abs_tol=0.0)
+    if isinstance(expected, (list, tuple)) and isinstance(actual, (list, tuple)):
+        return len(expected) == len(actual) and all(_same(e, a) for e, a in zip(expected, actual))
+    return expected == actual
+
+
+def test_provenance_tables_exist():
+    assert TABLES, "configs/provenance holds no table"
+
+
+@pytest.mark.parametrize("table", TABLES, ids=lambda p: p.name)
+def test_every_config_of_the_folder_is_listed(table):
+    folder = REPO / "configs" / table.stem
+    assert folder.is_dir(), f"{table.name}: no folder configs/{table.stem}"
+    configs = {p.name for p in folder.glob("*.yaml")} - {"_base.yaml"}
+    listed = set(_read(table) or {})
+    assert not configs - listed, f"{table.name} does not list {sorted(configs - listed)}"
+    assert not listed - configs, f"{table.name} lists configs that do not exist: {sorted(listed - configs)}"
+
+
+@pytest.mark.parametrize("table, name, entry", ENTRIES, ids=[f"{t.stem}/{n}" for t, n, _ in ENTRIES])
+def test_config_matches_its_reference(table, name, entry):
+    where = f"{table.name}: {name}"
+    assert isinstance(entry, dict), f"{where}: an entry is a mapping"
+    assert not set(entry) - ENTRY_KEYS, f"{where}: unknown keys {sorted(set(entry) - ENTRY_KEYS)}"
+    assert "cites" in entry, f"{where}: no cites (null for flowrl's own recipe)"
+    settings = entry.get("settings") or {}
+    if entry["cites"] is None:
+        assert str(entry.get("why") or "").strip(), f"{where}: cites null needs a why"
+    else:
+        assert str(entry["cites"]).strip(), f"{where}: cites is empty"
+        assert settings, f"{where}: a cited recipe needs its settings"
+    if settings or "source" in entry:
+        source = entry.get("source") or {}
+        assert set(source) == SOURCE_KEYS, f"{where}: source needs exactly {sorted(SOURCE_KEYS)}"
+        assert COMMIT.fullmatch(str(source["commit"])), f"{where}: source.commit must be 40 hex digits"
+    for key, value in (entry.get("not_expressible") or {}).items():
+        assert str(value or "").strip(), f"{where}: not_expressible {key} is empty"
+
+    path = REPO / "configs" / table.stem / name
+    cfg = load_config(Config, path)
+    header = _header(path)
+    mismatched = []
+    for key, setting in settings.items():
+        assert isinstance(setting, dict) and "reference" in setting, f"{where}: {key} needs a reference value"
+        assert not set(setting) - SETTING_KEYS, f"{where}: {key} has unknown keys {sorted(set(setting) - SETTING_KEYS)}"
+        if "commit" in setting:
+            assert COMMIT.fullmatch(str(setting["commit"])), f"{where}: {key}.commit must be 40 hex digits"
+        if "ours" in setting:
+            assert str(setting.get("why") or "").strip(), f"{where}: {key} differs (ours) without a why"
+            last = key.rsplit(".", 1)[-1]
+            assert key in header or last in header, (
+                f"{where}: the deliberate difference {key} is not named in the config's header comment")
+        expected = setting["ours"] if "ours" in setting else setting["reference"]
+        actual = _value(cfg, key)
+        if not _same(expected, actual):
+            mismatched.append(f"{key}: table {expected!r}, config {actual!r}")
+    assert not mismatched, f"{where} differs from its table: " + "; ".join(mismatched)
