@@ -19,6 +19,7 @@ import yaml
 
 from flowrl.config import Config, load_config, to_dict
 from tests import REPO
+from tools import provenance_table
 
 PROVENANCE = REPO / "configs" / "provenance"
 TABLES = sorted(PROVENANCE.glob("*.yaml"))
@@ -127,3 +128,10 @@ def test_config_matches_its_reference(table, name, entry):
         if not _same(expected, actual):
             problems.append(f"{key}: table {expected!r}, config {actual!r}")
     assert not problems, f"{where} differs from its table: " + "; ".join(problems)
+
+
+def test_readme_shows_the_tables():
+    """configs/README.md's generated section is the rendering of the tables as they are now."""
+    text = (REPO / "configs" / "README.md").read_text()
+    assert provenance_table.updated_readme(text, provenance_table.load_tables()) == text, (
+        f"configs/README.md is out of date with configs/provenance: run {provenance_table.COMMAND}")
