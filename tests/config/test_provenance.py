@@ -27,7 +27,7 @@ ENTRY_KEYS = {"cites", "source", "settings", "not_expressible", "why"}
 SOURCE_KEYS = {"repo", "commit", "file"}
 # repo and commit are optional per setting too: a setting read from another repository or commit than the entry's
 SETTING_KEYS = {"reference", "ours", "why", "file", "repo", "commit"}
-COMMIT = re.compile(r"[0-9a-f]{40}")
+COMMIT = re.compile(r"[0-9a-fA-F]{40}")
 
 
 def _read(path: Path):
