@@ -1,0 +1,113 @@
+"""Where each part of a pipeline lives and in which dtype it computes: model.dtype, model.text_encoder_dtype,
+model.vae_dtype and train.mixed_precision, Flow-GRPO's float32 master weights under autocast among them."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flowrl.algorithms.losses import POLICY_LOSSES
+from flowrl.config import Config, ConfigError, load_config
+from flowrl.config.schema import FLOW_GRPO_PRECISION
+from flowrl.models import FAMILIES, build_policy, policy_from_config
+from flowrl.recipes.build import autocast_precision
+from flowrl.recipes.grpo import StatsAccumulator, transition_loss
+from flowrl.sampling import rollout
+
+SMOKE = "configs/smoke/sd3_tiny.yaml"
+FLOW_GRPO = [f"{key}={'null' if value is None else value}" for key, value in FLOW_GRPO_PRECISION.items()]
+
+
+def _dtypes(modules) -> set[torch.dtype]:
+    return {p.dtype for m in modules for p in m.parameters()}
+
+
+def test_flow_grpo_precision_places_a_float32_transformer_and_vae_beside_float16_text_encoders():
+    cfg = load_config(Config, SMOKE, FLOW_GRPO)
+    policy = policy_from_config(cfg.model)
+    policy.add_lora(rank=4, alpha=8, init_seed=0)
+    assert _dtypes([policy.transformer]) == {torch.float32}  # base and LoRA: the master weights
+    assert _dtypes([policy.vae]) == {torch.float32}
+    assert len(policy.text_encoders()) == 3 and _dtypes(policy.text_encoders()) == {torch.float16}
+    # The embeddings are the float16 encoders' own values, in the transformer's dtype.
+    raw, _ = policy.encode_chunks(["a red circle"])
+    cond = policy.encode(["a red circle"], negative=True)
+    assert raw.dtype == torch.float16 and cond.prompt_embeds.dtype == torch.float32
+    assert torch.equal(cond.prompt_embeds, raw.float())
+    assert cond.negative_pooled_prompt_embeds.dtype == torch.float32
+
+
+def test_the_vae_decodes_in_its_own_dtype_beside_bfloat16_weights():
+    policy = build_policy("sd3", "tiny", dtype="bfloat16", vae_dtype="float32")
+    assert _dtypes([policy.transformer]) == _dtypes(policy.text_encoders()) == {torch.bfloat16}
+    seen = []
+    hook = policy.vae.decoder.conv_in.register_forward_pre_hook(lambda module, args: seen.append(args[0].dtype))
+    try:
+        images = policy.decode(torch.randn(2, *policy.latent_shape(1)[1:], dtype=torch.bfloat16))
+    finally:
+        hook.remove()
+    assert seen == [torch.float32] and images.dtype == torch.float32
+
+
+@pytest.mark.parametrize("autocast", [torch.bfloat16, torch.float16])
+def test_the_training_log_prob_runs_the_transformer_in_the_autocast_dtype_and_the_step_in_float32(autocast):
+    """What a GPU accelerator's autocast does to the training pass, here with the CPU's own torch.autocast: float32
+    weights, the transformer's matmuls in the autocast dtype, the SDE step and its log-prob in float32."""
+    policy = build_policy("sd3", "tiny", dtype="float32", text_encoder_dtype="float16")
+    policy.add_lora(rank=4, alpha=8, init_seed=0)
+    traj = rollout(policy, ["a red circle"], group_size=2, num_steps=2, guidance_scale=4.5, noise_level=0.7,
+                   seeds=[1, 2])
+    assert traj.latents.dtype == torch.float32 and traj.log_probs.dtype == torch.float32
+    traj.advantages = torch.ones(traj.log_probs.shape)
+    seen = []
+    hook = policy.transformer.proj_out.register_forward_hook(
+        lambda module, args, out: seen.append((module.weight.dtype, out.dtype)))
+    accelerator = SimpleNamespace(device=torch.device("cpu"), autocast=lambda: torch.autocast("cpu", dtype=autocast))
+    try:
+        loss = transition_loss(policy, traj, torch.arange(2), 0, torch.ones(traj.log_probs.shape, dtype=torch.bool),
+                               accelerator=accelerator, guidance=4.5, noise_level=0.7, kind="sde", beta=0.1,
+                               policy_loss=POLICY_LOSSES["grpo-clip"], clip_low=1e-4, clip_high=1e-4,
+                               stats=StatsAccumulator(), on_policy=False)
+    finally:
+        hook.remove()
+    assert seen and set(seen) == {(torch.float32, autocast)}  # the policy's pass and the KL reference's
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    loss.backward()
+    assert all(p.grad.dtype == torch.float32 for p in policy.trainable_parameters())
+
+
+def test_the_accelerator_autocasts_on_gpu_only():
+    cfg = load_config(Config, SMOKE, FLOW_GRPO)
+    assert autocast_precision(cfg, on_cpu=False) == "fp16"
+    assert autocast_precision(cfg, on_cpu=True) == "no"
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["model.dtype=bfloat16", "train.mixed_precision=fp16"], "train.mixed_precision"),
+    (["model.dtype=float16", "train.mixed_precision=bf16"], "train.mixed_precision"),
+    (["model.vae_dtype=float64"], "model.vae_dtype"),
+    (["model.text_encoder_dtype=int8"], "model.text_encoder_dtype"),
+])
+def test_precision_combinations_that_cannot_work_are_one_line(overrides, key):
+    with pytest.raises(ConfigError, match=key) as error:
+        load_config(Config, SMOKE, overrides)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model.dtype=bfloat16", "train.mixed_precision=bf16"],  # bfloat16 weights under bfloat16 autocast
+    ["model.dtype=float32", "train.mixed_precision=bf16", "model.text_encoder_dtype=bfloat16"],
+    ["model.dtype=bfloat16", "train.mixed_precision='no'", "model.vae_dtype=float32"],
+    FLOW_GRPO,
+])
+def test_precision_combinations_that_work_load(overrides):
+    load_config(Config, SMOKE, overrides)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_encodes_text_to_model_max_sequence_length(family):
+    """The text tokens follow model.max_sequence_length (SD3: T5's part, after CLIP's 77)."""
+    prompt = ["a red circle on a blue square beside a green triangle under a yellow star in a grey room"]
+    lengths = [build_policy(family, "tiny", seed=0, max_sequence_length=n).encode(prompt, negative=False)
+               .prompt_embeds.shape[1] for n in (8, 12)]
+    assert lengths == ([77 + 8, 77 + 12] if family == "sd3" else [8, 12])
