@@ -270,8 +270,8 @@ def zero_advantage_kept(advantages: torch.Tensor, mask: torch.Tensor) -> torch.T
     on at least one trained step (``mask`` [N, K]). Flow-GRPO's rule (yifan123/flow_grpo, scripts/train_sd3.py at
     ac4c86e8, ``mask = samples["advantages"].abs().sum(dim=1) != 0``): exactly zero, no threshold, which is what a
     group of equal rewards gives (its mean is exact), so only saturated groups go. A row with no trained step has
-    nothing to train and goes too."""
-    return (advantages.abs() * mask).sum(1) != 0
+    nothing to train and goes too; an untrained step's advantage (NaN where dense_ode could not score) is not read."""
+    return torch.where(mask, advantages.abs(), 0.0).sum(1) != 0
 
 
 def matched_work(work: list[tuple], accelerator: Accelerator, *, idle: tuple) -> list[tuple]:

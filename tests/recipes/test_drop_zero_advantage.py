@@ -1,5 +1,6 @@
 """train.drop_zero_advantage: Flow-GRPO's filter of rows whose advantage is exactly zero (saturated groups)."""
 
+import math
 import os
 import signal
 import subprocess
@@ -31,9 +32,9 @@ def _config(tmp_path, prompts: list[str], *overrides):
 
 
 def test_the_rule_is_exact_zero_on_every_trained_step():
-    advantages = torch.tensor([[0.0, 0.0], [0.0, 1e-30], [2.0, 0.0], [-1.0, 1.0]])  # [N, K]
-    mask = torch.tensor([[True, True], [True, True], [False, True], [True, True]])
-    assert zero_advantage_kept(advantages, mask).tolist() == [False, True, False, True]
+    advantages = torch.tensor([[0.0, 0.0], [0.0, 1e-30], [2.0, 0.0], [-1.0, 1.0], [float("nan"), 0.0]])  # [N, K]
+    mask = torch.tensor([[True, True], [True, True], [False, True], [True, True], [False, True]])
+    assert zero_advantage_kept(advantages, mask).tolist() == [False, True, False, True, False]
 
 
 def test_a_saturated_group_is_dropped_and_the_gradient_is_that_of_the_kept_rows(tmp_path, monkeypatch):
@@ -138,4 +139,15 @@ def test_two_processes_one_with_every_row_dropped_complete(tmp_path):
     assert launch.returncode == 0, stderr[-2000:]
     (record,) = read_metrics(tmp_path / "run")
     assert record["policy/dropped_rows"] == 4  # rank 1's group; rank 0's trained
-    assert record["loss/total"] != 0
+    assert math.isfinite(record["loss/total"]) and record["optim/grad_norm"] > 0
+
+
+@pytest.mark.parametrize("overrides", [
+    ["sampling.window.size=2", "sampling.window.mode=random", "sampling.num_steps=4"],  # rows of their own windows
+    ["sampling.tree.branch_steps=[1]", "sampling.tree.branch_factor=2", "sampling.group_size=4"],
+    ["train.credit=dense_cosine"],
+], ids=["window", "tree", "dense_cosine"])
+def test_window_tree_and_dense_credit_drop_the_flat_group(tmp_path, overrides):
+    metrics = train(_config(tmp_path, ["a flat square", "a varied square"], *overrides))
+    assert metrics["policy/dropped_rows"] == 4 and math.isfinite(metrics["loss/total"])
+    assert metrics["policy/onpolicy_ratio_maxdev"] < 1e-5  # the kept rows, recomputed on their own steps
