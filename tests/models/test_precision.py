@@ -103,3 +103,45 @@ def test_precision_combinations_that_cannot_work_are_one_line(overrides, key):
 def test_precision_combinations_that_work_load(overrides):
     load_config(Config, SMOKE, overrides)
 
+
+
+def test_fp16_loss_scale_overflows_go_to_the_scaler_and_are_not_faults():
+    """fp16 on GPU scales the loss (accelerate's GradScaler): an overflowing step is the scaler's calibration, which
+    skips it and halves the scale, however many in a row; below scale 1 a non-finite gradient is a fault again.
+    torch's own GradScaler on the CPU, with accelerate's two calls on it: unscale in clip_grad_norm_, step + update
+    in the optimizer's step."""
+    from flowrl.recipes.common import optimizer_step
+    from flowrl.training.faults import FaultCounter, TrainingAborted
+
+    param = torch.nn.Parameter(torch.ones(3))
+    inner = torch.optim.SGD([param], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+
+    def clip(params, max_norm):  # accelerator.clip_grad_norm_
+        scaler.unscale_(inner)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def step():  # AcceleratedOptimizer.step with a scaler
+        scaler.step(inner)
+        scaler.update()
+
+    optimizer = SimpleNamespace(step=step, zero_grad=inner.zero_grad, param_groups=inner.param_groups)
+    run = SimpleNamespace(hook=lambda name: [], params=[param], optimizer=optimizer,
+                          cfg=SimpleNamespace(train=SimpleNamespace(max_grad_norm=1.0, max_skipped_steps=3)),
+                          accelerator=SimpleNamespace(clip_grad_norm_=clip, scaler=scaler, is_main_process=False),
+                          extras={"lr_scheduler": SimpleNamespace(step=lambda: None)},
+                          faults=FaultCounter(max_skipped_steps=3, max_nan_epochs=2))
+
+    def one_step(grad: float) -> None:
+        scaler.scale((param * torch.full((3,), grad)).sum()).backward()  # accelerator.backward under fp16
+        optimizer_step(run, StatsAccumulator())
+
+    for _ in range(5):  # more overflows in a row than train.max_skipped_steps: calibration, not a fault
+        one_step(float("inf"))
+    assert scaler.get_scale() == 2.0**11 and torch.equal(param.detach(), torch.ones(3))
+    one_step(0.1)  # a finite step goes through, unscaled
+    torch.testing.assert_close(param.detach(), torch.full((3,), 0.99))
+    scaler.update(0.5)  # a scale below 1: a non-finite gradient is the model's, counted
+    with pytest.raises(TrainingAborted):
+        for _ in range(3):
+            one_step(float("nan"))
