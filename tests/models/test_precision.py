@@ -145,3 +145,15 @@ def test_fp16_loss_scale_overflows_go_to_the_scaler_and_are_not_faults():
     with pytest.raises(TrainingAborted):
         for _ in range(3):
             one_step(float("nan"))
+
+
+def test_hrf_anchor_pull_joins_the_gradients_at_their_loss_scale():
+    from flowrl.recipes.snapshots import PhaseAnchor
+
+    param = torch.nn.Parameter(torch.full((2,), 3.0))
+    anchor = PhaseAnchor(SimpleNamespace(model=SimpleNamespace(shadow_params=[torch.ones(2)])), weight=0.5,
+                         phase_length=1)
+    for scaler, scale in ((None, 1.0), (SimpleNamespace(get_scale=lambda: 1024.0), 1024.0)):
+        param.grad = torch.zeros(2)
+        anchor.before_step(SimpleNamespace(params=[param], accelerator=SimpleNamespace(scaler=scaler)))
+        assert torch.equal(param.grad, torch.full((2,), 2 * 0.5 * (3.0 - 1.0) * scale))
