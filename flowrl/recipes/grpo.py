@@ -27,8 +27,9 @@ Choices, all set in the config (``flowrl/config/schema.py``):
   (mean over non-batch dims) with ``std_t = a * sqrt(sigma / (1 - sigma))`` for SDE steps, i.e.
   WITHOUT the ``sqrt(-dt)`` of the transition std (``|dt|`` times the exact Gaussian KL), and the
   step std ``sigma_next * sin(a * pi / 2)`` for CPS steps (``flowrl.sampling.steps.kl_std``);
-- optimisation: several inner passes over shuffled transitions, gradient accumulation over
-  micro-batches and steps, clipping, AdamW, EMA of the LoRA weights for eval and export.
+- optimisation: several inner passes over shuffled transitions (``train.drop_zero_advantage``: without the rows
+  of zero advantage, Flow-GRPO's filter), gradient accumulation over micro-batches and steps, clipping, AdamW,
+  EMA of the LoRA weights for eval and export.
 
 Rollout batch i is scored in a worker thread while batch i+1 is sampled. Under
 ``accelerate launch`` prompts are sharded, rewards are gathered so advantages see whole groups and
