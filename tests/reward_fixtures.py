@@ -12,3 +12,17 @@ class RedMinusBlue:
     @torch.no_grad()
     def __call__(self, images, prompts, metadata):
         return {self.name: (images[:, 0] - images[:, 2]).mean(dim=(1, 2))}
+
+
+class FlatOnSomePrompts:
+    """Brightness, except a constant 0.5 for prompts that contain "flat" (a saturated group: its advantages are
+    exactly 0) and, under torch.distributed, for every prompt of rank 1 (that process's groups are all saturated)."""
+
+    name = "flat_or_bright"
+
+    @torch.no_grad()
+    def __call__(self, images, prompts, metadata):
+        rank1 = torch.distributed.is_available() and torch.distributed.is_initialized() and \
+            torch.distributed.get_rank() == 1
+        flat = torch.tensor([rank1 or "flat" in p for p in prompts])
+        return {self.name: torch.where(flat, torch.tensor(0.5), images.mean(dim=(1, 2, 3)).float().cpu())}

@@ -68,6 +68,15 @@ class GRPOTrainConfig(TrainConfig):
     dense reward (its reward-aware per-timestep noise calibration is not implemented: no published code); sdpo
     trains each step on its group-normalised discounted return of SDPO's dense rewards, queried on a few steps'
     clean predictions and predicted by latent similarity on the others (the sdpo_* keys)."""
+    drop_zero_advantage: bool = False
+    """Flow-GRPO's filter (yifan123/flow_grpo, scripts/train_sd3.py at ac4c86e8): after the advantages, before the
+    inner passes, each process drops its rows whose advantage is exactly 0 on every trained step (a saturated group,
+    all rewards equal), so they carry neither the policy loss nor the KL and cost no pass; the loss averages over
+    the kept transitions of all processes, an optimizer step with none kept anywhere is skipped (the LR schedule
+    advances), and a process with none kept runs zero-weighted passes so that the collectives match. Logged as
+    policy/dropped_rows. Flow-GRPO also re-admits random dropped rows until the kept count divides its batches per
+    epoch (its reshape needs equal batches); flowrl's chunks take any count, so none is re-admitted. Per-transition
+    losses only (not tmpo or sdpo, nor train.combine=marble)."""
     dense_lookahead: int | None = None
     """dense_ode: model calls per look-ahead (the last one steps straight to sigma 0); null runs the full
     remaining ODE, which DenseGRPO finds better than a short look-ahead."""
@@ -110,6 +119,10 @@ class GRPOTrainConfig(TrainConfig):
         check(self.sdpo_log_scale > 0, "sdpo_log_scale", "must be > 0")
         check(self.sdpo_queries >= 2, "sdpo_queries", "must be >= 2 (the first and the last step are always scored)")
         check(self.tmpo_ref_weight >= 0, "tmpo_ref_weight", "must be >= 0")
+        check(not self.drop_zero_advantage or self.loss not in ("tmpo", "sdpo") and self.combine != "marble",
+              "drop_zero_advantage", f"drops rows of zero advantage from the per-transition loss; not with "
+              f"train.loss={self.loss} / train.combine={self.combine}, which train on other targets: use "
+              "train.loss=grpo-clip and a combine other than marble, or remove it")
         if self.dense_lookahead is not None:
             check(self.dense_lookahead >= 1, "dense_lookahead", "must be >= 1 model call, or null for the full ODE")
             check(self.credit == "dense_ode", "dense_lookahead",

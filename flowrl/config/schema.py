@@ -42,6 +42,20 @@ class PreferenceConfig:
         check(len(set(self.rewards)) == len(self.rewards), "rewards", "names a reward twice")
 
 
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16",
+          "fp16": "float16"}  # names a dtype key takes -> the dtype
+
+# Flow-GRPO's precision (yifan123/flow_grpo, scripts/train_sd3.py at ac4c86e8, with config/base.py's
+# mixed_precision "fp16"): the transformer and its LoRA in float32 (loaded as stored, never cast), computed under
+# the accelerator's autocast in sampling and in the training log-probs (accelerator.prepare wraps its forward;
+# the SDE step and its log-prob are float32); the text encoders in the autocast dtype ("inference_dtype"); the VAE
+# in float32 ("pipeline.vae.to(accelerator.device, dtype=torch.float32)"). Flow-GRPO keeps its rollout latents in
+# its embeddings' dtype (float16); flowrl keeps them in the transformer's (float32), and recomputes each log-prob on
+# the stored latents either way.
+FLOW_GRPO_PRECISION = {"model.dtype": "float32", "model.text_encoder_dtype": "float16", "model.vae_dtype": None,
+                       "train.mixed_precision": "fp16"}
+
+
 @dataclass
 class ModelConfig:
     family: Literal["sd3", "flux", "flux_kontext", "flux2_klein", "qwen_image", "z_image", "wan"] = "sd3"
@@ -54,7 +68,17 @@ class ModelConfig:
     variant: str | None = None
     """Weight-file variant passed to from_pretrained, e.g. fp16 for *.fp16.safetensors files (null: the plain files)."""
     dtype: str = "float32"
-    """Weights dtype: float32, bfloat16 or float16 (LoRA weights always stay float32)."""
+    """Weights dtype of the transformer, and of the text encoders and VAE unless the two keys below say otherwise:
+    float32, bfloat16 or float16 (LoRA weights always stay float32). Two precisions: bfloat16 weights under
+    train.mixed_precision bf16 (every weight rounded once, the least memory), or float32 master weights under
+    fp16 or bf16 autocast, Flow-GRPO's (model.text_encoder_dtype float16 and train.mixed_precision fp16 complete
+    it; see FLOW_GRPO_PRECISION in flowrl/config/schema.py)."""
+    text_encoder_dtype: str | None = None
+    """Dtype of the text encoders (null: model.dtype); their embeddings are cast to the transformer's dtype. Flow-GRPO
+    keeps them in its autocast dtype (float16) beside a float32 transformer: T5-XXL alone is ~19 GB in float32."""
+    vae_dtype: str | None = None
+    """Dtype of the VAE, which decodes every rollout for the rewards (null: model.dtype). Flow-GRPO decodes in
+    float32 whatever its autocast; float32 here beside bfloat16 weights keeps the images the rewards see exact."""
     height: int | None = None
     """Image height in pixels (default: the model's native size)."""
     width: int | None = None
@@ -91,8 +115,11 @@ class ModelConfig:
     every transformer weight."""
 
     def validate(self):
-        check(self.dtype in ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16"), "dtype",
-              f"unknown dtype {self.dtype!r}; use float32, bfloat16 or float16")
+        for key in ("dtype", "text_encoder_dtype", "vae_dtype"):
+            value = getattr(self, key)
+            check(value in DTYPES or value is None and key != "dtype", key,
+                  f"unknown dtype {value!r}; use float32, bfloat16 or float16" + ("" if key == "dtype" else
+                                                                                  ", or null for model.dtype"))
         for key in ("revision", "variant"):
             check(self.path != "tiny" or getattr(self, key) is None, key,
                   "applies to hub or local pipelines, and model.path=tiny builds the offline tiny one: remove it")
@@ -234,7 +261,10 @@ class TrainConfig:
     ema_decay: float = 0.9
     """EMA decay per optimizer step."""
     mixed_precision: Literal["no", "fp16", "bf16"] = "bf16"
-    """Autocast precision on GPU (CPU always runs float32)."""
+    """Autocast of the transformer's passes on GPU (rollouts, training log-probs, the KL reference; the SDE step and
+    its log-prob stay float32): bf16 beside model.dtype bfloat16, fp16 or bf16 beside float32 master weights
+    (Flow-GRPO: fp16). CPU runs never autocast: they compute in the weights' own dtype (float32 unless model.dtype
+    says otherwise), as accelerate has no float16 autocast on the CPU."""
     async_rewards: bool = True
     """Score batch i in a worker thread while batch i+1 is sampled."""
     reward_errors: Literal["raise", "nan"] = "raise"
@@ -366,6 +396,16 @@ class Config:
         check(not names or not self.sampling.pilot.candidates, "sampling.pilot.candidates",
               "Pilot-Commit ranks candidates before a group has its w: not with model.preference")
 
+    def validate_precision(self):
+        """Half-precision weights compute in their own dtype: under the other half's autocast every weight would be
+        rounded twice (bfloat16 -> float16 overflows past 65504)."""
+        weights, autocast = DTYPES.get(self.model.dtype), self.train.mixed_precision
+        halves = {"bfloat16": "bf16", "float16": "fp16"}
+        check(weights not in halves or autocast in ("no", halves[weights]), "train.mixed_precision",
+              f"{autocast} autocast over model.dtype {weights} weights rounds each weight twice: use "
+              f"train.mixed_precision={halves.get(weights)}, or model.dtype=float32 (float32 master weights, "
+              "Flow-GRPO's precision)")
+
     def trained_rewards(self) -> list[str]:
         """The names of the rewards with a nonzero weight, the ones the run trains on."""
         return [r.name for r in self.rewards if r.weight != 0]
@@ -406,6 +446,7 @@ class Config:
               "model.trainable_modules (regexes), or remove it (lora.rank/alpha/dropout are simply unused)")
         check(self.model.trainable == "lora" or not self.model.preference.rewards, "model.preference",
               "ParetoSlider's embedding is trained beside a LoRA; with model.trainable=full use model.trainable=lora")
+        self.validate_precision()
         check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device",
               "use auto, cpu, cuda or cuda:N")
         check(bool(self.rewards), "rewards", "is empty, so nothing trains: list at least one reward, e.g. "

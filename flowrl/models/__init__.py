@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import importlib
 
-import torch
-
-from flowrl.models.base import Policy, PolicyBase, TextCond, load_pipeline, resolve_dtype
+from flowrl.models.base import (
+    Policy, PolicyBase, TextCond, cast_components, component_dtypes, load_pipeline, resolve_dtype,
+)
 from flowrl.models.quantize import check_quantize, pipeline_quantization, quantize_pipeline
 
 FAMILY_CLASSES = {
@@ -39,9 +39,14 @@ def build_policy(family: str, path: str, *, dtype: str = "float32", device="cpu"
                  width: int | None = None, max_sequence_length: int | None = None, seed: int = 0,
                  text_encoder_device: str = "gpu", revision: str | None = None,
                  variant: str | None = None, num_frames: int | None = None, negative_prompt: str = "",
-                 quantize: str = "none") -> PolicyBase:
+                 quantize: str = "none", text_encoder_dtype: str | None = None,
+                 vae_dtype: str | None = None) -> PolicyBase:
     """Load the pipeline of ``family`` from ``path`` (at ``revision``, with ``variant`` weight files) and wrap it in
     its policy adapter.
+
+    ``dtype`` places the transformer, and the text encoders and the VAE unless ``text_encoder_dtype`` /
+    ``vae_dtype`` place them otherwise (:func:`~flowrl.models.base.component_dtypes`); embeddings of text
+    encoders in another dtype are cast to the transformer's.
 
     ``text_encoder_device="cpu"`` keeps the text encoders on the CPU (they never reach ``device``).
     ``num_frames`` (video families) is the clip length; ``negative_prompt`` the CFG negative of every prompt.
@@ -49,6 +54,7 @@ def build_policy(family: str, path: str, *, dtype: str = "float32", device="cpu"
     scheme this machine cannot run is one line before anything loads."""
     cls = policy_class(family)
     check_quantize(quantize, device)
+    dtypes = component_dtypes(dtype, text_encoder_dtype=text_encoder_dtype, vae_dtype=vae_dtype)
     extra = {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
     if num_frames is not None:
         if not cls.video:
@@ -60,8 +66,7 @@ def build_policy(family: str, path: str, *, dtype: str = "float32", device="cpu"
         pipeline = cls.tiny_pipeline(seed)
         height, width = height or cls.tiny_size[0], width or cls.tiny_size[1]
         extra.setdefault("max_sequence_length", cls.tiny_max_sequence_length)
-        if resolve_dtype(dtype) != torch.float32:
-            pipeline = pipeline.to(dtype=resolve_dtype(dtype))
+        cast_components(pipeline, dtypes)  # built in float32
         quantize_pipeline(pipeline, quantize, device)  # built in code, so quantised after the build
         pipeline.set_progress_bar_config(disable=True)
     else:
@@ -72,8 +77,11 @@ def build_policy(family: str, path: str, *, dtype: str = "float32", device="cpu"
         hub = {k: v for k, v in (("revision", revision), ("variant", variant),
                                  ("quantization_config", pipeline_quantization(quantize, resolve_dtype(dtype))))
                if v is not None}  # from_pretrained's
-        pipeline = load_pipeline(pipeline_class, path, dtype=resolve_dtype(dtype), device="cpu", **hub)
+        pipeline = load_pipeline(pipeline_class, path, dtype=dtypes if len(dtypes) > 1 else dtypes["default"],
+                                 device="cpu", **hub)
     policy = cls(pipeline, height=height, width=width, **extra)
+    if dtypes.get("text_encoder", dtypes["default"]) != dtypes["default"]:
+        policy.cond_dtype = dtypes["default"]
     if text_encoder_device not in ("gpu", "cpu"):
         raise ValueError(f"text_encoder_device must be 'gpu' or 'cpu', got {text_encoder_device!r}")
     policy.text_encoders_on_cpu = text_encoder_device == "cpu"
@@ -87,7 +95,8 @@ def policy_from_config(model, *, device="cpu", seed: int = 0) -> PolicyBase:
     return build_policy(model.family, model.path, dtype=model.dtype, device=device, height=model.height,
                         width=model.width, max_sequence_length=model.max_sequence_length, seed=seed,
                         text_encoder_device=model.text_encoder_device, revision=model.revision, variant=model.variant,
-                        num_frames=model.num_frames, negative_prompt=model.negative_prompt, quantize=model.quantize)
+                        num_frames=model.num_frames, negative_prompt=model.negative_prompt, quantize=model.quantize,
+                        text_encoder_dtype=model.text_encoder_dtype, vae_dtype=model.vae_dtype)
 
 
 PIPELINE_FAMILIES = {

@@ -39,6 +39,9 @@ projection differs by ~5e-7 between batches of 3 and 42), so this makes a prompt
 whatever batch it arrives in, and the cache bit-identical to the live encoders."""
 
 
+TEXT_ENCODER_COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3")  # every family's, by pipeline name
+
+
 @dataclass
 class TextCond:
     """The conditioning of a batch of prompts, computed once and indexed per trajectory row.
@@ -137,6 +140,9 @@ class PolicyBase:
         self.text_encoders_on_cpu = False  # model.text_encoder_device=cpu: encode there, move the rows over
         self.negative_prompt = ""  # model.negative_prompt: the CFG negative of every prompt (families with CFG)
         self.preference = None  # ParetoSlider's PreferenceEmbedding (flowrl.models.preference), when attached
+        # model.text_encoder_dtype other than the transformer's: the embeddings (live or cached) are cast to this, the
+        # transformer's dtype, so they enter it as its own inputs do (exact from float16 or bfloat16 to float32).
+        self.cond_dtype: torch.dtype | None = None
 
     def run_transformer(self, **kwargs):
         """One transformer forward through the (possibly distributed) wrapper; returns the sample."""
@@ -212,6 +218,8 @@ class PolicyBase:
             embeds, pooled = self.text_cache.lookup(unique, encode=encode, device=self.device)
         else:
             embeds, pooled = self.encode_chunks(unique)
+        if self.cond_dtype is not None:
+            embeds, pooled = embeds.to(self.cond_dtype), pooled.to(self.cond_dtype)
         position = {p: i for i, p in enumerate(unique)}
         rows = torch.tensor([position[p] for p in prompts], dtype=torch.long, device=embeds.device)
         cond = TextCond(embeds[rows], pooled[rows])
@@ -277,7 +285,7 @@ class PolicyBase:
         """Delete the text encoders (every prompt the run uses must be in ``text_cache``) and release their memory."""
         import gc
 
-        for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+        for name in TEXT_ENCODER_COMPONENTS:
             if getattr(self.pipeline, name, None) is not None:
                 setattr(self.pipeline, name, None)
         gc.collect()
@@ -399,8 +407,7 @@ class PolicyBase:
             self.forward_module = wrapper
 
     def text_encoders(self) -> list[torch.nn.Module]:
-        names = ("text_encoder", "text_encoder_2", "text_encoder_3")
-        return [m for m in (getattr(self.pipeline, n, None) for n in names) if m is not None]
+        return [m for m in (getattr(self.pipeline, n, None) for n in TEXT_ENCODER_COMPONENTS) if m is not None]
 
     # --- latents <-> images ---------------------------------------------------------------
     def init_noise(self, n: int, generator=None) -> torch.Tensor:
@@ -458,8 +465,10 @@ def unnormalise_latents(latents: torch.Tensor, vae) -> torch.Tensor:
     return latents / inv_std + mean
 
 
-def load_pipeline(pipeline_class, model: str, *, dtype: torch.dtype, device="cpu", **kwargs):
-    """Load a diffusers pipeline by hub id or local directory, with a one-line error when missing."""
+def load_pipeline(pipeline_class, model: str, *, dtype: torch.dtype | dict[str, torch.dtype], device="cpu",
+                  **kwargs):
+    """Load a diffusers pipeline by hub id or local directory, with a one-line error when missing; ``dtype`` one for
+    every component or ``{component: dtype, "default": dtype}`` (:func:`component_dtypes`)."""
     try:
         pipeline = pipeline_class.from_pretrained(model, dtype=dtype, **kwargs)  # torch_dtype is deprecated
     except (OSError, ValueError) as error:  # diffusers raises OSError for missing repos/files
@@ -470,6 +479,30 @@ def load_pipeline(pipeline_class, model: str, *, dtype: torch.dtype, device="cpu
         ) from error
     pipeline.set_progress_bar_config(disable=True)
     return pipeline.to(device)
+
+
+def component_dtypes(dtype: str | torch.dtype, *, text_encoder_dtype: str | torch.dtype | None = None,
+                     vae_dtype: str | torch.dtype | None = None) -> dict[str, torch.dtype]:
+    """``{pipeline component: dtype}`` in diffusers' per-component form (``from_pretrained(dtype=...)``):
+    ``"default"`` for every component not named, the transformer among them; the text encoders and the VAE
+    take ``text_encoder_dtype`` / ``vae_dtype`` where given (``model.text_encoder_dtype``, ``model.vae_dtype``).
+    Flow-GRPO's placement is ``component_dtypes("float32", text_encoder_dtype="float16")``: a float32
+    transformer (and LoRA) and VAE, the text encoders in the autocast dtype."""
+    dtypes = {"default": resolve_dtype(dtype)}
+    if text_encoder_dtype is not None:
+        dtypes.update(dict.fromkeys(TEXT_ENCODER_COMPONENTS, resolve_dtype(text_encoder_dtype)))
+    if vae_dtype is not None:
+        dtypes["vae"] = resolve_dtype(vae_dtype)
+    return dtypes
+
+
+def cast_components(pipeline, dtypes: dict[str, torch.dtype]) -> None:
+    """Cast each module of a built pipeline to its dtype in ``dtypes`` (:func:`component_dtypes`), the rule
+    diffusers' ``from_pretrained`` applies to a loaded one; a module already in its dtype is left alone."""
+    for name, module in pipeline.components.items():
+        dtype = dtypes.get(name, dtypes["default"])
+        if isinstance(module, torch.nn.Module) and any(p.dtype != dtype for p in module.parameters()):
+            module.to(dtype=dtype)
 
 
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:

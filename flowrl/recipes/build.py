@@ -148,11 +148,18 @@ def make_accelerator(cfg: Config) -> Accelerator:
         raise ConfigError(f"config key 'log.backend': {log_with} is not installed: pip install 'flowrl[tracking]' "
                           "(or set log.backend=none; metrics.jsonl is written either way)", key="log.backend")
     deepspeed = check_deepspeed_launch(cfg, on_cpu)
-    accelerator = Accelerator(cpu=on_cpu, mixed_precision="no" if on_cpu else cfg.train.mixed_precision,
+    accelerator = Accelerator(cpu=on_cpu, mixed_precision=autocast_precision(cfg, on_cpu=on_cpu),
                               log_with=log_with, project_dir=cfg.run_dir, deepspeed_plugin=deepspeed)
     if on_cpu and _env_flag("ACCELERATE_USE_FSDP") and accelerator.num_processes > 1:
         _fsdp2_on_cpu(accelerator)
     return accelerator
+
+
+def autocast_precision(cfg: Config, *, on_cpu: bool) -> str:
+    """The accelerator's ``mixed_precision``: ``train.mixed_precision`` on GPU, where ``accelerator.prepare`` wraps
+    the transformer's forward in that autocast (rollouts, training log-probs and the KL reference alike), and
+    "no" on the CPU, where runs compute in the weights' own dtype (accelerate has no float16 autocast there)."""
+    return "no" if on_cpu else cfg.train.mixed_precision
 
 
 def check_device_available(device: str) -> None:

@@ -445,18 +445,32 @@ def log_base_model(run: Run) -> None:
 def optimizer_step(run: Run, stats: StatsAccumulator) -> None:
     """Clip the accumulated gradients (``train.max_grad_norm``, 0: no clipping), step, clear them;
     the pre-clip norm goes into ``stats``. A non-finite norm (NaN/inf loss or gradient) skips the step with the
-    gradients zeroed, so the weights stay finite; ``train.max_skipped_steps`` in a row stop the run."""
+    gradients zeroed, so the weights stay finite; ``train.max_skipped_steps`` in a row stop the run.
+
+    Under fp16 autocast on GPU accelerate scales the loss (``accelerator.scaler``, torch's GradScaler): a gradient
+    that overflows float16 at the current scale is how the scaler finds its scale, so that step goes to the
+    scaler, which skips it and halves the scale, and is not counted as a fault while the scale is >= 1 (below,
+    the gradient itself is non-finite). Every skipped step passes through the scaler, which must see each step."""
     for before_step in run.hook("before_step"):  # HRF's pull toward its anchor
         before_step(run)
     max_norm = run.cfg.train.max_grad_norm
     grad_norm = run.accelerator.clip_grad_norm_(run.params, max_norm) if max_norm > 0 else None
     norm = float(grad_norm) if grad_norm is not None else float(total_grad_norm(run.params))
     scheduler = run.extras["lr_scheduler"]
-    if run.faults.step(norm):  # after the all-reduce: every process sees the same norm and skips alike
-        if run.accelerator.is_main_process:
+    scaler = getattr(run.accelerator, "scaler", None)  # fp16 autocast on GPU: accelerate's GradScaler
+    if scaler is not None:
+        stats.add_scalar("optim/loss_scale", scaler.get_scale())  # the epoch's mean
+    if scaler is not None and not math.isfinite(norm) and scaler.get_scale() >= 1:  # the loss scale overflowed
+        skip = True
+    else:
+        skip = run.faults.step(norm)  # after the all-reduce: every process sees the same norm and skips alike
+        if skip and run.accelerator.is_main_process:
             tqdm.write(f"flowrl train: warning: non-finite gradient (norm {norm}); optimizer step skipped "
                        f"({run.faults.skipped_in_a_row} in a row, train.max_skipped_steps="
                        f"{run.cfg.train.max_skipped_steps})")
+    if skip:
+        if scaler is not None:  # accelerate's optimizer step: the scaler skips an inf step and lowers its scale
+            run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=True)
         scheduler.step()  # the schedule stays a function of the step index
         return

@@ -27,8 +27,9 @@ Choices, all set in the config (``flowrl/config/schema.py``):
   (mean over non-batch dims) with ``std_t = a * sqrt(sigma / (1 - sigma))`` for SDE steps, i.e.
   WITHOUT the ``sqrt(-dt)`` of the transition std (``|dt|`` times the exact Gaussian KL), and the
   step std ``sigma_next * sin(a * pi / 2)`` for CPS steps (``flowrl.sampling.steps.kl_std``);
-- optimisation: several inner passes over shuffled transitions, gradient accumulation over
-  micro-batches and steps, clipping, AdamW, EMA of the LoRA weights for eval and export.
+- optimisation: several inner passes over shuffled transitions (``train.drop_zero_advantage``: without the rows
+  of zero advantage, Flow-GRPO's filter), gradient accumulation over micro-batches and steps, clipping, AdamW,
+  EMA of the LoRA weights for eval and export.
 
 Rollout batch i is scored in a worker thread while batch i+1 is sampled. Under
 ``accelerate launch`` prompts are sharded, rewards are gathered so advantages see whole groups and
@@ -176,6 +177,14 @@ def train(cfg: GRPOConfig, *, accelerator: Accelerator | None = None) -> dict[st
         stats = StatsAccumulator()
         mask = credit.assign(CreditInputs(run, traj, scorer, row_adv, trained, trained_cols, all_groups, local,
                                           estimator, rollout_batch), mask, stats)
+        # train.drop_zero_advantage (Flow-GRPO's filter): rows with a zero advantage on every trained step leave the
+        # update, policy loss and KL alike; each process drops its own.
+        kept = zero_advantage_kept(traj.advantages, mask) if t.drop_zero_advantage else None  # [N] bool
+        drop_metrics = {}
+        if kept is not None:
+            mask &= kept[:, None]
+            drop_metrics["policy/dropped_rows"] = accelerator.reduce(
+                (~kept).sum().float().to(accelerator.device), "sum").item()
 
         # MARBLE: each weighted reward's own clipped advantage on every edge, balanced per optimizer step.
         per_reward = None if marble is None else {
@@ -186,21 +195,34 @@ def train(cfg: GRPOConfig, *, accelerator: Accelerator | None = None) -> dict[st
         # 6-7. Inner passes: shuffled chunks -> micro-batches x trained steps -> one optimizer step per chunk.
         for inner in range(t.inner_epochs):
             order = np.random.default_rng([cfg.seed, epoch, inner, rank, 0x7EA1]).permutation(traj.num_rows)
+            if kept is not None:  # the kept rows, in the same shuffled order, share the optimizer steps
+                order = order[kept.cpu().numpy()[order]]
             chunks = update.chunks(order, t.optimizer_steps_per_epoch)  # TMPO: whole groups
             for chunk_index, chunk in enumerate(chunks):
                 chunk = torch.as_tensor(chunk, dtype=torch.long)
                 weight = accelerator.reduce(mask[chunk].sum().float().to(accelerator.device), "sum").item()
+                done = (epoch * t.inner_epochs + inner) * len(chunks) + chunk_index + 1  # SDPO: steps x chunks
+                if kept is not None and weight == 0:  # every process dropped this step's rows: nothing to learn
+                    skip_optimizer_step(run)
+                    if ema is not None:  # the EMA's schedule is one of the step index
+                        ema.scheduled_step(done, start=t.ema_start_step, every=t.ema_every, warmup=t.ema_warmup)
+                    continue
                 rows_of_chunk, micro = chunk.tolist(), t.micro_batch_size
-                work = [(torch.tensor(part, dtype=torch.long), k, tuple(host_sigmas[part[0]][k:k + 2]))
+                work = [(torch.tensor(part, dtype=torch.long), k, tuple(host_sigmas[part[0]][k:k + 2]), mask)
                         for start in range(0, len(rows_of_chunk), micro) for k in trained_cols
                         for part in same_step_parts(host_steps, rows_of_chunk[start:start + micro], k)]
+                if kept is not None:  # processes dropped different numbers of rows: match their passes
+                    first = trained_cols[0]  # a pass of row 0 at a trained step, weighted 0
+                    work = matched_work(work, accelerator, idle=(torch.tensor([0]), first,
+                                                                 tuple(host_sigmas[0][first:first + 2]),
+                                                                 torch.zeros_like(mask)))
 
                 def chunk_backward(advantages: torch.Tensor, chunk_stats: StatsAccumulator) -> None:
                     traj.advantages = advantages  # [N, K]
-                    for i, (rows, k, sigmas) in enumerate(work):
+                    for i, (rows, k, sigmas, weights) in enumerate(work):
                         sync = i == len(work) - 1
                         with micro_batch(accelerator, policy.forward_module, last=sync):
-                            loss_sum = transition_loss(policy, traj, rows, k, mask, accelerator=accelerator,
+                            loss_sum = transition_loss(policy, traj, rows, k, weights, accelerator=accelerator,
                                                        sigmas=sigmas,
                                                        guidance=guidance, noise_level=noise_at(k), kind=s.kind,
                                                        beta=run.beta, policy_loss=policy_loss, clip_low=t.clip_range,
@@ -223,7 +245,6 @@ def train(cfg: GRPOConfig, *, accelerator: Accelerator | None = None) -> dict[st
                                 transitions=transitions_backward, mask=mask)
                 optimizer_step(run, stats)
                 if ema is not None:  # steps so far: train.ema_start_step / ema_every / ema_warmup count them
-                    done = (epoch * t.inner_epochs + inner) * len(chunks) + chunk_index + 1  # SDPO: steps x chunks
                     ema.scheduled_step(done, start=t.ema_start_step, every=t.ema_every, warmup=t.ema_warmup)
         reference_metrics = {} if gardo_reference is None else gardo_reference.after_update(run, epoch, stats)
         update_metrics = run.after_epoch(epoch, traj)  # trainable rewards learn from these rollouts
@@ -234,7 +255,7 @@ def train(cfg: GRPOConfig, *, accelerator: Accelerator | None = None) -> dict[st
         metrics = end_epoch(run, epoch, gathered=gathered, combined=combined, group_ids=all_groups, stats=stats,
                             extra={"advantages/abs_mean": advantage_size, "policy/trained_fraction": trained_fraction,
                                    **gardo_metrics(distances, kl_gate), **reference_metrics, **update_metrics,
-                                   **phase_metrics, **guard_metrics, **traj.sampling_metrics},
+                                   **phase_metrics, **guard_metrics, **drop_metrics, **traj.sampling_metrics},
                             rollouts=traj.rollouts_sampled,
                             times=(epoch_start, sample_done, reward_done, train_done), bar=bar)
         if out_of_time(run) or run.stopped:
@@ -243,6 +264,33 @@ def train(cfg: GRPOConfig, *, accelerator: Accelerator | None = None) -> dict[st
     # 9. Export the final adapter (EMA weights when kept) and report before/after on held-out prompts.
     scorer.close()
     return finish_run(run, metrics)
+
+
+def zero_advantage_kept(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[N] bool: the rows ``train.drop_zero_advantage`` keeps, those with a nonzero advantage ``advantages`` [N, K]
+    on at least one trained step (``mask`` [N, K]). Flow-GRPO's rule (yifan123/flow_grpo, scripts/train_sd3.py at
+    ac4c86e8, ``mask = samples["advantages"].abs().sum(dim=1) != 0``): exactly zero, no threshold, which is what a
+    group of equal rewards gives (its mean is exact), so only saturated groups go. A row with no trained step has
+    nothing to train and goes too; an untrained step's advantage (NaN where dense_ode could not score) is not read."""
+    return torch.where(mask, advantages.abs(), 0.0).sum(1) != 0
+
+
+def matched_work(work: list[tuple], accelerator: Accelerator, *, idle: tuple) -> list[tuple]:
+    """``work`` (one model pass per item) padded with ``idle`` items, passes with an all-zero weight mask, to the
+    longest list of any process. Dropped rows leave the processes with different numbers of passes, but DDP
+    all-reduces the gradients in the last backward of each and FSDP2 gathers the weights in every forward, so
+    every process must run the same number; a process with no kept row still runs one (its loss 0 on the whole
+    graph), so it joins the all-reduce instead of leaving the others waiting."""
+    count = torch.tensor([len(work)], device=accelerator.device)
+    longest = int(accelerator.gather(count).max()) if accelerator.num_processes > 1 else len(work)
+    return work + [idle] * (max(longest, 1) - len(work))
+
+
+def skip_optimizer_step(run: Run) -> None:
+    """An optimizer step with nothing to train on any process (``train.drop_zero_advantage`` dropped all its rows):
+    no pass and no step (AdamW would still move the weights by its moments and weight decay); the LR schedule
+    advances, so it stays a function of the step index as after a skipped non-finite step."""
+    run.extras["lr_scheduler"].step()
 
 
 def gardo_reference(run: Run) -> GardoReference | None:

@@ -34,10 +34,13 @@ class PhaseAnchor:
         return {"hrf/anchor_distance": distance ** 0.5}
 
     def before_step(self, run: Run) -> None:
-        """Add the gradient of the pull to the accumulated one."""
+        """Add the gradient of the pull to the accumulated one, at its loss scale under fp16 (accelerate's GradScaler
+        scales the backward's gradients and unscales them in the clip that follows)."""
+        scaler = getattr(run.accelerator, "scaler", None)
+        scale = 1.0 if scaler is None else float(scaler.get_scale())
         for param, anchor in zip(run.params, self.snapshot.model.shadow_params):
             if param.grad is not None:
-                param.grad.add_(param.detach() - anchor, alpha=2 * self.weight)
+                param.grad.add_(param.detach() - anchor, alpha=2 * self.weight * scale)
 
 
 class GardoReference:

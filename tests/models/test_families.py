@@ -2,8 +2,9 @@
 
 Per family: the ODE rollout reproduces the family's own diffusers pipeline (same seeds, steps, guidance),
 the recorded log-prob equals the one recomputed from the stored latents, the tiny pipeline saves and
-reloads with plain diffusers, a GRPO smoke run trains the LoRA and leaves the base untouched, and an
-exported LoRA gives the same images in plain diffusers (``load_lora_weights``) as in flowrl.
+reloads with plain diffusers, a GRPO smoke run trains the LoRA and leaves the base untouched, an
+exported LoRA gives the same images in plain diffusers (``load_lora_weights``) as in flowrl, and the text
+embeddings are as long as ``model.max_sequence_length`` says.
 SD3 and FLUX.1 have their own, older tests (tests/sampling/test_rollout.py, tests/recipes/test_grpo.py,
 tests/commands/test_export.py); they are listed here too so that every family passes the same checks.
 """
@@ -149,3 +150,12 @@ def test_family_parity_script_prints_the_readme_figure():
                          capture_output=True, text=True).stdout
     line = out.strip()
     assert line.startswith("flux_kontext") and float(line.rsplit("=", 1)[1]) < 1e-5
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_family_encodes_text_to_model_max_sequence_length(name):
+    """The text tokens follow model.max_sequence_length (SD3: T5's part, after CLIP's 77)."""
+    prompt = ["a red circle on a blue square beside a green triangle under a yellow star in a grey room"]
+    lengths = [build_policy(name, "tiny", seed=0, max_sequence_length=n).encode(prompt, negative=False)
+               .prompt_embeds.shape[1] for n in (8, 12)]
+    assert lengths == ([77 + 8, 77 + 12] if name == "sd3" else [8, 12])
