@@ -20,7 +20,7 @@ def _flowrl(*args, cwd=REPO):
 def test_help_lists_the_planned_subcommands():
     out = _flowrl("--help")
     assert out.returncode == 0
-    for command in ("train", "sample", "eval", "export-lora", "fit-reward"):
+    for command in ("train", "sample", "eval", "export-lora", "fit-reward", "data"):
         assert command in out.stdout
 
 
