@@ -40,7 +40,9 @@ def load_prompts(path: str | Path) -> PromptSet:
     """Read a ``.txt`` or ``.jsonl`` prompt file; a one-line error names the file and line."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"prompt file not found: {path}" + (" (a directory)" if path.is_dir() else ""))
+        hint = (" (a directory)" if path.is_dir() else
+                "; the published prompt sets (geneval, pickscore, ocr) are made by `flowrl data prepare NAME DIR`")
+        raise FileNotFoundError(f"prompt file not found: {path}{hint}")
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as error:

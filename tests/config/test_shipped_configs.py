@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from flowrl.config import Config, load_config
+from flowrl.commands.data import DATASETS
 from flowrl.data import load_prompts
 from tests import REPO
 
@@ -147,41 +148,48 @@ def test_reward_kwargs_match_the_reward_constructors(path):
         _check_kwargs(spec.name, getattr(importlib.import_module(module), attr), spec.kwargs)
 
 
-def _prompt_files() -> list[Path]:
-    files = set()
-    for path in FLOWRL_CONFIGS:
-        data = load_config(Config, path).data
-        files.update(REPO / f for f in (data.prompts, data.test_prompts) if f)
-    return sorted(files)
+def _prepared(name: str) -> bool:
+    """A path `flowrl data prepare` writes (data/NAME/FILE): real configs point there, and it is not shipped."""
+    parts = Path(name).parts
+    return (len(parts) == 3 and parts[0] == "data" and parts[1] in DATASETS
+            and parts[2] in DATASETS[parts[1]][0])
 
 
 @pytest.mark.parametrize("path", FLOWRL_CONFIGS, ids=ids)
 def test_every_prompt_file_a_config_names_exists_and_loads(path):
+    """Shipped files exist and load; a prepared set is a file `flowrl data prepare` writes."""
     data = load_config(Config, path).data
     for name in (data.prompts, data.test_prompts):
-        if name:
+        if name and not _prepared(name):
             assert (REPO / name).is_file(), f"{path.name}: missing prompt file {name}"
             assert len(load_prompts(REPO / name)) > 0
 
 
-def test_ocr_prompts_quote_their_target_text():
-    ocr = [p for p in _prompt_files() if p.name.startswith("ocr_")]
-    assert {p.name for p in ocr} >= {"ocr_train.jsonl", "ocr_test.jsonl"}
+def test_real_configs_train_on_the_prepared_sets():
+    """A GPU config trains on a full prompt set, never on a shipped sample (assets/prompts/README.md)."""
+    for path in GPU_CONFIGS:
+        data = load_config(Config, path).data
+        for name in (data.prompts, data.test_prompts):
+            assert not name or not name.startswith("assets/prompts/") or not any(
+                sample in name for sample in ("ocr_", "pickscore_", "geneval_")), f"{path.name}: {name} is a sample"
+
+
+def test_ocr_samples_quote_their_target_text():
     targets = {}
-    for path in ocr:
-        prompts = load_prompts(path)
+    for name in ("ocr_train.jsonl", "ocr_test.jsonl"):
+        prompts = load_prompts(REPO / "assets" / "prompts" / name)
         for prompt, meta in zip(prompts.prompts, prompts.metadata):
             text = meta.get("text")
-            assert isinstance(text, str) and text.strip(), f"{path.name}: no metadata.text for {prompt!r}"
-            assert f'"{text}"' in prompt, f"{path.name}: {text!r} is not quoted in {prompt!r}"
-        targets[path.name] = {m["text"].lower() for m in prompts.metadata}
+            assert isinstance(text, str) and text.strip(), f"{name}: no metadata.text for {prompt!r}"
+            assert f'"{text}"' in prompt, f"{name}: {text!r} is not quoted in {prompt!r}"
+        targets[name] = {m["text"].lower() for m in prompts.metadata}
     assert not targets["ocr_train.jsonl"] & targets["ocr_test.jsonl"], "train and test OCR texts overlap"
 
 
 def test_held_out_prompt_files_are_disjoint_from_training():
     for path in GPU_CONFIGS:
         data = load_config(Config, path).data
-        if data.test_prompts:
+        if data.test_prompts and not _prepared(data.prompts):
             train, test = load_prompts(REPO / data.prompts), load_prompts(REPO / data.test_prompts)
             assert not set(train.prompts) & set(test.prompts), path.name
 
