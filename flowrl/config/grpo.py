@@ -55,7 +55,9 @@ class GRPOTrainConfig(TrainConfig):
     """Optimizer steps through which the EMA copies the live weights, averaging from the next on (1: it starts
     from the first step's weights, diffusers' EMAModel rule; 0: from the initial weights, as Flow-GRPO; recipe grpo)."""
     ema_every: int = 1
-    """Fold the weights into the EMA every this many optimizer steps (Flow-GRPO: 8 on its SD3.5 runs; recipe grpo)."""
+    """Fold the weights into the EMA every this many optimizer steps (recipe grpo). Flow-GRPO: 8 on its SD3.5 runs
+    (EMAModuleWrapper(decay=0.9, update_step_interval=8)); it folds after steps 7, 15, ... and calls the EMA after
+    every training batch, so one fold repeats per accumulated batch; flowrl folds once, after steps 8, 16, ..."""
     ema_warmup: Literal["none", "flow_grpo"] = "none"
     """none: the decay is ema_decay from the start; flow_grpo: Flow-GRPO's ramp min(ema_decay, (1 + s) / (10 + s)),
     s the optimizer steps since ema_start_step, so early updates average over fewer steps (recipe grpo)."""

@@ -7,7 +7,8 @@ import pytest
 from flowrl.config import Config, ConfigError, GRPOConfig, NFTConfig, load_config
 from tests import REPO
 
-CONFIGS = sorted(p for p in (REPO / "configs").rglob("*.yaml") if "accelerate" not in p.parts)
+CONFIGS = sorted(p for p in (REPO / "configs").rglob("*.yaml")
+                 if not {"accelerate", "provenance"} & set(p.parts))  # not flowrl configs
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(REPO)))
