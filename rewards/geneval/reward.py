@@ -6,7 +6,8 @@ Why in process: Flow-GRPO's GenEval recipe needs the judge on every rollout batc
 
 Output, in ToyEval's shape: ``geneval`` (strict, 1 or 0 per image: GenEval's ``correct``) and the partial
 sub-scores ``geneval/count``, ``/color``, ``/position``, ``/exclude`` and ``/partial`` (fractions of clauses;
-NaN where the prompt has none of that kind). Per-task means and the overall score (the mean of the task
+NaN where the prompt has none of that kind), plus ``geneval/flow_grpo``, the dense score Flow-GRPO trains on
+(train on it with ``key: geneval/flow_grpo``). Per-task means and the overall score (the mean of the task
 means, GenEval's "Overall score") are what :func:`flowrl.eval_tasks.by_task` makes of these where prompts
 carry a task (``flowrl eval`` reads GenEval's ``tag`` as the task). Images holding NaN/inf score NaN.
 

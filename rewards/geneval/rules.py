@@ -33,6 +33,8 @@ NaN when the prompt has none of that kind):
   geneval/position  include clauses with a position that pass (colour included)
   geneval/exclude   exclude clauses that hold
   geneval/partial   all include and exclude clauses that pass; strict is 1 exactly when this is 1
+  geneval/flow_grpo the dense score Flow-GRPO trains on (its reward server's partial credit, read
+                    :func:`flow_grpo_score`); it can be negative
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ COUNTING_THRESHOLD = 0.9
 MAX_OBJECTS = 16
 MAX_OVERLAP = 1.0  # 1.0: no overlap suppression
 POSITION_THRESHOLD = 0.1
-SUBSCORES = ("count", "color", "position", "exclude", "partial")
+SUBSCORES = ("count", "color", "position", "exclude", "partial", "flow_grpo")
 
 
 @dataclass
@@ -202,7 +204,45 @@ def judge(meta: Mapping[str, Any], det: Detections, objects: Mapping[str, list[i
     excluded = [len(objects.get(clause["class"], [])) < clause["count"] for clause in meta.get("exclude", [])]
     every = passed + excluded
     return {"strict": float(all(every)), "count": _share(counts), "color": _share(colors),
-            "position": _share(positions), "exclude": _share(excluded), "partial": _share(every)}
+            "position": _share(positions), "exclude": _share(excluded), "partial": _share(every),
+            "flow_grpo": flow_grpo_score(meta, det, objects, position_threshold)}
+
+
+def flow_grpo_score(meta: Mapping[str, Any], det: Detections, objects: Mapping[str, list[int]],
+                    position_threshold: float = POSITION_THRESHOLD) -> float:
+    """The dense score Flow-GRPO trains on (its reward server's ``evaluate_reward``), as that code computes it.
+
+    Reimplemented from github.com/yifan123/reward-server at 92ac29fb322c028f8840db8f93c950422931710d,
+    reward_server/gen_eval.py. It averages terms over the include clauses (exclude clauses play no part):
+    every clause adds 1 - |count - n| / count for its n kept objects (negative past 2 x count); when n is not
+    the count, a clause with a colour or a position adds one 0; otherwise a colour adds
+    1 - |count - m| / count for m objects of that colour, and a position (only if the colour matched)
+    adds 0 for a missing target, else a 0 at the first pair out of relation and then, always, a 1."""
+    terms: list[float] = []
+    matched: list[list[int] | None] = []
+    for clause in meta["include"]:
+        count, found = clause["count"], objects.get(clause["class"], [])
+        terms.append(1 - abs(count - len(found)) / count)
+        ok = len(found) == count
+        if not ok:
+            if "color" in clause or "position" in clause:
+                terms.append(0.0)
+        else:
+            if "color" in clause:
+                hits = sum(det.colors[i] == clause["color"] for i in found)
+                terms.append(1 - abs(count - hits) / count)
+                ok = hits == count
+            if "position" in clause and ok:
+                others = matched[clause["position"][1]]
+                if others is None:
+                    ok = False
+                    terms.append(0.0)
+                else:
+                    ok = all(clause["position"][0] in relative_position(det.boxes[i], det.boxes[j], position_threshold)
+                             for i in found for j in others)
+                    terms += [1.0] if ok else [0.0, 1.0]
+        matched.append(found if ok else None)
+    return sum(terms) / len(terms)
 
 
 def _share(flags: list[bool]) -> float:

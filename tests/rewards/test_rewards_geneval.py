@@ -38,8 +38,8 @@ def test_counting_uses_the_stricter_threshold():
     two = [("cup", 0.95, (0, 0, 5, 5), None), ("cup", 0.91, (10, 0, 15, 5), None)]
     # a third cup at 0.5 would count under 0.3, not under counting's 0.9: still exactly two
     got = _judge(meta, *two, ("cup", 0.5, (20, 0, 25, 5), None))
-    assert got == {"strict": 1.0, "count": 1.0, "color": got["color"], "position": got["position"],
-                   "exclude": 1.0, "partial": 1.0}
+    assert (got["strict"], got["count"], got["exclude"], got["partial"], got["flow_grpo"]) == (1.0, 1.0, 1.0, 1.0, 1.0)
+    assert math.isnan(got["color"]) and math.isnan(got["position"])
     three = _judge(meta, *two, ("cup", 0.92, (20, 0, 25, 5), None))
     assert three["strict"] == 0.0 and three["count"] == 1.0 and three["exclude"] == 0.0 and three["partial"] == 0.5
     one = _judge(meta, two[0], ("cup", 0.89, (10, 0, 15, 5), None))
@@ -133,6 +133,22 @@ def test_overlap_suppression_is_an_option_off_by_default():
     assert rules.select_objects(two, "x")["cup"] == [0, 1]
     assert rules.select_objects(two, "x", max_overlap=0.8)["cup"] == [0]
     assert rules.select_objects(two, "x", max_overlap=0.85)["cup"] == [0, 1]
+
+
+def test_flow_grpo_score_by_hand():
+    cups = {"tag": "counting", "include": [{"class": "cup", "count": 2}], "exclude": [{"class": "cup", "count": 3}]}
+    three = [("cup", 0.95, (i, 0, i + 5, 5), None) for i in (0, 10, 20)]
+    assert _judge(cups, *three)["flow_grpo"] == 0.5  # 1 - |2 - 3| / 2; the exclude clause plays no part
+    dog = {"tag": "single_object", "include": [{"class": "dog", "count": 1}]}
+    assert _judge(dog, *[("dog", 0.9, (i, 0, i + 5, 5), None) for i in (0, 10, 20)])["flow_grpo"] == -1.0  # 1 - 2
+    red = {"tag": "colors", "include": [{"class": "car", "count": 1, "color": "red"}]}
+    assert _judge(red, ("car", 0.9, (0, 0, 9, 9), "blue"))["flow_grpo"] == 0.5  # [1, 1 - |1 - 0|]
+    assert _judge(red)["flow_grpo"] == 0.0  # [0, 0]: no car, and the colour adds one 0
+    cat, left, right = ("cat", 0.9, (100, 0, 120, 20), None), ("dog", 0.9, (0, 0, 20, 20), None), \
+        ("dog", 0.9, (200, 0, 220, 20), None)
+    assert _judge(POSITION, cat, left)["flow_grpo"] == 1.0  # [1], [1, 1]
+    assert _judge(POSITION, cat, right)["flow_grpo"] == 0.75  # [1], [1, 0, 1]: a failed pair adds 0 and then 1
+    assert _judge(POSITION, left)["flow_grpo"] == pytest.approx(1 / 3)  # [0], [1, 0]: no target
 
 
 @pytest.mark.parametrize("meta, words", [
