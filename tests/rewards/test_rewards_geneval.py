@@ -297,3 +297,16 @@ def test_missing_weights_offline_name_the_hub_ids(monkeypatch, tmp_path):
         GenEval(clip_pretrained=str(tmp_path / "clip.bin"), model=tiny_detector(), device="cpu")
     message = str(info.value)
     assert "\n" not in message and CLIP_HUB_ID in message and "kwargs.clip_pretrained=" in message
+
+
+def test_without_scipy_the_reward_names_the_extra(monkeypatch, tmp_path):
+    import sys
+
+    from flowrl.rewards_api import build_reward
+
+    weights = tmp_path / "clip.bin"
+    weights.write_bytes(b"")  # a file is enough: the detector is checked before the CLIP is built
+    monkeypatch.setitem(sys.modules, "scipy", None)  # as if uninstalled
+    with pytest.raises(ValueError) as info:
+        build_reward("geneval", clip_pretrained=str(weights), device="cpu")
+    assert str(info.value) == "reward 'geneval': scipy is not installed: pip install 'flowrl[rewards]'"
