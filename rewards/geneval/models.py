@@ -38,8 +38,8 @@ from rewards.geneval.rules import CLASSES, COLOR_TEMPLATES, COLORS, Detections
 DETECTOR_ID = "facebook/mask2former-swin-small-coco-instance"
 CLIP_ARCH, CLIP_PRETRAINED = "ViT-L-14", "openai"
 CLIP_HUB_ID = "timm/vit_large_patch14_clip_224.openai"  # where open_clip fetches the "openai" ViT-L-14 weights
-CLIP_DOWNLOAD = (f"download open_clip_pytorch_model.bin from {CLIP_HUB_ID} (huggingface-cli download {CLIP_HUB_ID} "
-                 "open_clip_pytorch_model.bin --local-dir DIR) and set kwargs.clip_pretrained=DIR/open_clip_pytorch_model.bin")
+CLIP_DOWNLOAD = (f"download {CLIP_HUB_ID} (huggingface-cli download {CLIP_HUB_ID} --local-dir DIR) and set "
+                 "kwargs.clip_pretrained=<its open_clip weights file, e.g. DIR/open_clip_pytorch_model.bin>")
 DETECTOR_SIZE = {"shortest_edge": 800, "longest_edge": 1333}  # mmdetection's test scale (1333, 800)
 TOP_K = 100  # mmdetection's test_cfg.max_per_image
 GREY = 153 / 255  # GenEval's background #999

@@ -52,7 +52,8 @@ def test_at_most_16_objects_per_class():
     many = [("bird", 0.5 + i / 100, (i, 0, i + 1, 1), None) for i in range(20)]
     kept = rules.select_objects(_dets(*many), "single_object")
     assert kept["bird"] == list(range(19, 3, -1))  # the 16 most confident, most confident first
-    meta = {"tag": "single_object", "include": [{"class": "bird", "count": 1}], "exclude": [{"class": "bird", "count": 17}]}
+    meta = {"tag": "single_object", "include": [{"class": "bird", "count": 1}],
+            "exclude": [{"class": "bird", "count": 17}]}
     assert _judge(meta, *many)["strict"] == 1.0  # 20 detected, 16 kept: < 17
 
 
@@ -249,7 +250,7 @@ def test_tiny_judge_end_to_end_and_one_image_equals_the_batch(judge, batch, monk
     for i in range(len(PROMPTS)):
         one = judge(images[i:i + 1], prompts[i:i + 1], metadata[i:i + 1])
         for key, value in out.items():
-            assert torch.equal(one[key], value[i:i + 1], ) or (one[key].isnan().all() and value[i].isnan()), key
+            assert torch.equal(one[key], value[i:i + 1]) or (one[key].isnan().all() and value[i].isnan()), key
 
 
 def test_tiny_judge_agrees_with_the_rules_on_its_own_detections(judge, batch):
