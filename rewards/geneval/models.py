@@ -74,7 +74,7 @@ class Detector:
 
     def __init__(self, path: str = DETECTOR_ID, *, device: torch.device, dtype: torch.dtype,
                  model: torch.nn.Module | None = None, processor: Any = None, size: dict | None = None,
-                 batch_size: int = 8) -> None:
+                 batch_size: int = 8, min_score: float = 0.0) -> None:
         from transformers import Mask2FormerImageProcessor
 
         size = dict(size or DETECTOR_SIZE)
@@ -84,6 +84,7 @@ class Detector:
         self.model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.names = class_names(dict(model.config.id2label))
         self.device, self.dtype, self.batch_size = device, dtype, int(batch_size)
+        self.min_score = float(min_score)  # detections at or below it are dropped: no rule can count them
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor) -> list[Detections]:
@@ -121,10 +122,11 @@ class Detector:
         binary = mask_logits > 0
         inside = binary.flatten(1).float()
         mask_score = (mask_logits.sigmoid().flatten(1) * inside).sum(1) / (inside.sum(1) + 1e-6)  # [K]
-        boxes = _mask_boxes(binary)  # [K, 4]
+        scores = top * mask_score  # [K]
         names = [self.names[i] if i < len(self.names) else None for i in labels.tolist()]
-        keep = [k for k, name in enumerate(names) if name is not None]
-        return Detections(boxes[keep].cpu(), (top * mask_score)[keep].cpu(), [names[k] for k in keep],
+        keep = [k for k, (name, score) in enumerate(zip(names, scores.tolist()))
+                if name is not None and score > self.min_score]
+        return Detections(_mask_boxes(binary[keep]).cpu(), scores[keep].cpu(), [names[k] for k in keep],
                           binary[keep])
 
 

@@ -55,7 +55,8 @@ class GenEval:
         if clip_model is None:  # both weights found before either model is built: a missing one fails fast
             clip_pretrained = clip_weights(clip_pretrained)
         self.detector = Detector(detector, device=device, dtype=dtype, model=model, processor=processor,
-                                 size=detector_size, batch_size=batch_size)
+                                 size=detector_size, batch_size=batch_size,
+                                 min_score=min(self.select["threshold"], self.select["counting_threshold"]))
         self.colors = ColorClassifier(clip_pretrained, device=device, dtype=dtype, model=clip_model,
                                       tokenizer=clip_tokenizer, batch_size=clip_batch_size)
 
