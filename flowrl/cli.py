@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                                "the base model is always added; none: the config's run_dir); :ema takes a "
                                "checkpoint's EMA weights")
     evaluate.add_argument("--out", default=None, help="output directory (default: RUN_DIR/eval)")
+    evaluate.add_argument("--suite", default=None, metavar="FILE|geneval",
+                          help="the prompt suite instead of eval.suite: a .txt/.jsonl file (GenEval-format metadata "
+                               "splits the tables by its tag), or geneval, the generated GenEval eval split")
     evaluate.add_argument("--preference", default=None, metavar="W1,W2,...",
                           help="ParetoSlider: render every checkpoint at these reward weights (each must be trained "
                                "with model.preference; one weight per reward, summing to 1)")
@@ -191,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "eval":
             from flowrl.eval.runner import run_eval
 
-            print(f"wrote {run_eval(args.config, list(args.overrides), args.checkpoint, args.out, args.preference)}")
+            report = run_eval(args.config, list(args.overrides), args.checkpoint, args.out, args.preference, args.suite)
+            print(f"wrote {report}")
             return 0
         raise NotImplementedError(f"'flowrl {args.command}' is not available in this release yet")
     except (ConfigError, FileNotFoundError, NotImplementedError, ValueError, RewardError, TrainingAborted) as error:

@@ -56,17 +56,25 @@ def paired_task_mean_gain(before: torch.Tensor, after: torch.Tensor, tasks: Sequ
     return {"gain": gain, "standard_error": error, "standard_errors": gain / error if error > 0 else math.nan}
 
 
+def task_of(metadata: dict | None, key: str = "task") -> str | None:
+    """A row's task: ``metadata[key]``; for ``task``, GenEval's records (tag, include) name it ``tag``."""
+    metadata = metadata or {}
+    if key == "task" and key not in metadata and "include" in metadata and isinstance(metadata.get("tag"), str):
+        return metadata["tag"]
+    return metadata.get(key)
+
+
 def row_tasks(metadata: Sequence[dict | None], key: str = "task") -> list[str | None] | None:
     """The task of each row, or None when no row has one (then nothing is split by task)."""
-    tasks = [(m or {}).get(key) for m in metadata]
+    tasks = [task_of(m, key) for m in metadata]
     return tasks if any(t is not None for t in tasks) else None
 
 
 def stratified_prefix(prompts: PromptSet, n: int, key: str = "task") -> PromptSet:
-    """Up to ``n`` prompts taken round-robin over the values of ``metadata[key]`` (tasks in order of first
+    """Up to ``n`` prompts taken round-robin over each row's task (:func:`task_of`: tasks in order of first
     appearance, each task's prompts in file order), so every task gets an equal share until it runs out.
     Without the key this is the plain prefix ``prompts[:n]``."""
-    index = round_robin([meta.get(key) for meta in prompts.metadata])
+    index = round_robin([task_of(meta, key) for meta in prompts.metadata])
     return prompts.subset(index[:max(n, 0)])
 
 

@@ -71,6 +71,7 @@ REWARD_REGISTRY: dict[str, str] = {
     "jpeg_incompressibility": "rewards.simple:JpegIncompressibility",
     "color_target": "rewards.simple:ColorTarget",
     "toyeval": "rewards.toyeval:ToyEval",
+    "geneval": "rewards.geneval:GenEval",
     "remote": "rewards.remote:RemoteReward",
     "ocr": "rewards.ocr:OcrReward",
     "clipscore": "rewards.clip_scores:ClipScore",
@@ -93,7 +94,8 @@ REWARD_REGISTRY: dict[str, str] = {
 """Short name -> dotted path. Strings only: nothing is imported until `build_reward`."""
 
 REWARDS_EXTRA: dict[str, str] = {
-    "open_clip": "open_clip_torch", "rapidocr_onnxruntime": "rapidocr-onnxruntime", "rapidfuzz": "rapidfuzz"}
+    "open_clip": "open_clip_torch", "rapidocr_onnxruntime": "rapidocr-onnxruntime", "rapidfuzz": "rapidfuzz",
+    "scipy": "scipy"}
 """Import name -> package of the ``flowrl[rewards]`` extra: a bare ``pip install flowrl`` leaves these out."""
 
 

@@ -34,11 +34,16 @@ from tqdm.auto import tqdm
 from flowrl.eval.checkpoints import (EvalCheckpoint, check_fits, check_same_model, load_adapter, read_adapter,
                                      unique_labels)
 from flowrl.eval.suites import axis_scores, prompt_axes
+from flowrl.eval_tasks import task_of
 from flowrl.media import image_files, read_rgb
 
 def run_eval(config: str, overrides: list[str], checkpoints: list[str], out: str | None = None,
-             preference: str | None = None) -> Path:
+             preference: str | None = None, suite: str | None = None) -> Path:
     """Evaluate ``checkpoints`` (specs, see :mod:`flowrl.eval.checkpoints`); returns the report path.
+
+    ``suite`` (``--suite``) replaces ``eval.suite``: a prompt file, or ``geneval``, the generated GenEval split
+    (:func:`flowrl.eval.suites.load_suite`); a GenEval judge among the rewards then gives per-task scores and
+    their mean (``reward/geneval/task/<task>``, ``reward/geneval/task_mean``) in results.json.
 
     ``preference`` (``--preference 0.3,0.7``): render every trained checkpoint at these ParetoSlider weights; each
     must carry a preference embedding of as many rewards (checked before anything is written; the base model
@@ -48,7 +53,7 @@ def run_eval(config: str, overrides: list[str], checkpoints: list[str], out: str
     from flowrl.eval.checkpoints import parse_checkpoint
     from flowrl.eval.suites import load_suite
 
-    cfg = load_config(Config, config, overrides)
+    cfg = load_config(Config, config, [*overrides, *([f"eval.suite={suite}"] if suite else [])])
     suite = load_suite(cfg.eval.suite)
     if not checkpoints and _has_adapter(Path(cfg.run_dir)):  # `flowrl eval CONFIG`: the config's own run
         checkpoints = [cfg.run_dir]
@@ -376,7 +381,7 @@ def score_all(cfg, suite, specs: list[EvalCheckpoint], images: dict[str, tuple],
         metrics[checkpoint.label] = values
     base = next(c.label for c in specs if c.is_base)
     return {
-        "suite": str(e.suite), "prompts": suite.prompts, "tasks": [m.get("task") for m in suite.metadata],
+        "suite": str(e.suite), "prompts": suite.prompts, "tasks": [task_of(m) for m in suite.metadata],
         "images_per_prompt": n, "seed": e.seed, "num_steps": e.num_steps or cfg.sampling.num_steps,
         "guidance_scale": cfg.sampling.guidance_scale if e.guidance_scale is None else e.guidance_scale,
         "model": {"family": cfg.model.family, "path": cfg.model.path}, "features": e.features,

@@ -32,17 +32,34 @@ from flowrl.eval.metrics import pairwise_cosine_distance, per_group
 AXES = ("identity", "style", "layout", "tonal")
 STYLE_PROBES = ("a photograph", "an oil painting", "a watercolor painting", "a pencil sketch", "an anime drawing",
                 "a 3D render", "pixel art", "a vintage photograph", "a comic book illustration", "a minimalist poster")
+GENEVAL = "geneval"  # the bare suite name of the generated GenEval evaluation split
 UNIFORM_SPREAD = math.sqrt(2 / 12)  # centroid spread of positions uniform over the frame: var 1/12 per coordinate
 
 
 def load_suite(path: str | Path) -> PromptSet:
-    """A suite's prompts; a one-line error for an empty file or an unknown axis."""
-    suite = load_prompts(path)  # raises for a missing or empty file
+    """A suite's prompts; a one-line error for an empty file or an unknown axis.
+
+    ``geneval`` (a bare name, no such file) is the generated GenEval evaluation split
+    (:func:`flowrl.geneval_prompts.generate_split`). GenEval records name their task ``tag``, which
+    :func:`flowrl.eval_tasks.task_of` reads as the task, so a GenEval judge's overall score is the mean of its task
+    means."""
+    suite = _generated_geneval() if str(path) == GENEVAL and not Path(path).exists() else load_prompts(path)
     for number, metadata in enumerate(suite.metadata, start=1):
         unknown = [a for a in prompt_axes(metadata) if a not in AXES]
         if unknown:
             raise ValueError(f"{path}: prompt {number} names unknown axes {unknown}; use {list(AXES)}")
     return suite
+
+
+def _generated_geneval() -> PromptSet:
+    """The generated GenEval eval split, or a one-line error where this install has no generator."""
+    try:
+        from flowrl.geneval_prompts import generate_split
+    except ImportError:
+        raise ValueError("suite 'geneval' needs flowrl.geneval_prompts, which this install lacks; pass a "
+                         "GenEval-format .jsonl instead (e.g. --suite assets/prompts/geneval_train.jsonl)") from None
+    records = generate_split("eval", seed=0)
+    return PromptSet([r["prompt"] for r in records], [dict(r["metadata"]) for r in records])
 
 
 def prompt_axes(metadata: dict) -> list[str]:

@@ -133,3 +133,15 @@ def test_paired_task_mean_gain_matches_a_hand_computation():
     # Only task a: gain 0.5, s.e. sqrt(1/12) -> 1.732 standard errors.
     out = paired_task_mean_gain(before[:4], after[:4], ["a"] * 4)
     assert out["gain"] == pytest.approx(0.5) and out["standard_errors"] == pytest.approx(0.5 / math.sqrt(1 / 12))
+
+
+def test_geneval_records_name_their_task_tag():
+    from flowrl.data import PromptSet
+    from flowrl.eval_tasks import row_tasks, stratified_prefix, task_of
+    counting = {"tag": "counting", "include": [{"class": "dog", "count": 3}], "exclude": [{"class": "dog", "count": 4}]}
+    colors = {"tag": "colors", "include": [{"class": "cup", "count": 1, "color": "red"}]}
+    assert task_of(counting) == "counting" and task_of({"tag": "x"}) is None  # a tag without GenEval's include
+    assert task_of({"task": "a", "tag": "b", "include": []}) == "a"
+    assert row_tasks([counting, colors, None]) == ["counting", "colors", None]
+    prompts = PromptSet(["c1", "c2", "k1"], [counting, counting, colors])
+    assert stratified_prefix(prompts, 2).prompts == ["c1", "k1"]
