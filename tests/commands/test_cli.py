@@ -41,24 +41,18 @@ def test_bad_override_is_a_one_line_error():
     assert "sampling.num_stepz" in result.stderr and "Traceback" not in result.stderr
 
 
+LOADING_BARS = ("Loading pipeline components", "Loading weights")  # diffusers' and transformers' per-component bars
+
+
 @pytest.mark.slow  # a whole command in subprocesses, 10-20 s
-def test_train_without_a_config_runs_the_toy_world(tmp_path):
+def test_train_without_a_config_runs_the_toy_world_with_its_own_bar_and_no_loading_bars(tmp_path):
     result = _flowrl("train", f"run_dir={tmp_path}", "train.epochs=1", "sampling.prompts_per_batch=2",
-                     "sampling.group_size=4", "log.eval_every=0", "log.report_prompts=2", "log.progress=false")
+                     "sampling.group_size=4", "log.eval_every=0", "log.report_prompts=2", "log.progress=true")
     assert result.returncode == 0, result.stderr[-2000:]
     saved = (tmp_path / "config.yaml").read_text()
     assert "path: assets/toy" in saved and "toyeval" in saved
     report = (tmp_path / "report.json").read_text()
     assert "diversity/gt_mean" in report and (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()
-
-
-LOADING_BARS = ("Loading pipeline components", "Loading weights")  # diffusers' and transformers' per-component bars
-
-
-def test_train_shows_its_own_bar_but_no_loading_bars(tmp_path):
-    result = _flowrl("train", f"run_dir={tmp_path}", "train.epochs=1", "sampling.prompts_per_batch=2",
-                     "sampling.group_size=4", "log.eval_every=0", "log.report_prompts=2", "log.progress=true")
-    assert result.returncode == 0, result.stderr[-2000:]
     assert "nft: 100%" in result.stderr  # log.progress: flowrl's own bar
     assert not [bar for bar in LOADING_BARS if bar in result.stderr], result.stderr[-2000:]
     assert "FutureWarning" not in result.stderr

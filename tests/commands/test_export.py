@@ -123,9 +123,22 @@ def test_merge_writes_a_plain_transformer(run, tmp_path):
 
 
 def _flowrl(*args):
+    """The real command line in a subprocess (one test keeps the process boundary honest)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return subprocess.run([sys.executable, "-m", "flowrl", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
+
+
+def _in_process(capsys, *args):
+    """``flowrl ARGS`` through :func:`flowrl.cli.main` in this process: the same parsing and one-line errors
+    without a 5-second interpreter start per call."""
+    from flowrl.cli import main
+    try:
+        code = main(list(args))
+    except SystemExit as exit_:  # argparse
+        code = exit_.code
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, captured.out, captured.err)
 
 
 def test_cli_export_comfyui(run, tmp_path):
@@ -135,8 +148,8 @@ def test_cli_export_comfyui(run, tmp_path):
     assert (tmp_path / "out" / COMFYUI_WEIGHT_NAME).is_file()
 
 
-def test_cli_missing_checkpoint_is_one_line_error(tmp_path):
-    result = _flowrl("export-lora", str(tmp_path / "missing_run"), str(tmp_path / "out"))
+def test_cli_missing_checkpoint_is_one_line_error(tmp_path, capsys):
+    result = _in_process(capsys, "export-lora", str(tmp_path / "missing_run"), str(tmp_path / "out"))
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr
     assert "no checkpoint" in result.stderr
@@ -148,20 +161,19 @@ def _one_line_error(result, text):
     assert text in result.stderr, result.stderr
 
 
-@pytest.mark.slow  # a whole command in subprocesses, 10-20 s
-def test_cli_bad_input_is_one_line_error(run, tmp_path):
+def test_cli_bad_input_is_one_line_error(run, tmp_path, capsys):
     untrained = tmp_path / "untrained"  # a run dir that has its config but no adapter yet
     untrained.mkdir()
     (untrained / "config.yaml").write_text("model:\n  family: sd3\n  path: tiny\n")
-    _one_line_error(_flowrl("export-lora", str(untrained), str(tmp_path / "a")), "holds no adapter")
+    _one_line_error(_in_process(capsys, "export-lora", str(untrained), str(tmp_path / "a")), "holds no adapter")
     out = tmp_path / "out"
-    assert _flowrl("export-lora", str(run["dir"]), str(out), "--format", "diffusers").returncode == 0
-    _one_line_error(_flowrl("export-lora", str(run["dir"]), str(out), "--format", "diffusers"), "--force")
-    assert _flowrl("export-lora", str(run["dir"]), str(out), "--format", "diffusers", "--force").returncode == 0
+    assert _in_process(capsys, "export-lora", str(run["dir"]), str(out), "--format", "diffusers").returncode == 0
+    _one_line_error(_in_process(capsys, "export-lora", str(run["dir"]), str(out), "--format", "diffusers"), "--force")
+    assert _in_process(capsys, "export-lora", str(run["dir"]), str(out), "--format", "diffusers", "--force").returncode == 0
     no_ema = tmp_path / "no_ema"
     shutil.copytree(run["ckpt"], no_ema)
     (no_ema / "ema.safetensors").unlink()
-    _one_line_error(_flowrl("export-lora", str(no_ema), str(tmp_path / "b"), "--ema"), "no EMA weights")
+    _one_line_error(_in_process(capsys, "export-lora", str(no_ema), str(tmp_path / "b"), "--ema"), "no EMA weights")
 
 
 def test_lora_state_dict_is_a_copy_so_the_ema_export_holds_the_ema_weights():
