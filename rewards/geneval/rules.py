@@ -46,19 +46,10 @@ from typing import Any, Mapping
 import torch
 from torchvision.ops import box_iou
 
-CLASSES = (
-    "person", "bicycle", "car", "motorcycle", "airplane", "bus", "train", "truck", "boat", "traffic light",
-    "fire hydrant", "stop sign", "parking meter", "bench", "bird", "cat", "dog", "horse", "sheep", "cow",
-    "elephant", "bear", "zebra", "giraffe", "backpack", "umbrella", "handbag", "tie", "suitcase", "frisbee",
-    "skis", "snowboard", "sports ball", "kite", "baseball bat", "baseball glove", "skateboard", "surfboard",
-    "tennis racket", "bottle", "wine glass", "cup", "fork", "knife", "spoon", "bowl", "banana", "apple",
-    "sandwich", "orange", "broccoli", "carrot", "hot dog", "pizza", "donut", "cake", "chair", "couch",
-    "potted plant", "bed", "dining table", "toilet", "tv", "laptop", "computer mouse", "tv remote",
-    "computer keyboard", "cell phone", "microwave", "oven", "toaster", "sink", "refrigerator", "book", "clock",
-    "vase", "scissors", "teddy bear", "hair drier", "toothbrush",
-)
-"""GenEval's 80 class names (COCO's, with mouse, remote and keyboard renamed), in COCO order."""
-COLORS = ("red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white")
+# GenEval's 80 class names (COCO's, with mouse, remote and keyboard renamed) in COCO order, and its ten colours,
+# are the prompt generator's: flowrl.geneval_prompts.CLASSES and COLORS.
+from flowrl.geneval_prompts import CLASSES, COLORS
+
 COLOR_TEMPLATES = ("a photo of a {color} {cls}", "a photo of a {color}-colored {cls}", "a photo of a {color} object")
 RELATIONS = ("left of", "right of", "above", "below")
 THRESHOLD = 0.3
