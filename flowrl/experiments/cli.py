@@ -53,6 +53,17 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def checked_overrides(overrides: Sequence[str]) -> list[str]:
+    """The overrides for every run, each ``a.b=value``; anything else is one line before a run starts (a stray
+    token would otherwise reach every run's command line and fail each one, e.g. ``--seeds 0 1`` passes ``1``)."""
+    for token in overrides:
+        key, sep, _ = token.partition("=")
+        if not sep or not key.strip():
+            hint = " (several seeds are one comma-separated flag: --seeds 0,1,2)" if token.strip().isdigit() else ""
+            raise ExperimentError(f"{token!r} is not an override; overrides are a.b=value{hint}")
+    return list(overrides)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_intermixed_args(argv)
@@ -70,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if experiment.table not in TABLES:
             raise ExperimentError(f"{args.experiment}: unknown table {experiment.table!r} "
                                   f"(one of {', '.join(TABLES)})")
-        experiment.overrides = list(args.overrides)
+        experiment.overrides = checked_overrides(args.overrides)
         experiment.dry_run, experiment.table_only = args.dry_run, args.table_only
         experiment.command = "python -m flowrl.experiments " + shlex.join(argv)
         text = TABLES[experiment.table](experiment)

@@ -157,6 +157,9 @@ def test_bad_flags_and_files_say_why_in_one_line(tmp_path, monkeypatch, capsys):
     assert "no run named nope" in capsys.readouterr().err
     assert main([str(tmp_path / "missing.yaml")]) == 2
     assert "no experiment file" in capsys.readouterr().err
+    assert main(["experiments/held_out_guard.yaml", "--seeds", "0", "1", "--dry-run"]) == 2  # '1' is no override
+    err = capsys.readouterr().err
+    assert "'1' is not an override" in err and "--seeds 0,1,2" in err and len(err.strip().splitlines()) == 1
 
 
 def test_tiny_experiment_runs_resumes_and_writes_its_table(tmp_path, monkeypatch, capsys):
