@@ -442,6 +442,15 @@ def log_base_model(run: Run) -> None:
         run.logger.log({**metrics, **run.end_epoch(-1, metrics, held_out)}, step=-1)  # the guard's first point
 
 
+def advance_lr_schedule(run: Run) -> None:
+    """Advance the LR schedule past an optimizer step that did not happen (a non-finite gradient, or nothing left
+    to train), so the schedule stays a function of the step index. torch warns when a schedule steps before its
+    optimizer ever has, which is exactly this case on a run's first step: that one warning is silenced here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        run.extras["lr_scheduler"].step()
+
+
 def optimizer_step(run: Run, stats: StatsAccumulator) -> None:
     """Clip the accumulated gradients (``train.max_grad_norm``, 0: no clipping), step, clear them;
     the pre-clip norm goes into ``stats``. A non-finite norm (NaN/inf loss or gradient) skips the step with the
@@ -472,7 +481,7 @@ def optimizer_step(run: Run, stats: StatsAccumulator) -> None:
         if scaler is not None:  # accelerate's optimizer step: the scaler skips an inf step and lowers its scale
             run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=True)
-        scheduler.step()  # the schedule stays a function of the step index
+        advance_lr_schedule(run)
         return
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
