@@ -3,8 +3,9 @@ arithmetic from the configs; which settings fit 24 GB and 40 GB.
 
 Counted exactly, on the ``meta`` device (nothing allocated, nothing downloaded): the transformer of
 ``configs/models/flux1_dev_transformer.json`` (every ``nn.Linear`` weight is what a scheme quantises; biases,
-norms and embeddings stay bf16), the LoRA that flowrl attaches (the family's default targets, rank r, fp32), the
-FLUX VAE and PickScore (CLIP ViT-H/14, the reward of ``configs/flux1_dev/grpo_pickscore*.yaml``).
+norms and embeddings stay bf16), the LoRA of the sized config (``--config``, by default
+``configs/flux1_dev/grpo_pickscore_24gb.yaml``: its ``lora.rank`` on its ``lora.target_modules``, fp32), the FLUX VAE
+and PickScore (CLIP ViT-H/14, the reward of ``configs/flux1_dev/grpo_pickscore*.yaml``).
 
 Bytes per quantised weight, from the libraries' layouts (a ``out x in`` Linear):
   bf16  2 B per weight;
@@ -19,7 +20,8 @@ AdamW8bit's two uint8 moments with an fp32 scale per 256 values (2 x (1 + 4/256)
 Assumed (stated, not measured; ``scripts/bench/gpu_full_size.py`` measures the activation peaks on a GPU):
   - the text encoders are off the GPU during training (``model.text_cache=disk`` + ``model.free_text_encoders``;
     T5-XXL and CLIP-L are 9.77 GB in bf16, on the GPU only while the cache is filled at start: see the start row);
-  - tokens per row: (H/16) x (W/16) image tokens + 512 T5 tokens; hidden width 3072; bf16 activations, SDPA
+  - tokens per row: (H/16) x (W/16) image tokens + the config's T5 tokens (``model.max_sequence_length``, 512 when
+    unset, FluxPipeline's default); hidden width 3072; bf16 activations, SDPA
     (flash / memory-efficient attention: no tokens^2 matrix);
   - training with gradient checkpointing: each of the 57 blocks keeps its input hidden states (tokens x 3072) per
     row, and the one block being recomputed holds ``BLOCK_TENSORS`` = 24 tensors of tokens x 3072 per row (its
@@ -30,7 +32,7 @@ Assumed (stated, not measured; ``scripts/bench/gpu_full_size.py`` measures the a
 The step's peak is the resident weights and state plus the larger of the sampling and the training transient.
 
     .venv/bin/python scripts/bench/quant_memory.py                # the table for docs/scaling.md
-    .venv/bin/python scripts/bench/quant_memory.py --rank 16 --micro-batch 2
+    .venv/bin/python scripts/bench/quant_memory.py --config configs/flux1_dev/grpo_pickscore.yaml --micro-batch 2
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "configs/models/flux1_dev_transformer.json"
-HIDDEN, T5_TOKENS, BLOCK_TENSORS, SAMPLE_TENSORS, OVERHEAD_GB = 3072, 512, 24, 12, 1.5
+HIDDEN, BLOCK_TENSORS, SAMPLE_TENSORS, OVERHEAD_GB = 3072, 24, 12, 1.5
+DEFAULT_CONFIG = "configs/flux1_dev/grpo_pickscore_24gb.yaml"
 # laion/CLIP-ViT-H-14-laion2B-s32B-b79K (PickScore_v1's architecture), config.json architecture fields
 PICKSCORE = {"text_config": {"hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 16,
                              "num_hidden_layers": 24, "vocab_size": 49408, "max_position_embeddings": 77},
@@ -80,14 +83,12 @@ def transformer_weight_bytes(model: torch.nn.Module) -> dict[str, float]:
             "nf4": quantised * (0.5 + 1 / 64 + 4 / (64 * 256)) + rest}
 
 
-def lora_parameters(model: torch.nn.Module, rank: int) -> int:
-    """Parameters of the LoRA flowrl attaches to FLUX at ``rank`` (peft on the meta model, the family's targets)."""
+def lora_parameters(model: torch.nn.Module, rank: int, targets: list[str]) -> int:
+    """Parameters of a LoRA of ``rank`` on ``targets`` (peft on the meta model)."""
     from peft import LoraConfig, inject_adapter_in_model
 
-    from flowrl.models.flux import FLUX_LORA_TARGETS
-
     with torch.device("meta"):
-        inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=rank, target_modules=list(FLUX_LORA_TARGETS)), model)
+        inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=rank, target_modules=list(targets)), model)
     return sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
 
 
@@ -96,9 +97,9 @@ def lora_state_bytes(params: int, optimizer: str, ema: bool = True) -> float:
     return params * (4 + 4 + moments + (4 if ema else 0))
 
 
-def activation_bytes(size: int, group: int, micro_batch: int) -> tuple[float, float]:
+def activation_bytes(size: int, group: int, micro_batch: int, text_tokens: int) -> tuple[float, float]:
     """(sampling transient, training transient) in bytes at ``size`` px."""
-    tokens = (size // 16) ** 2 + T5_TOKENS
+    tokens = (size // 16) ** 2 + text_tokens
     per_tensor = tokens * HIDDEN * 2  # one bf16 tensor of tokens x hidden, one row
     sampling = group * SAMPLE_TENSORS * per_tensor
     training = micro_batch * (57 * per_tensor + 2 * BLOCK_TENSORS * per_tensor)
@@ -107,23 +108,33 @@ def activation_bytes(size: int, group: int, micro_batch: int) -> tuple[float, fl
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rank", type=int, default=32, help="LoRA rank (default 32, the shipped FLUX configs')")
+    parser.add_argument("--config", default=DEFAULT_CONFIG, help=f"the FLUX.1-dev config sized (default {DEFAULT_CONFIG})")
+    parser.add_argument("--rank", type=int, help="LoRA rank (default: the config's lora.rank)")
     parser.add_argument("--micro-batch", type=int, default=1, help="train.micro_batch_size (default 1)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON too")
     args = parser.parse_args(argv)
     import diffusers
     import transformers
 
+    from flowrl.config import Config, load_config
+    from flowrl.models.flux import FLUX_LORA_TARGETS
+
+    cfg = load_config(Config, str(ROOT / args.config), [])
+    rank = args.rank or cfg.lora.rank
+    targets = list(cfg.lora.target_modules or FLUX_LORA_TARGETS)
+    text_tokens = cfg.model.max_sequence_length or 512
+
     spec = json.loads(SPEC.read_text())["transformer"]
     transformer = on_meta(lambda: getattr(diffusers, spec["class"]).from_config(spec["config"]))
     base_params, weights = count(transformer), transformer_weight_bytes(transformer)
-    lora = lora_parameters(transformer, args.rank)
+    lora = lora_parameters(transformer, rank, targets)
     vae = count(on_meta(lambda: diffusers.AutoencoderKL(**FLUX_VAE)))
     reward = count(on_meta(lambda: transformers.CLIPModel(transformers.CLIPConfig(**PICKSCORE))))
     gb = 1e9
     print(f"FLUX.1-dev transformer {base_params / 1e9:.3f}B parameters; weights: "
           + ", ".join(f"{k} {v / gb:.2f} GB" for k, v in weights.items()))
-    print(f"LoRA r={args.rank}: {lora / 1e6:.1f}M parameters; state (weight, grad, EMA, moments): AdamW "
+    print(f"{args.config}: LoRA r={rank} on {len(targets)} target modules, {text_tokens} T5 tokens")
+    print(f"LoRA r={rank}: {lora / 1e6:.1f}M parameters; state (weight, grad, EMA, moments): AdamW "
           f"{lora_state_bytes(lora, 'adamw') / gb:.2f} GB, AdamW8bit {lora_state_bytes(lora, 'adamw8bit') / gb:.2f} GB")
     print(f"VAE {vae / 1e6:.1f}M -> {2 * vae / gb:.2f} GB; PickScore (CLIP ViT-H/14) {reward / 1e6:.0f}M -> "
           f"{2 * reward / gb:.2f} GB (bf16); text encoders {TEXT_ENCODERS_GB} GB, only while the cache fills")
@@ -133,7 +144,7 @@ def main(argv=None) -> None:
         resident = weights[scheme] + lora_state_bytes(lora, optimizer) + 2 * (vae + reward) + OVERHEAD_GB * gb
         for size in (512, 1024):
             for group in (8, 24):
-                sampling, training = activation_bytes(size, group, args.micro_batch)
+                sampling, training = activation_bytes(size, group, args.micro_batch, text_tokens)
                 step = resident + max(sampling, training)
                 peak = max(step, start)
                 rows.append(dict(scheme=scheme, optimizer=optimizer, size=size, group=group, start_gb=start / gb,

@@ -270,7 +270,7 @@ def test_options_a_quantised_base_cannot_combine_with_are_one_line(tmp_path, cap
 
 def test_quant_memory_script_counts_flux_and_orders_the_schemes(capsys):
     """scripts/bench/quant_memory.py (the docs/scaling.md table): FLUX.1-dev's 11.901B parameters, counted on the
-    meta device, and nf4 < int8 < bf16 in weights and in every row's step peak."""
+    meta device, the sized config's LoRA and T5 length, and nf4 < int8 < bf16 in weights and every row's step peak."""
     import importlib.util
 
     from tests import REPO
@@ -280,7 +280,11 @@ def test_quant_memory_script_counts_flux_and_orders_the_schemes(capsys):
     spec.loader.exec_module(script)
     script.main(["--json"])
     out = capsys.readouterr().out
-    assert "11.901B parameters" in out and "bf16 23.80 GB" in out and "LoRA r=32: 130.8M" in out
+    # the 24 GB config's LoRA, r 32 on train_flux.py's 12 targets, by hand: 19 double-stream blocks x (8 square
+    # 3072 projections + 4 feed-forward 3072<->12288) + 38 single-stream blocks x q, k, v, at r (in + out) each
+    by_hand = 32 * (19 * (8 * 6144 + 4 * 15360) + 38 * 3 * 6144)
+    assert by_hand == 89_653_248 and "LoRA r=32: 89.7M" in out and "12 target modules, 128 T5 tokens" in out
+    assert "11.901B parameters" in out and "bf16 23.80 GB" in out
     rows = json.loads(out[out.index("\n[") + 1:])
     peak = {(r["scheme"], r["size"], r["group"]): r["step_gb"] for r in rows}
     for size, group in {(s, g) for _, s, g in peak}:
