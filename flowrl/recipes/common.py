@@ -41,6 +41,7 @@ from flowrl.sampling import StepPlan, chunked_rollout, concat_trajectories, roll
 from flowrl.sampling.pilot import commit_candidates, join_committed, slot_seeds
 from flowrl.sampling.self_guidance import SelfGuidance
 from flowrl.training.ema import LoraEMA, ema_weights
+from flowrl.training.lr import skip_scheduled_step
 from flowrl.training.faults import TrainingAborted, grad_norm as total_grad_norm
 from flowrl.training.metrics import MetricsLogger
 from flowrl.training.run_dir import check_run_dir, claim_run_dir
@@ -442,15 +443,6 @@ def log_base_model(run: Run) -> None:
         run.logger.log({**metrics, **run.end_epoch(-1, metrics, held_out)}, step=-1)  # the guard's first point
 
 
-def advance_lr_schedule(run: Run) -> None:
-    """Advance the LR schedule past an optimizer step that did not happen (a non-finite gradient, or nothing left
-    to train), so the schedule stays a function of the step index. torch warns when a schedule steps before its
-    optimizer ever has, which is exactly this case on a run's first step: that one warning is silenced here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
-        run.extras["lr_scheduler"].step()
-
-
 def optimizer_step(run: Run, stats: StatsAccumulator) -> None:
     """Clip the accumulated gradients (``train.max_grad_norm``, 0: no clipping), step, clear them;
     the pre-clip norm goes into ``stats``. A non-finite norm (NaN/inf loss or gradient) skips the step with the
@@ -481,7 +473,7 @@ def optimizer_step(run: Run, stats: StatsAccumulator) -> None:
         if scaler is not None:  # accelerate's optimizer step: the scaler skips an inf step and lowers its scale
             run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=True)
-        advance_lr_schedule(run)
+        skip_scheduled_step(scheduler)
         return
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)

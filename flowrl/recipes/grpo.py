@@ -68,8 +68,8 @@ from flowrl.algorithms.losses import POLICY_LOSSES, gaussian_mean_kl
 from flowrl.algorithms.ratio_norm import RATIO_NORMS
 from flowrl.config import GRPOConfig
 from flowrl.recipes.common import (  # noqa: F401  (re-exported for callers of this module)
-    StatsAccumulator, advance_lr_schedule, end_epoch, finish_run, group_advantages, log_base_model, make_accelerator,
-    optimizer_step, out_of_time, sample_and_score, start_run, step_plan,
+    StatsAccumulator, end_epoch, finish_run, group_advantages, log_base_model, make_accelerator, optimizer_step,
+    out_of_time, sample_and_score, start_run, step_plan,
 )
 from flowrl.recipes.guard import exported_weights, finite_mean, in_group_diversity
 from flowrl.recipes.extras import snapshot
@@ -82,6 +82,7 @@ from flowrl.rewards_api import AsyncScorer
 from flowrl.sampling import sde_step, transition
 from flowrl.sampling.steps import kl_std
 from flowrl.training.accumulate import micro_batch
+from flowrl.training.lr import skip_scheduled_step
 
 
 def train(cfg: GRPOConfig, *, accelerator: Accelerator | None = None) -> dict[str, float]:
@@ -290,7 +291,7 @@ def skip_optimizer_step(run: Run) -> None:
     """An optimizer step with nothing to train on any process (``train.drop_zero_advantage`` dropped all its rows):
     no pass and no step (AdamW would still move the weights by its moments and weight decay); the LR schedule
     advances, so it stays a function of the step index as after a skipped non-finite step."""
-    advance_lr_schedule(run)
+    skip_scheduled_step(run.extras["lr_scheduler"])
 
 
 def gardo_reference(run: Run) -> GardoReference | None:

@@ -8,6 +8,8 @@ continues the same sequence.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 
@@ -26,6 +28,15 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, name: str, *, warmup_st
         scheduler.__class__ = FloatStateLambdaLR
         scheduler.base_lrs = [float(lr) for lr in scheduler.base_lrs]
     return scheduler
+
+
+def skip_scheduled_step(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """Advance the schedule past an optimizer step that did not happen (a non-finite gradient, or nothing left to
+    train), so the schedule stays a function of the step index. torch warns when a schedule steps before its
+    optimizer ever has, which is exactly this case on a run's first step: that one warning is silenced here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        scheduler.step()
 
 
 class FloatStateLambdaLR(torch.optim.lr_scheduler.LambdaLR):
