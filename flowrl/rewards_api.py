@@ -10,6 +10,8 @@ whose package (the `flowrl[rewards]` extra) is missing is one line naming the ex
 failing reward either stops the run or marks its batch NaN. NaN always means "could not score",
 never zero: advantage code excludes NaN rows rather than learning from a fake score.
 `AsyncScorer` overlaps scoring batch i with sampling batch i+1 (as Flow-GRPO does).
+A group-wise reward (``scores_groups = True``: a rank within the group, a VLM comparing the group's images) is
+called once per group of the batch (:func:`group_rows`); pointwise rewards see the whole batch in one call.
 """
 
 from __future__ import annotations
@@ -41,6 +43,13 @@ class Reward(Protocol):
     Video (a family like Wan yields ``[N,T,3,H,W]``): a reward whose class sets ``takes_video = True`` gets
     the clips as they are; any other (an image reward) gets the first, middle and last frame of each clip as
     images (:func:`frame_indices`) and ``score`` averages its outputs per clip.
+
+    Group-wise rewards: a reward whose class (or instance) sets ``scores_groups = True`` scores a group at once,
+    each row's score depending on the group's other rows (PickScore's rank within the group, a VLM comparing the
+    group's images; Flow-Factory's GroupwiseRewardModel). ``score`` calls it once per group, with exactly that
+    group's rows, ``reward(images [G,3,H,W], prompts [G], metadata [G]) -> {key: Tensor[G]}`` (a video group:
+    its clips' frames, averaged per clip as above), and puts its outputs back in row order. The groups are
+    ``score``'s ``groups`` ids (training's prompt groups), or the rows of one prompt text when none are given.
     """
 
     name: str
@@ -76,6 +85,7 @@ REWARD_REGISTRY: dict[str, str] = {
     "ocr": "rewards.ocr:OcrReward",
     "clipscore": "rewards.clip_scores:ClipScore",
     "pickscore": "rewards.clip_scores:PickScore",
+    "pickscore_rank": "rewards.clip_scores:PickScoreRank",
     "hpsv2": "rewards.clip_scores:HPSv2",
     "aesthetic": "rewards.aesthetic:Aesthetic",
     "checklist": "rewards.checklist:Checklist",
@@ -323,25 +333,92 @@ def with_source_pixels(images: torch.Tensor, metadata: Sequence[Any]) -> list[An
             if isinstance(m, Mapping) and m.get("source_image") and "source_pixels" not in m else m for m in metadata]
 
 
+def scores_groups(reward: Any) -> bool:
+    """Whether ``reward`` (a class or an instance) scores a whole group per call (``scores_groups = True``)."""
+    return bool(getattr(reward, "scores_groups", False))
+
+
+GROUP_ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def check_groups(groups: Any, n: int) -> None:
+    """``groups`` is None or an integer tensor ``[N]`` of group ids; one-line ValueError otherwise."""
+    if groups is None:
+        return
+    if not isinstance(groups, torch.Tensor) or groups.dtype not in GROUP_ID_DTYPES:
+        kind = f"{groups.dtype} tensor" if isinstance(groups, torch.Tensor) else type(groups).__name__
+        raise ValueError(f"groups must be an integer tensor [N] of group ids, got {kind}")
+    if groups.shape != (n,):
+        raise ValueError(f"groups has shape {tuple(groups.shape)}, expected ({n},): one group id per image")
+
+
+def group_rows(groups: torch.Tensor | None, prompts: Sequence[str]) -> list[torch.Tensor]:
+    """The row indices ``[G]`` of each group of a batch, in ascending order of group id: rows with equal
+    ``groups`` ids (any order in the batch), or, with ``groups`` None, the rows of one prompt text (what eval
+    renders: a prompt's images)."""
+    if groups is None:
+        first: dict[str, int] = {}
+        groups = torch.tensor([first.setdefault(p, len(first)) for p in prompts], dtype=torch.long)
+    if groups.numel() == 0:
+        return []
+    _, inverse = torch.unique(groups.cpu(), return_inverse=True)  # [N] group index of each row
+    return list(torch.argsort(inverse, stable=True).split(torch.bincount(inverse).tolist()))
+
+
+def check_whole_groups(rewards: Sequence[Reward], groups: torch.Tensor, group_size: int) -> None:
+    """Training's invariant where a group-wise reward scores: every group id of the scoring batch ``groups``
+    ``[N]`` holds all ``group_size`` rows of its group, since a part of a group ranks (or compares) otherwise
+    than the whole. RewardError in one line otherwise; nothing to check when every reward is pointwise."""
+    names = [reward.name for reward in rewards if scores_groups(reward)]
+    if not names or groups.numel() == 0:
+        return
+    ids, counts = torch.unique(groups.cpu(), return_counts=True)
+    short = (counts != group_size).nonzero()[:, 0]
+    if len(short):
+        bad = int(short[0])
+        raise RewardError(f"reward '{names[0]}' scores whole groups, but group {int(ids[bad])} has {int(counts[bad])} "
+                          f"of its {group_size} rows in this scoring batch: a group-wise reward needs each group's "
+                          "rows scored together")
+
+
+def _score_rows(reward: Reward, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Any],
+                rows: torch.Tensor | None, on_error: str) -> dict[str, torch.Tensor] | None:
+    """``reward`` on the batch's rows ``rows`` ``[R]`` (None: all of them) -> its checked outputs ``{key: [R]}``
+    (video: per clip), or None where it raised and ``on_error`` is "nan"."""
+    if rows is not None:
+        index = rows.tolist()
+        images, prompts, metadata = images[rows], [prompts[i] for i in index], [metadata[i] for i in index]
+    n = images.shape[0]
+    inputs, frame_prompts, frame_metadata, k = _reward_input(reward, images, prompts, metadata)
+    try:
+        with torch.no_grad():
+            out = reward(inputs, frame_prompts, frame_metadata)
+    except Exception as err:
+        msg = _failure(reward.name, prompts, err)
+        if on_error == "raise":
+            raise RewardError(msg) from err
+        logger.warning("%s; scoring the %s NaN", msg, "batch" if rows is None else "group")
+        return None
+    checked = _check_output(reward.name, out, n * k)  # Protocol violations are bugs: always raise
+    return {key: value.view(n, k).mean(1) for key, value in checked.items()} if k > 1 else checked
+
+
 def _score_checked(rewards: Sequence[Reward], images: torch.Tensor, prompts: Sequence[str],
-                   metadata: Sequence[Any], n: int, on_error: str) -> dict[str, torch.Tensor]:
+                   metadata: Sequence[Any], n: int, on_error: str,
+                   groups: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     merged: dict[str, torch.Tensor] = {}
     metadata = with_source_pixels(images, metadata)
+    members = None  # each group's rows, found once for every group-wise reward
     for reward in rewards:
-        name = reward.name
-        inputs, frame_prompts, frame_metadata, k = _reward_input(reward, images, prompts, metadata)
-        try:
-            with torch.no_grad():
-                out = reward(inputs, frame_prompts, frame_metadata)
-        except Exception as err:
-            msg = _failure(name, prompts, err)
-            if on_error == "raise":
-                raise RewardError(msg) from err
-            logger.warning("%s; scoring the batch NaN", msg)
-            merged[name] = torch.full((n,), math.nan, dtype=torch.float32)
+        if not scores_groups(reward):  # the whole batch in one call; failed: its main key NaN, no sub-scores
+            merged.update(_score_rows(reward, images, prompts, metadata, None, on_error)
+                          or {reward.name: torch.full((n,), math.nan, dtype=torch.float32)})
             continue
-        checked = _check_output(name, out, n * k)  # Protocol violations are bugs: always raise
-        merged.update({key: value.view(n, k).mean(1) for key, value in checked.items()} if k > 1 else checked)
+        members = group_rows(groups, prompts) if members is None else members
+        merged[reward.name] = torch.full((n,), math.nan, dtype=torch.float32)  # main key first; a failed group: NaN
+        for rows in members:
+            for key, value in (_score_rows(reward, images, prompts, metadata, rows, on_error) or {}).items():
+                merged.setdefault(key, torch.full((n,), math.nan, dtype=torch.float32))[rows] = value
     return merged
 
 
@@ -355,17 +432,23 @@ def _check_rewards(rewards: Sequence[Reward], on_error: str) -> None:
 
 
 def score(rewards: Sequence[Reward], images: torch.Tensor, prompts: Sequence[str],
-          metadata: Sequence[Any], *, on_error: str = "raise") -> dict[str, torch.Tensor]:
+          metadata: Sequence[Any], *, groups: torch.Tensor | None = None,
+          on_error: str = "raise") -> dict[str, torch.Tensor]:
     """Score one batch with every reward -> merged {key: CPU float32 [N]}.
+
+    ``groups``: integer group ids ``[N]`` (rows with equal ids form a group, in any order); None groups the rows
+    of one prompt text. Only group-wise rewards read them: each is called once per group (:class:`Reward`).
 
     on_error="raise": a reward that raises stops the run (RewardError, one line, naming the reward
     and the first prompt). on_error="nan": log a warning on logger "flowrl.rewards" and score that
-    reward's main key NaN for the whole batch (its sub-scores are absent). Outputs that break the
+    reward's main key NaN for the whole batch (its sub-scores are absent); a group-wise reward that fails
+    on a group scores that group's rows NaN, its sub-scores included. Outputs that break the
     Protocol (missing main key, wrong shape or dtype) raise RewardError either way.
     """
     _check_rewards(rewards, on_error)
     n = check_images(images, prompts, metadata)
-    return _score_checked(rewards, images, prompts, metadata, n, on_error)
+    check_groups(groups, n)
+    return _score_checked(rewards, images, prompts, metadata, n, on_error, groups)
 
 
 class AsyncScorer:
@@ -385,13 +468,15 @@ class AsyncScorer:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="flowrl-reward") if asynchronous else None
         self._closed = False
 
-    def submit(self, images: torch.Tensor, prompts: Sequence[str],
-               metadata: Sequence[Any]) -> Future:
-        """Queue one batch; `.result()` gives `score`'s dict (or raises its error)."""
+    def submit(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Any],
+               groups: torch.Tensor | None = None) -> Future:
+        """Queue one batch (``groups``: as :func:`score`'s); `.result()` gives `score`'s dict (or raises its error)."""
         if self._closed:
             raise RuntimeError("AsyncScorer is closed")
         n = check_images(images, prompts, metadata)
-        args = (self.rewards, images.detach().clone(), list(prompts), list(metadata), n, self.on_error)
+        check_groups(groups, n)
+        groups = None if groups is None else groups.detach().to("cpu", copy=True)
+        args = (self.rewards, images.detach().clone(), list(prompts), list(metadata), n, self.on_error, groups)
         if self._pool is not None:
             return self._pool.submit(_score_checked, *args)
         future: Future = Future()

@@ -7,6 +7,8 @@ CLIP (and its fine-tuning) and in the scale:
   pickscore  scale * exp(logit_scale) * cos   Kirstain et al. 2023, CLIP-H fine-tuned on Pick-a-Pic
   hpsv2      cos                          Wu et al. 2023, open_clip ViT-H-14 fine-tuned on HPD v2
 
+``pickscore_rank`` is a group-wise reward on PickScore: each image's rank within its group, over the group size.
+
 Loading and preprocessing live in `flowrl.models.clip`; images are scored in chunks of
 `batch_size` (`rewards.base.chunked`), each distinct prompt is embedded once per chunk, and images
 holding NaN/inf score NaN. Scores are float32 on CPU whatever `dtype` the model runs in.
@@ -98,6 +100,31 @@ class PickScore(_ClipSimilarity):
 
     def _scores(self, cos: torch.Tensor) -> dict[str, torch.Tensor]:
         return {self.name: self.scale * self.backbone.logit_scale * cos, f"{self.name}/cosine": cos}
+
+
+class PickScoreRank(PickScore):
+    """PickScore's rank within its group (Flow-Factory's ``PickScore_Rank``): a group-wise reward, called once per
+    group of G images. ranks = argsort(argsort(pickscore)), reward = rank / G, so 0 for the group's lowest
+    PickScore up to (G - 1) / G for its highest, whatever the prompt's scale of scores (Flow-Factory
+    ``rewards/pick_score.py`` ``PickScoreRankRewardModel`` at a0b2bc5).
+
+    The scores are :class:`PickScore`'s (same model, kwargs and chunking); ``pickscore_rank/pickscore`` is that raw
+    score. Equal scores get distinct ranks in row order (a stable sort). An image PickScore could not score is NaN
+    and the others rank among themselves, over the count of scored images (G when every image scores). A video
+    group: its clips' frames rank together and each clip scores the mean of its frames' ranks."""
+
+    name = "pickscore_rank"
+    scores_groups = True
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str],
+                 metadata: Sequence[Mapping[str, Any] | None]) -> dict[str, torch.Tensor]:
+        raw = super().__call__(images, prompts, metadata)[self.name]  # [G] PickScore, NaN: could not score
+        scored = torch.isfinite(raw)
+        rank = torch.full_like(raw, float("nan"))
+        order = torch.argsort(torch.argsort(raw[scored], stable=True))  # [M] the rank of each scored image
+        rank[scored] = order.float() / max(int(scored.sum()), 1)
+        return {self.name: rank, f"{self.name}/pickscore": raw}
 
 
 class HPSv2(_ClipSimilarity):

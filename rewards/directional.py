@@ -88,6 +88,7 @@ class DirectionalCorrection:
             raise ValueError(f"{direction} was fitted for reward '{meta['reward']}', not '{reward}'")
         self.strength = float(strength)
         self.name = f"{self.inner.name}_d2"
+        self.scores_groups = getattr(self.inner, "scores_groups", False)  # a group-wise inner reward: called per group
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: Sequence[str],

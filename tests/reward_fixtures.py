@@ -26,3 +26,26 @@ class FlatOnSomePrompts:
             torch.distributed.get_rank() == 1
         flat = torch.tensor([rank1 or "flat" in p for p in prompts])
         return {self.name: torch.where(flat, torch.tensor(0.5), images.mean(dim=(1, 2, 3)).float().cpu())}
+
+
+class GroupBrightness:
+    """``brightness`` (rewards.simple's, same name and numbers) declared group-wise: the scorer calls it once per group.
+    With ``record``, each call appends a JSON line to that file: how many rows it got and how many distinct prompts
+    they had (processes append to the same file)."""
+
+    scores_groups = True
+    name = "brightness"
+
+    def __init__(self, record: str | None = None) -> None:
+        from rewards.simple import Brightness
+
+        self.brightness, self.record = Brightness(), record
+
+    @torch.no_grad()
+    def __call__(self, images, prompts, metadata):
+        if self.record:
+            import json
+
+            with open(self.record, "a") as log:
+                log.write(json.dumps({"rows": len(prompts), "prompts": len(set(prompts))}) + "\n")
+        return self.brightness(images, prompts, metadata)

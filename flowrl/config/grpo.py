@@ -172,6 +172,11 @@ class GRPOConfig(Config, recipe="grpo"):
         return {"train.loss": ("policy loss", self.train.loss), **super().registry_names(),
                 "gardo.features": ("feature space", self.gardo.features)}
 
+    def scores_partial_groups(self) -> tuple[str, str] | None:
+        if self.train.credit == "sdpo":
+            return "train.credit", "train.credit=sdpo scores a few queried states of each row, not whole groups"
+        return super().scores_partial_groups()
+
     def validate(self):
         super().validate()
         t, tree, window = self.train, self.sampling.tree, self.sampling.window

@@ -416,6 +416,14 @@ class Config:
         return {"train.combine": ("reward combiner", self.train.combine),
                 "guard.features": ("feature space", self.guard.features)}
 
+    def scores_partial_groups(self) -> tuple[str, str] | None:
+        """(key, why) where this config scores parts of a group apart, else None: a group-wise reward (it ranks or
+        compares a group's images) is refused there when the run starts (:mod:`flowrl.recipes.names`, which can
+        import the reward classes this layer may not). A recipe's config adds its own."""
+        if self.sampling.pilot.candidates:
+            return "sampling.pilot.candidates", "Pilot-Commit scores a group's pilot rows apart from its commit rows"
+        return None
+
     def validate(self):
         keys = [r.key or r.name for r in self.rewards]
         check(len(set(keys)) == len(keys), "rewards", "each reward (or sub-score `key:`) may appear once; to train "

@@ -48,10 +48,12 @@ def evaluate(images: torch.Tensor, prompts: PromptSet, images_per_prompt: int, r
 
 def evaluate_rows(images: torch.Tensor, prompts: PromptSet, images_per_prompt: int, rewards,
                   diversity: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """:func:`evaluate`'s summary and the per-image scores ``{key: [P * n]}`` behind it."""
+    """:func:`evaluate`'s summary and the per-image scores ``{key: [P * n]}`` behind it. A group-wise reward scores
+    each prompt's ``n`` images as one group."""
     row_prompts = [p for p in prompts.prompts for _ in range(images_per_prompt)]
     row_metadata = [m for m in prompts.metadata for _ in range(images_per_prompt)]
-    scores = score(rewards, images, row_prompts, row_metadata, on_error="nan")
+    groups = torch.arange(len(prompts)).repeat_interleave(images_per_prompt)  # [P * n]
+    scores = score(rewards, images, row_prompts, row_metadata, groups=groups, on_error="nan")
     out = {f"eval/{k}": float(torch.nanmean(v)) for k, v in scores.items()}
     tasks = row_tasks(row_metadata)
     if tasks is not None:  # GenEval's convention: per-task means and their mean, eval/<key>/task_mean
@@ -59,7 +61,6 @@ def evaluate_rows(images: torch.Tensor, prompts: PromptSet, images_per_prompt: i
     if diversity == "toy":
         from flowrl.toy.diversity import diversity as toy_diversity
 
-        groups = torch.arange(len(prompts)).repeat_interleave(images_per_prompt)
         out.update({k: float(v) for k, v in toy_diversity(images, groups).items()})
     return out, scores
 

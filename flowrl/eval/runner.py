@@ -406,10 +406,13 @@ def reward_metrics(rewards, trained: set[str], images, suite, n: int, group_ids)
         return {}
     rows_prompts = [p for p in suite.prompts for _ in range(n)]
     rows_metadata = [m for m in suite.metadata for _ in range(n)]
-    scores = {}
-    for start in range(0, len(images), 64):  # bounded batches: a VLM reward holds every image it scores
-        chunk = score(rewards, images[start:start + 64], rows_prompts[start:start + 64],
-                      rows_metadata[start:start + 64], on_error="nan")
+    # Bounded batches (a VLM reward holds every image it scores) of whole prompts (a group-wise reward scores a
+    # prompt's n images as one group).
+    scores, size = {}, max(64 // n, 1) * n
+    for start in range(0, len(images), size):
+        rows = slice(start, start + size)
+        chunk = score(rewards, images[rows], rows_prompts[rows], rows_metadata[rows], groups=group_ids[rows],
+                      on_error="nan")
         for key, value in chunk.items():
             scores.setdefault(key, []).append(value)
     scores = {k: torch.cat(v) for k, v in scores.items() if sum(len(x) for x in v) == len(images)}

@@ -24,7 +24,7 @@ from flowrl.recipes.build import (  # noqa: F401  (flat_config: re-exported for 
     build_optimizer, build_training_policy, check_memory_options, eval_prompt_set, flat_config, load_prompt_splits,
     make_accelerator)
 from flowrl.recipes.extras import COMMON_EXTRAS, LAST_EXTRAS, ExtraBuilder
-from flowrl.recipes.names import check_names
+from flowrl.recipes.names import check_group_rewards, check_names
 from flowrl.recipes.plans import batch_plan, step_plan  # noqa: F401  (step_plan re-exported)
 from flowrl.recipes.run import Run
 from flowrl.config import Config, ConfigError, check, save_config, to_dict
@@ -36,7 +36,7 @@ from flowrl.models.quantize import ignore_quantized_in_ddp
 from flowrl.models.text_cache import attach_configured_cache
 from flowrl.eval.held_out import evaluate_rows, render
 from flowrl.eval.report import write_report
-from flowrl.rewards_api import build_rewards, nan_summary
+from flowrl.rewards_api import build_rewards, check_whole_groups, nan_summary
 from flowrl.sampling import StepPlan, chunked_rollout, concat_trajectories, rollout, root_seeds
 from flowrl.sampling.pilot import commit_candidates, join_committed, slot_seeds
 from flowrl.sampling.self_guidance import SelfGuidance
@@ -64,7 +64,6 @@ def restore_checkpoint(cfg: Config, policy, optimizer, ema, *, rank: int, snapsh
     """Load the checkpoint named by ``train.resume`` into the live objects; returns its trainer state."""
     from flowrl.models.lora_io import load_adapter_state
     from flowrl.training.checkpoint import load_checkpoint
-
     from flowrl.training.ema import peft_key
     from flowrl.sharded import like
 
@@ -210,6 +209,7 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, extras: di
                    f"{'trained transformer' if policy.full_weights is not None else 'LoRA'} tensors sharded")
     ema = LoraEMA(policy.named_trainable_parameters(), decay=t.ema_decay) if t.ema else None
     rewards, weights = build_rewards(cfg.rewards, accelerator.device)
+    check_group_rewards(cfg, rewards)  # a built reward may declare scores_groups itself (a remote judge)
     train_prompts, test_prompts = load_prompt_splits(cfg)
     if t.resume:
         check_resumable(cfg, policy)  # before the run directory is touched
@@ -271,12 +271,13 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
     drawn from (seed, epoch, batch, process) (:func:`step_plan`), as Flow-GRPO-Fast draws one per sampling
     call; otherwise every batch uses ``plan``.
 
-    Prompts are sharded over processes and row seeds come from global row indices, so N processes
-    reproduce one. With ``sampling.pilot.candidates`` the batches are allocated by Pilot-Commit
-    (:func:`pilot_sample_and_score`). Returns (trajectory with rewards, time sampling ended, time
-    scoring ended); the trajectory also carries ``rollouts_sampled`` (rollouts of every process this
-    epoch, dropped pilot ones included) and ``sampling_metrics`` (``perf/*`` for ``end_epoch``'s extra).
-    ``rollout_fn`` is the loop that samples (None: :func:`rollout`; not used by Pilot-Commit).
+    Prompts are sharded over processes and row seeds come from global row indices, so N processes reproduce one.
+    A prompt's group_size rows are sampled on one process, in one batch, so a group-wise reward scores whole groups
+    with no gather (``check_whole_groups`` holds it). With ``sampling.pilot.candidates`` the batches are allocated by
+    Pilot-Commit (:func:`pilot_sample_and_score`). Returns (trajectory with rewards, time sampling ended, time scoring
+    ended); it also carries ``rollouts_sampled`` (rollouts of every process this epoch, dropped pilot ones included)
+    and ``sampling_metrics`` (``perf/*`` for ``end_epoch``'s extra). ``rollout_fn`` is the loop that samples (None:
+    :func:`rollout`; not used by Pilot-Commit).
     """
     cfg, accelerator, policy = run.cfg, run.accelerator, run.policy
     s, rank, world = cfg.sampling, accelerator.process_index, accelerator.num_processes
@@ -309,7 +310,8 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
                                    seeds=root_seeds(cfg.seed, first_root, len(batch) * roots_per_group),
                                    rollout_fn=rollout_fn, **({"self_guidance": guide} if guide else {}))
         part.group_ids = part.group_ids + first_group
-        futures.append(scorer.submit(part.images, part.row_prompts, part.row_metadata))
+        check_whole_groups(scorer.rewards, part.group_ids, s.group_size)  # a group-wise reward sees whole groups
+        futures.append(scorer.submit(part.images, part.row_prompts, part.row_metadata, part.group_ids))
         parts.append(part)
     sample_done = time.perf_counter()
     for part, future in zip(parts, futures):

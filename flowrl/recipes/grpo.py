@@ -501,7 +501,7 @@ def ode_credit(policy, traj, scorer, columns, all_groups, local, *, accelerator,
     rows: look-ahead rewards of the stored states, gains against the next state's, normalised per step
     over whole groups (every process's gains gathered, as the terminal rewards are)."""
     def score(images: torch.Tensor) -> dict[str, torch.Tensor]:  # same rewards, same error policy as the rollouts
-        return scorer.submit(images, traj.row_prompts, traj.row_metadata).result()
+        return scorer.submit(images, traj.row_prompts, traj.row_metadata, traj.group_ids).result()  # whole groups
 
     with policy.local_forward():  # gradient-free passes need no distributed syncing
         step_rewards = lookahead_rewards(policy, traj.latents, schedule, traj.row_step_indices,

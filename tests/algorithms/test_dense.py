@@ -195,7 +195,7 @@ class BrightnessScorer:
     def __init__(self):
         self.calls = 0
 
-    def submit(self, images, prompts, metadata):
+    def submit(self, images, prompts, metadata, groups=None):
         self.calls += 1
         future = Future()
         future.set_result({"brightness": images.mean(dim=(1, 2, 3))})

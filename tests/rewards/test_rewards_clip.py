@@ -7,6 +7,7 @@ invariance, preprocessing against torchvision, weight loading, errors and dtypes
 """
 
 import copy
+import math
 import json
 import os
 
@@ -312,3 +313,45 @@ def test_d2align_corrects_a_clip_score_along_its_image_embedding(hf_clip, tmp_pa
     torch.testing.assert_close(out["clipscore_d2/raw"], raw)
     torch.testing.assert_close(out["clipscore_d2"], raw - 0.5 * embeddings @ direction, atol=1e-5, rtol=0)
     assert "clipscore_d2/cosine" in out  # the inner reward's sub-scores pass through
+
+
+# ---------------------------------------------------------------------------- pickscore_rank
+
+def test_pickscore_rank_is_the_rank_of_pickscore_within_each_group(hf_clip, tmp_path):
+    """Flow-Factory's PickScore_Rank: rank / G, 0 for a group's lowest PickScore; ranks counted here by hand."""
+    from rewards.clip_scores import PickScoreRank
+
+    model, tok = hf_clip
+    rank = build_reward("pickscore_rank", model=copy.deepcopy(model), tokenizer=tok, device="cpu", batch_size=2)
+    assert isinstance(rank, PickScoreRank) and rank.scores_groups
+    x, prompts = images(6), ["a red cat"] * 6
+    raw = PickScore(model=copy.deepcopy(model), tokenizer=tok, device="cpu")(x, prompts, [{}] * 6)["pickscore"]
+    assert len(set(raw.tolist())) == 6  # distinct scores: the hand count below is the rank
+
+    def by_hand(scores):  # how many of the group's other images score lower, over the group size
+        return torch.tensor([sum(t < s for t in scores) / len(scores) for s in scores])
+
+    alone = rank(x, prompts, [{}] * 6)
+    torch.testing.assert_close(alone["pickscore_rank"], by_hand(raw.tolist()), rtol=0, atol=0)
+    torch.testing.assert_close(alone["pickscore_rank/pickscore"], raw, atol=1e-5, rtol=1e-5)
+
+    groups = torch.tensor([1, 0, 1, 0, 1, 1])  # two groups, interleaved: each ranks on its own
+    out = score([rank], x, prompts, [{}] * 6, groups=groups)
+    for g in (0, 1):
+        rows = (groups == g).nonzero()[:, 0]
+        torch.testing.assert_close(out["pickscore_rank"][rows], by_hand(raw[rows].tolist()), rtol=0, atol=0)
+
+    from rewards.directional import save_direction  # D²-Align around it: group-wise too, so it ranks per group
+
+    save_direction(tmp_path / "d.safetensors", torch.zeros(rank.embed_images(x[:1]).shape[1]), reward="pickscore_rank",
+                   metadata={})
+    corrected = build_reward("d2align", reward="pickscore_rank", direction=str(tmp_path / "d.safetensors"),
+                             model=copy.deepcopy(model), tokenizer=tok, device="cpu")
+    assert corrected.scores_groups
+    torch.testing.assert_close(score([corrected], x, prompts, [{}] * 6, groups=groups)["pickscore_rank_d2"],
+                               out["pickscore_rank"], rtol=0, atol=0)  # a zero direction: the rank itself
+
+    x[2, 0, 0, 0] = float("nan")  # an image PickScore cannot score: NaN, the other five rank among themselves
+    holed = rank(x, prompts, [{}] * 6)["pickscore_rank"]
+    kept = [0, 1, 3, 4, 5]
+    assert math.isnan(holed[2]) and torch.equal(holed[kept], by_hand(raw[kept].tolist()))
