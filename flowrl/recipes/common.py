@@ -276,8 +276,7 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
     with no gather (``check_whole_groups`` holds it). With ``sampling.pilot.candidates`` the batches are allocated by
     Pilot-Commit (:func:`pilot_sample_and_score`). Returns (trajectory with rewards, time sampling ended, time scoring
     ended); it also carries ``rollouts_sampled`` (rollouts of every process this epoch, dropped pilot ones included)
-    and ``sampling_metrics`` (``perf/*`` for ``end_epoch``'s extra). ``rollout_fn`` is the loop that samples (None:
-    :func:`rollout`; not used by Pilot-Commit).
+    and ``sampling_metrics`` (``perf/*``). ``rollout_fn`` samples (None: :func:`rollout`; Pilot-Commit's is its own).
     """
     cfg, accelerator, policy = run.cfg, run.accelerator, run.policy
     s, rank, world = cfg.sampling, accelerator.process_index, accelerator.num_processes
