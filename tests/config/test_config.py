@@ -8,7 +8,7 @@ from flowrl.config import Config, ConfigError, GRPOConfig, NFTConfig, load_confi
 from tests import REPO
 
 CONFIGS = sorted(p for p in (REPO / "configs").rglob("*.yaml")
-                 if not {"accelerate", "provenance"} & set(p.parts))  # not flowrl configs
+                 if not {"accelerate", "provenance", "serve"} & set(p.parts))  # not training configs
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(REPO)))

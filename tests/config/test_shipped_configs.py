@@ -23,7 +23,7 @@ from tests import REPO
 
 ACCELERATE = sorted((REPO / "configs" / "accelerate").glob("*.yaml"))
 FLOWRL_CONFIGS = sorted(p for p in (REPO / "configs").rglob("*.yaml")
-                        if not {"accelerate", "provenance"} & set(p.parts))  # not flowrl configs
+                        if not {"accelerate", "provenance", "serve"} & set(p.parts))  # not training configs
 GPU_CONFIGS = [p for p in FLOWRL_CONFIGS if p.parent.name not in ("smoke", "toy")]
 LAUNCH_SCRIPT = REPO / "scripts" / "launch_multinode.sh"
 
