@@ -20,11 +20,13 @@ it on Ray Serve)::
     4xx/5xx -> {"error": "<one-line message>"}                 # (a plain-text body is accepted too)
 
     GET {url}/health
-    200 -> {"status": "ok", "rewards": ["<name>", ...], "version": 1}
+    200 -> {"status": "ok", "rewards": ["<name>", ...], "version": 1,
+            "max_request_bytes": 67108864}                     # optional: the server's cap on a /score body
 
 At construction the client asks ``/health`` (a few quick tries within one ``deadline``), so a run whose judge
 is down or speaks another wire version stops at start, in one line, before it samples anything
-(``check_health=False`` skips it for a server without ``/health``). With ``groups=True`` the reward is
+(``check_health=False`` skips it for a server without ``/health``); a request over the ``max_request_bytes`` it
+reports is refused before it is sent. With ``groups=True`` the reward is
 group-wise (``scores_groups``): flowrl's scorer calls it once per group, and each call goes out as one request,
 never split by ``batch_size``, with every row in group 0.
 
@@ -40,9 +42,10 @@ reply: status line, headers and body), so a server that answers one byte at a ti
 time for ``timeout``, still cannot hold the trainer for longer than ``deadline`` per attempt. Past
 it the attempt's sockets are shut down and it counts as timed out. Connection errors, timeouts,
 HTTP 5xx and 429 are retried up to ``max_retries`` attempts in all, with exponential backoff
-(``backoff * 2**k``, capped at ``max_backoff``), so one request takes at most about
-``max_retries * deadline`` plus the backoff sleeps (host-name lookup is the OS resolver's and not
-bounded here); other 4xx are the client's fault and raise at once with the server's message.
+(``backoff * 2**k``, capped at ``max_backoff``; each retry is a logged warning, counted in
+``retries``), so one request takes at most about ``max_retries * deadline`` plus the backoff sleeps
+(host-name lookup is the OS resolver's and not bounded here); other 4xx (413 included) are the
+client's fault and raise at once with the server's message.
 Every failure is a one-line `RemoteRewardError` (a RuntimeError), so `score(on_error="nan")` can
 mark the batch NaN and go on.
 """

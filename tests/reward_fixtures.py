@@ -26,3 +26,18 @@ class FlatOnSomePrompts:
             torch.distributed.get_rank() == 1
         flat = torch.tensor([rank1 or "flat" in p for p in prompts])
         return {self.name: torch.where(flat, torch.tensor(0.5), images.mean(dim=(1, 2, 3)).float().cpu())}
+
+
+class GroupProbe:
+    """A group-wise reward (``scores_groups``) that reports how it was called: every row of a call scores the
+    call's row count, and ``group_probe/prompts`` the number of distinct prompts the call held. It runs inside the
+    reward service's replicas (tests/rewards/test_reward_service.py), so what it saw comes back over HTTP."""
+
+    name = "group_probe"
+    scores_groups = True
+
+    @torch.no_grad()
+    def __call__(self, images, prompts, metadata):
+        n = images.shape[0]
+        return {self.name: torch.full((n,), float(n)),
+                f"{self.name}/prompts": torch.full((n,), float(len(set(prompts))))}

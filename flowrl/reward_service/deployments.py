@@ -113,6 +113,12 @@ class Ingress:
         self.scorers = scorers  # deployment name -> DeploymentHandle of its RewardScorer
         self.max_request_bytes = max_request_bytes
         self._described: dict[str, dict[str, Any]] | None = None
+        self.replies: Counter[int] = Counter()  # HTTP status -> /score requests answered with it
+        self.images = 0  # images in the /score requests answered 200
+
+    def stats(self) -> dict[str, Any]:
+        """What this ingress replica answered: {"replies": {status: requests}, "images": images scored}."""
+        return {"replies": dict(self.replies), "images": self.images}
 
     async def __call__(self, request: Request) -> JSONResponse:
         path = request.url.path.rstrip("/") or "/"
@@ -120,19 +126,25 @@ class Ingress:
             return await self.health()
         if path != "/score" or request.method != "POST":
             return error(404, f"no such endpoint {request.method} {request.url.path}; use GET /health or POST /score")
+        reply = await self.score(request)
+        self.replies[reply.status_code] += 1
+        return reply
+
+    async def score(self, request: Request) -> JSONResponse:
+        """POST /score: the body (capped), parsed, scored by every reward, the keys merged."""
         body = await self._read_body(request)
         if isinstance(body, JSONResponse):
             return body
         try:
-            parsed = parse_request(body)
+            parsed = await asyncio.to_thread(parse_request, body)  # decoding PNGs: off the event loop
         except BadRequest as err:
             return error(400, str(err))
         try:
             described = await self._describe()
-            parts = await asyncio.gather(*(self._score(name, parsed, described[name]["scores_groups"])
-                                           for name in self.scorers))
-        except (RayActorError, BackPressureError) as err:  # a replica died or is full: the client retries
-            return error(503, f"a reward replica is unavailable ({type(err).__name__}); retry the request")
+        except (RayActorError, BackPressureError) as err:
+            return error(503, unavailable(err))
+        parts = await asyncio.gather(*(self._score(name, parsed, described[name]["scores_groups"])
+                                       for name in self.scorers))
         merged: dict[str, list[float | None]] = {}
         for name, part in zip(self.scorers, parts):
             if isinstance(part, Failure):
@@ -141,6 +153,7 @@ class Ingress:
                 if key in merged:
                     return error(500, f"rewards return the same key {key!r}; serve each reward once")
                 merged[key] = values
+        self.images += len(parsed.prompts)
         return JSONResponse({"scores": merged})
 
     async def health(self) -> JSONResponse:
@@ -148,7 +161,10 @@ class Ingress:
         problems = await asyncio.to_thread(unhealthy_deployments)
         if problems:
             return error(503, "not every reward deployment is healthy: " + "; ".join(problems))
-        described = await self._describe()
+        try:
+            described = await self._describe()
+        except (RayActorError, BackPressureError) as err:
+            return error(503, unavailable(err))
         return JSONResponse({"status": "ok", "rewards": [described[name]["name"] for name in self.scorers],
                              "version": WIRE_VERSION, "max_request_bytes": self.max_request_bytes})
 
@@ -185,7 +201,10 @@ class Ingress:
         else:
             units = [[i] for i in range(n)]
             calls = [handle.score_rows.remote((req.pixels[i], req.prompts[i], req.metadata[i])) for i in range(n)]
-        answers = await asyncio.gather(*calls)
+        try:
+            answers = await asyncio.gather(*calls)
+        except (RayActorError, BackPressureError) as err:  # a replica died or is full: the client retries
+            return Failure(503, unavailable(err))
         merged: dict[str, list[float | None]] = {}
         for rows, answer in zip(units, answers):
             if isinstance(answer, Failure):
@@ -200,6 +219,11 @@ class Ingress:
 def error(status: int, message: str) -> JSONResponse:
     """A one-line JSON error reply."""
     return JSONResponse({"error": " ".join(str(message).split())}, status_code=status)
+
+
+def unavailable(err: Exception) -> str:
+    """The 503 message of a replica that died (or a deployment too busy) while scoring."""
+    return f"a replica is unavailable ({type(err).__name__}); retry the request"
 
 
 def unhealthy_deployments() -> list[str]:

@@ -48,8 +48,7 @@ def connect(address: str | None) -> bool:
     if ray.is_initialized():
         return False
     try:
-        ray.init(address=address, include_dashboard=False if address is None else None,
-                 runtime_env=worker_env() if address is None else None)
+        ray.init(address=address, include_dashboard=False if address is None else None, runtime_env=worker_env())
     except ConnectionError as err:
         raise ServiceError(f"cannot join the Ray cluster at address {address!r}: {' '.join(str(err).split())} "
                            "(start one with `ray start --head`, or leave address unset for a local one)") from None
@@ -57,7 +56,8 @@ def connect(address: str | None) -> bool:
 
 
 def worker_env() -> dict[str, Any] | None:
-    """A local cluster's workers import flowrl and the rewards from where this process does (PYTHONPATH)."""
+    """The replicas import flowrl and the rewards from where this process does (its PYTHONPATH, if any; a cluster's
+    other nodes need flowrl installed, or the same path)."""
     path = os.environ.get("PYTHONPATH")
     return {"env_vars": {"PYTHONPATH": path}} if path else None
 

@@ -32,7 +32,7 @@ CAP = 256 * 1024  # the service's max_request_bytes: small, so a test can pass i
 SERVICE = {"max_request_bytes": CAP, "rewards": [
     {"name": "toyeval", "num_cpus": 0, "max_batch_size": 8, "batch_wait_s": 0.05},
     {"name": "brightness", "kwargs": {"saturation": True}, "num_cpus": 0, "max_batch_size": 8, "batch_wait_s": 0.05},
-    {"name": "tests.rewards.service_probes:GroupProbe", "num_cpus": 0, "max_batch_size": 4},
+    {"name": "tests.reward_fixtures:GroupProbe", "num_cpus": 0, "max_batch_size": 4},
 ]}
 
 
