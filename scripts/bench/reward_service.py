@@ -198,15 +198,17 @@ def train(url: str, run_dir: Path, epochs: int, kill_at: int | None) -> tuple[li
     return rows, images[0], retries.lines
 
 
-def same_metrics(a: list[dict], b: list[dict]) -> tuple[bool, list[str]]:
-    """Whether two runs' per-epoch metrics are equal, clocks aside (NaN equals NaN) -> (equal, the keys that
-    differ)."""
+def compare_metrics(a: list[dict], b: list[dict]) -> str:
+    """Whether two runs' per-epoch metrics are equal, clocks aside (NaN equals NaN), in words."""
     def equal(x, y):
         return x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y))
 
-    differ = sorted({k for x, y in zip(a, b) for k in x.keys() | y.keys()
-                     if not TIMING.search(k) and not equal(x.get(k), y.get(k))})
-    return len(a) == len(b) and not differ, differ
+    keys = sorted({k for row in a + b for k in row if not TIMING.search(k)})
+    differ = [k for k in keys if any(not equal(x.get(k), y.get(k)) for x, y in zip(a, b))]
+    if len(a) != len(b) or differ:
+        return f"differ: {len(a)} vs {len(b)} epochs; {', '.join(differ)}"
+    means = ", ".join(f"{row['reward/toyeval_mean']:.4f}" for row in a) if "reward/toyeval_mean" in keys else "-"
+    return f"equal: {len(keys)} keys x {len(a)} epochs (reward/toyeval_mean {means})"
 
 
 # ------------------------------------------------------------------------------------ 3. the size cap
@@ -227,23 +229,7 @@ def over_the_cap(url: str) -> list[str]:
 
 # ------------------------------------------------------------------------------------ main
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--clients", type=int, default=4, help="concurrent client threads in the throughput runs")
-    ap.add_argument("--requests", type=int, default=6, help="requests per client thread")
-    ap.add_argument("--batch", type=int, default=32, help="images per request")
-    ap.add_argument("--epochs", type=int, default=3, help="epochs of each toy run")
-    ap.add_argument("--port", type=int, default=8765)
-    args = ap.parse_args()
-    os.chdir(REPO)
-    import ray
-
-    from flowrl.reward_service.launch import worker_env
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env=worker_env())
-    address = ray.get_runtime_context().gcs_address
-    cores = len(os.sched_getaffinity(0))
-
+def measure_throughput(address: str, args: argparse.Namespace, cores: int) -> None:
     print(f"### Throughput: toyeval, {args.clients} client threads x {args.requests} requests x {args.batch} "
           f"images of 64 px; {cores} CPU core(s), shared by the clients, Ray and the replicas\n")
     print("| replicas | max_batch_size | images/s |\n|---|---|---|")
@@ -253,13 +239,15 @@ def main() -> None:
                 rate = throughput(service.url, args.clients, args.requests, args.batch)
             print(f"| {replicas} | {batch_size}{' (off)' * (batch_size == 1)} | {rate:.0f} |", flush=True)
 
+
+def kill_and_cap(address: str, args: argparse.Namespace) -> None:
     with Service(address, args.port, 2, 32, CAP, KILL_WAIT) as service, tempfile.TemporaryDirectory() as tmp:
         plain, images, plain_retries = train(service.url, Path(tmp) / "plain", args.epochs, None)
         before = ingress_stats()
         first_of_epoch_1 = before["replies"].get(200, 0) // args.epochs  # the untouched run's requests per epoch
         killed, _, kill_retries = train(service.url, Path(tmp) / "killed", args.epochs, first_of_epoch_1 + 1)
         after = ingress_stats()
-        equal, differ = same_metrics(plain, killed)
+        verdict = compare_metrics(plain, killed)
         replies = {int(k): after["replies"].get(k, 0) - before["replies"].get(k, 0) for k in after["replies"]}
         print(f"\n### A toyeval replica killed mid-run: toy GRPO, {args.epochs} epochs, 2 replicas (batch_wait_s "
               f"{KILL_WAIT}), the kill {KILL_AFTER} s into /score request {first_of_epoch_1 + 1} of "
@@ -268,7 +256,7 @@ def main() -> None:
               "per-epoch metrics |\n|---|---|---|---|---|---|")
         print(f"| untouched | {len(plain_retries)} | {before['replies']} | {before['images']} | {images} | - |")
         print(f"| replica killed | {len(kill_retries)} | {replies} | {after['images'] - before['images']} | {images} "
-              f"| {'equal to the untouched run' if equal else 'differ: ' + ', '.join(differ)} |")
+              f"| {verdict} |")
         print(f"\nThe replacement replica made the service healthy again {wait_healthy(service.url):.0f} s after the "
               "run ended. The retries the killed run logged:\n")
         for line in kill_retries:
@@ -276,6 +264,32 @@ def main() -> None:
         print(f"\n### A request over the size cap (max_request_bytes={CAP})\n")
         for line in over_the_cap(service.url):
             print(f"    {line}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--clients", type=int, default=4, help="concurrent client threads in the throughput runs")
+    ap.add_argument("--requests", type=int, default=6, help="requests per client thread")
+    ap.add_argument("--batch", type=int, default=32, help="images per request")
+    ap.add_argument("--epochs", type=int, default=3, help="epochs of each toy run")
+    ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--parts", default="throughput,kill", help="which parts to run: throughput, kill (the replica "
+                    "kill and the size cap)")
+    args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    os.chdir(REPO)
+    import ray
+
+    from flowrl.reward_service.launch import worker_env
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env=worker_env())
+    address = ray.get_runtime_context().gcs_address
+    cores = len(os.sched_getaffinity(0))
+
+    if "throughput" in parts:
+        measure_throughput(address, args, cores)
+    if "kill" in parts:
+        kill_and_cap(address, args)
     ray.shutdown()
 
 
