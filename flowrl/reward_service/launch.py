@@ -9,6 +9,7 @@ reward whose module does not exist; both are one line here instead. Ray is impor
 from __future__ import annotations
 
 import os
+import socket
 from typing import Any
 
 from flowrl.reward_service.config import ServiceConfig
@@ -47,12 +48,27 @@ def connect(address: str | None) -> bool:
 
     if ray.is_initialized():
         return False
+    check_reachable(address)
     try:
         ray.init(address=address, include_dashboard=False if address is None else None, runtime_env=worker_env())
     except ConnectionError as err:
         raise ServiceError(f"cannot join the Ray cluster at address {address!r}: {' '.join(str(err).split())} "
                            "(start one with `ray start --head`, or leave address unset for a local one)") from None
     return True
+
+
+def check_reachable(address: str | None) -> None:
+    """A HOST:PORT address answers a TCP connection within a few seconds (Ray itself keeps retrying a dead GCS for
+    minutes); None, 'auto' and ray:// addresses are left to Ray."""
+    host, sep, port = (address or "").rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as err:
+        raise ServiceError(f"cannot join the Ray cluster at address {address!r}: nothing answers there ({err}); "
+                           f"start its head with `ray start --head --port {port}`, or leave address unset for a "
+                           "local one") from None
 
 
 def worker_env() -> dict[str, Any] | None:

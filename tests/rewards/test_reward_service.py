@@ -178,12 +178,18 @@ def test_an_unknown_reward_is_one_line_before_ray_starts(monkeypatch, capsys):
     assert line.startswith("flowrl serve-rewards: error: unknown reward 'toyevall'; did you mean 'toyeval'?")
 
 
-def test_a_deployment_asking_for_a_gpu_the_cluster_lacks_is_one_line(service, capsys):
-    line = run_cli(["serve-rewards", str(REPO / "configs/serve/toy_cpu.yaml"),
-                    "rewards=[{name: brightness, replicas: 2, num_gpus: 1}]"], capsys)
-    assert line == ("flowrl serve-rewards: error: deployment 'brightness' asks for 2 GPUs (2 replica(s) x num_gpus 1) "
-                    "and the Ray cluster has 0; set its num_gpus: 0 to score on CPUs, or start the service on a "
-                    "cluster with GPUs (ray start --head --num-gpus N, then --address auto)")
+@pytest.mark.parametrize("rewards, message", [
+    ("[{name: brightness, replicas: 2, num_gpus: 1}]",
+     "deployment 'brightness' asks for 2 GPUs (2 replica(s) x num_gpus 1) and the Ray cluster has 0; set its "
+     "num_gpus: 0 to score on CPUs, or start the service on a cluster with GPUs (ray start --head --num-gpus N, then "
+     "--address auto)"),
+    ("[{name: toyeval, replicas: 2, num_cpus: 1}, {name: brightness, num_cpus: 0.5}]",
+     "the deployments ask for 2.5 CPUs (toyeval 2 x 1, brightness 1 x 0.5) and the Ray cluster has 2; lower replicas "
+     "or num_cpus (fractions are allowed), or add nodes to the cluster"),
+], ids=["gpu", "cpu"])
+def test_deployments_asking_for_more_than_the_cluster_has_are_one_line(service, capsys, rewards, message):
+    line = run_cli(["serve-rewards", str(REPO / "configs/serve/toy_cpu.yaml"), f"rewards={rewards}"], capsys)
+    assert line == f"flowrl serve-rewards: error: {message}"
 
 
 # ------------------------------------------------------------------------------ config
@@ -205,3 +211,14 @@ def test_a_bad_service_config_is_one_line_naming_the_key(override, words):
     with pytest.raises(ConfigError) as info:
         load_service_config(REPO / "configs/serve/toy_cpu.yaml", [override])
     assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_ray_address_where_nothing_answers_is_one_line_without_waiting_on_ray():
+    from flowrl.reward_service.launch import ServiceError, check_reachable
+
+    port = free_port()
+    with pytest.raises(ServiceError, match=rf"^cannot join the Ray cluster at address '127.0.0.1:{port}': nothing "
+                                           rf"answers there .*; start its head with `ray start --head --port {port}`"):
+        check_reachable(f"127.0.0.1:{port}")
+    for address in (None, "auto", "ray://head:10001"):  # Ray's to resolve
+        check_reachable(address)
