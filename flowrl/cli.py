@@ -1,4 +1,4 @@
-"""The ``flowrl`` command line: train, sample, eval, export-lora, fit-reward, data prepare.
+"""The ``flowrl`` command line: train, sample, eval, export-lora, fit-reward, data prepare, serve-rewards.
 
 Every subcommand takes a YAML config plus ``a.b=value`` overrides. Errors a user can fix (bad
 config keys, missing files, impossible options, a reward that fails, a run that stopped itself to contain a
@@ -107,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--seed", type=int, default=0, help="seed of the generated or shuffled split (geneval's "
                          "seed 0 is GenEval's published benchmark)")
     prepare.add_argument("--force", action="store_true", help="overwrite prompt files already in OUT")
+
+    serve = commands.add_parser("serve-rewards", help="serve rewards over HTTP on Ray Serve (one deployment each, "
+                                "batched, replicated) for `rewards: [{name: remote, kwargs: {url: ...}}]`")
+    _config_args(serve)
+    serve.add_argument("--address", default=None, help="Ray cluster to join (auto: the one `ray start` began on this "
+                       "node; HOST:6379 a remote head); default: the config's address, else a local cluster")
     return parser
 
 
@@ -124,6 +130,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def missing_config(command: str) -> str:
+    if command == "serve-rewards":
+        return ("'flowrl serve-rewards' needs a config: the YAML file of the reward service (address, rewards), e.g. "
+                "'flowrl serve-rewards configs/serve/toy_cpu.yaml'")
     return (f"'flowrl {command}' needs a config: the YAML file of a run (model, sampling, rewards), e.g. "
             f"'flowrl {command} configs/toy/nft.yaml'; configs/smoke/ holds tiny offline ones, configs/toy/ the toy "
             "world's, and a run directory's config.yaml is one too")
@@ -154,13 +163,18 @@ def main(argv: list[str] | None = None) -> int:
     from flowrl.training.faults import TrainingAborted
 
     try:
-        if args.command in ("sample", "eval") and not args.config:
+        if args.command in ("sample", "eval", "serve-rewards") and not args.config:
             raise ConfigError(missing_config(args.command))
         if args.command == "data":  # before quiet_model_loading: it loads no model, so it imports none
             from flowrl.commands.data import run_data_prepare
 
             for path in run_data_prepare(args):
                 print(f"wrote {path}")
+            return 0
+        if args.command == "serve-rewards":  # loads no model here: each replica builds its own reward
+            from flowrl.commands.serve_rewards import run_serve_rewards
+
+            run_serve_rewards(args)
             return 0
         if not os.environ.get("FLOWRL_DEBUG"):
             quiet_model_loading()

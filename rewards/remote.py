@@ -1,24 +1,34 @@
-"""RemoteReward: score images with a judge served over HTTP (a GenEval server, an sglang/vLLM VLM judge).
+"""RemoteReward: score images with a judge served over HTTP (`flowrl serve-rewards`, a GenEval server, an
+sglang/vLLM VLM judge).
 
 Why: some judges are too big, or need a different environment, to live in the training process.
 The trainer sends each chunk of images to a server and gets scores back; the reward behaves like any
 local one (`flowrl.rewards_api.Reward`), so `score`/`AsyncScorer` and their error policy apply as is.
 
-Wire format, version 1 (also in docs/remote_reward.md; `rewards/server.py` is the reference
-server)::
+Wire format, version 1 (`flowrl.reward_wire`, docs/remote_reward.md; `flowrl serve-rewards CONFIG` serves
+it on Ray Serve)::
 
     POST {url}/score   Content-Type: application/json
       {"version": 1,
        "images": ["<base64 of a PNG or JPEG file>", ...],      # N images, RGB, 8 bits per channel
        "image_format": "png" | "jpeg",
        "prompts": ["...", ...],                                # N strings
-       "metadata": [{...}, ...]}                               # N JSON objects (or null)
+       "metadata": [{...}, ...],                               # N JSON objects (or null)
+       "groups": [0, 0, ...]}                                  # optional: N group ids (group-wise judges)
     200 -> {"scores": {"<name>": [float | null, ...],          # N values each; null = could not score
                        "<name>/<sub>": [...], ...}}
     4xx/5xx -> {"error": "<one-line message>"}                 # (a plain-text body is accepted too)
 
     GET {url}/health
-    200 -> {"status": "ok", "rewards": ["<name>", ...], "version": 1}
+    200 -> {"status": "ok", "rewards": ["<name>", ...], "version": 1,
+            "max_request_bytes": 67108864}                     # optional: the server's cap on a /score body
+
+At construction the client asks ``/health`` (a few quick tries within one ``deadline``), so a run whose judge
+is down or speaks another wire version stops at start, in one line, before it samples anything
+(``check_health=False`` skips it for a server without ``/health``); a request over the ``max_request_bytes`` it
+reports is refused before it is sent. With ``groups=True`` the reward is
+group-wise (``scores_groups``): flowrl's scorer calls it once per group, and each call goes out as one request,
+never split by ``batch_size``, with every row in group 0.
 
 Returned keys are renamed into this reward's namespace: the main key becomes ``name``,
 ``"<main>/<sub>"`` becomes ``"<name>/<sub>"``, and any other key ``k`` (another reward the same
@@ -32,20 +42,20 @@ reply: status line, headers and body), so a server that answers one byte at a ti
 time for ``timeout``, still cannot hold the trainer for longer than ``deadline`` per attempt. Past
 it the attempt's sockets are shut down and it counts as timed out. Connection errors, timeouts,
 HTTP 5xx and 429 are retried up to ``max_retries`` attempts in all, with exponential backoff
-(``backoff * 2**k``, capped at ``max_backoff``), so one request takes at most about
-``max_retries * deadline`` plus the backoff sleeps (host-name lookup is the OS resolver's and not
-bounded here); other 4xx are the client's fault and raise at once with the server's message.
+(``backoff * 2**k``, capped at ``max_backoff``; each retry is a logged warning, counted in
+``retries``), so one request takes at most about ``max_retries * deadline`` plus the backoff sleeps
+(host-name lookup is the OS resolver's and not bounded here); other 4xx (413 included) are the
+client's fault and raise at once with the server's message.
 Every failure is a one-line `RemoteRewardError` (a RuntimeError), so `score(on_error="nan")` can
 mark the batch NaN and go on.
 """
 
 from __future__ import annotations
 
-import base64
 import functools
 import http.client
-import io
 import json
+import logging
 import math
 import re
 import socket
@@ -60,16 +70,22 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
-from PIL import Image
 
-WIRE_VERSION = 1
+from flowrl.reward_wire import IMAGE_FORMATS, WIRE_VERSION, encode_image, to_uint8
+
+logger = logging.getLogger(__name__)
+
 MAX_RESPONSE_BYTES = 16 * 2 ** 20  # a reply of N floats is kilobytes; more is a misbehaving server
 DEADLINE = 300.0  # seconds per attempt: a judge scoring one chunk takes seconds, a stuck one forever
-IMAGE_FORMATS = ("png", "jpeg")
 
 
 class RemoteRewardError(RuntimeError):
     """A remote reward could not be scored: unreachable, timed out, rejected, or a malformed reply."""
+
+
+class ServiceUnavailable(RemoteRewardError, ValueError):
+    """The judge did not pass its health check at construction: a setup problem (service down, wrong URL), so it
+    is also a ValueError, which `flowrl.rewards_api.build_reward` reports in one line before the run starts."""
 
 
 def _one_line(text: Any, limit: int = 300) -> str:
@@ -78,31 +94,6 @@ def _one_line(text: Any, limit: int = 300) -> str:
 
 
 # ------------------------------------------------------------------------------------ encoding
-
-def to_uint8(images: torch.Tensor) -> np.ndarray:
-    """[N,3,H,W] float in [0,1] -> [N,H,W,3] uint8, the exact pixels the server will see."""
-    x = images.detach().to("cpu", torch.float32).clamp(0, 1)
-    return (x * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous().numpy()
-
-
-def encode_image(arr: np.ndarray, image_format: str = "png", jpeg_quality: int = 95) -> str:
-    """[H,W,3] uint8 -> base64 string of a PNG (lossless, fast zlib level) or JPEG file."""
-    buf = io.BytesIO()
-    if image_format == "png":
-        Image.fromarray(arr).save(buf, format="PNG", compress_level=1)  # size matters less than CPU
-    else:
-        Image.fromarray(arr).save(buf, format="JPEG", quality=jpeg_quality)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def decode_image(data: str) -> torch.Tensor:
-    """Base64 PNG/JPEG (an optional "data:...;base64," prefix is accepted) -> [3,H,W] float in [0,1]."""
-    if data.startswith("data:"):
-        data = data.partition(",")[2]
-    with Image.open(io.BytesIO(base64.b64decode(data, validate=True))) as img:
-        arr = np.asarray(img.convert("RGB"), dtype=np.uint8)
-    return torch.from_numpy(arr.copy()).permute(2, 0, 1).float() / 255.0
-
 
 def _jsonable(obj: Any) -> Any:
     """json.dumps fallback for metadata: tensors and numpy values become lists/numbers."""
@@ -251,13 +242,18 @@ class RemoteReward:
         cluster network, where a proxy meant for the internet only gets in the way.
     max_response_bytes: a reply larger than this (default 16 MiB) is refused unread, so a broken server
         cannot fill the trainer's memory.
+    groups: a group-wise judge: ``scores_groups`` is set, so flowrl's scorer calls it once per group, and each
+        call is sent as one request (``batch_size`` does not split it) whose rows all carry group id 0.
+    check_health: ask ``/health`` at construction (``max_retries`` quick tries within one ``deadline``) and
+        raise `ServiceUnavailable` in one line if the judge is down; off for a server without ``/health``.
     """
 
     def __init__(self, url: str, name: str = "remote", timeout: float = 60.0, max_retries: int = 3,
                  backoff: float = 0.5, max_backoff: float = 10.0, batch_size: int = 32,
                  image_format: str = "png", jpeg_quality: int = 95, main_key: str | None = None,
                  num_workers: int = 4, use_env_proxy: bool = False,
-                 max_response_bytes: int = MAX_RESPONSE_BYTES, deadline: float = DEADLINE) -> None:
+                 max_response_bytes: int = MAX_RESPONSE_BYTES, deadline: float = DEADLINE, groups: bool = False,
+                 check_health: bool = True) -> None:
         parsed = urllib.parse.urlparse(str(url))
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
             raise ValueError(f"url must look like http://host:port, got {url!r}")
@@ -289,6 +285,12 @@ class RemoteReward:
         if not use_env_proxy:
             handlers.append(urllib.request.ProxyHandler({}))
         self._opener = urllib.request.build_opener(*handlers)
+        self.max_request_bytes: int | None = None  # the service's cap on a /score body, as its /health says
+        self.retries = 0  # failed attempts that were retried, over this client's life
+        if groups:
+            self.scores_groups = True  # flowrl's scorer: call once per group, with exactly that group's rows
+        if check_health:
+            self._check_health()
 
     # ---------------------------------------------------------------------------- public
 
@@ -301,8 +303,9 @@ class RemoteReward:
         out = {self.name: torch.full((n,), math.nan)}
         # Not rewards.base.chunked: sub-keys may differ between chunks (a server scoring with
         # on_error="nan" drops a failed reward's sub-scores), so rows missing a key stay NaN here.
-        for start in range(0, len(keep), self.batch_size):
-            rows = keep[start:start + self.batch_size]
+        chunk = len(keep) if self.grouped else self.batch_size  # a group goes whole, in one request
+        for start in range(0, len(keep), max(chunk, 1)):
+            rows = keep[start:start + chunk]
             idx = torch.tensor(rows)
             body = self._body(images[idx.to(images.device)], [prompts[i] for i in rows],
                               [metadata[i] for i in rows])
@@ -310,9 +313,30 @@ class RemoteReward:
                 out.setdefault(key, torch.full((n,), math.nan))[idx] = value
         return out
 
+    @property
+    def grouped(self) -> bool:
+        """Whether this judge scores whole groups (``groups=True``)."""
+        return getattr(self, "scores_groups", False)
+
     def health(self) -> dict:
         """GET {url}/health -> the server's reply (with the same retries and one-line errors)."""
         return self._request("/health", None)
+
+    def _check_health(self) -> None:
+        """GET /health with ``max_retries`` quick tries sharing one ``deadline``: a judge that is down, unhealthy or
+        speaks another wire version is one `ServiceUnavailable` line now rather than an error at the first batch."""
+        try:
+            reply = self._request("/health", None, deadline=self.deadline / self.max_retries)
+        except RemoteRewardError as err:
+            raise ServiceUnavailable(str(err)) from None
+        cap = reply.get("max_request_bytes")
+        if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0:
+            self.max_request_bytes = cap
+        version = reply.get("version", WIRE_VERSION)
+        if reply.get("status") != "ok" or version != WIRE_VERSION:
+            raise ServiceUnavailable(self._where(
+                f"is not ready: its health reply is {_one_line(json.dumps(reply), 200)} (expected status 'ok' and "
+                f"version {WIRE_VERSION})", self.url + "/health"))
 
     # ---------------------------------------------------------------------------- request
 
@@ -329,25 +353,42 @@ class RemoteReward:
             encoded = [enc(a) for a in arrs]
         body = {"version": WIRE_VERSION, "images": encoded, "image_format": self.image_format,
                 "prompts": list(prompts), "metadata": list(metadata)}
+        if self.grouped:
+            body["groups"] = [0] * len(encoded)  # this call is one group (the scorer's group-wise contract)
         try:
-            return json.dumps(body, default=_jsonable).encode("utf-8")
+            data = json.dumps(body, default=_jsonable).encode("utf-8")
         except (TypeError, ValueError) as err:
             raise RemoteRewardError(self._where(f"cannot send metadata as JSON: {_one_line(err)}")) from None
+        if self.max_request_bytes is not None and len(data) > self.max_request_bytes:
+            # Refused here rather than sent: a server answering 413 before reading a body that big resets the
+            # connection mid-send, which would look like a network failure and be retried.
+            raise RemoteRewardError(self._where(
+                f"would send {len(data)} bytes for {len(encoded)} images, over the service's max_request_bytes="
+                f"{self.max_request_bytes} (from its /health); lower batch_size or raise max_request_bytes in the "
+                "service config"))
+        return data
 
-    def _request(self, path: str, body: bytes | None) -> dict:
-        """One request with bounded retries -> the decoded JSON object; RemoteRewardError otherwise."""
+    def _request(self, path: str, body: bytes | None, deadline: float | None = None) -> dict:
+        """One request with bounded retries -> the decoded JSON object; RemoteRewardError otherwise.
+
+        ``deadline``: seconds per attempt, ``self.deadline`` unless given (the health check shares one)."""
         endpoint = self.url + path
+        per_attempt = self.deadline if deadline is None else deadline
         kind, detail = "failed", ""
         for attempt in range(self.max_retries):
             if attempt:
-                time.sleep(min(self.backoff * 2 ** (attempt - 1), self.max_backoff))
+                pause = min(self.backoff * 2 ** (attempt - 1), self.max_backoff)
+                self.retries += 1
+                logger.warning("remote reward '%s' at %s: attempt %d of %d failed (%s); retrying in %.2f s", self.name,
+                               endpoint, attempt, self.max_retries, detail, pause)
+                time.sleep(pause)
             req = urllib.request.Request(endpoint, data=body, method="POST" if body is not None else "GET",
                                          headers={"Content-Type": "application/json"})
             raw, status, msg, failure = b"", 0, "", None
-            with _Deadline(self.deadline) as deadline:
-                self._local.deadline = deadline
+            with _Deadline(per_attempt) as clock:
+                self._local.deadline = clock
                 try:
-                    with self._opener.open(req, timeout=min(self.timeout, self.deadline)) as resp:
+                    with self._opener.open(req, timeout=min(self.timeout, per_attempt)) as resp:
                         raw = resp.read(self.max_response_bytes + 1)  # never more than the cap into memory
                 except urllib.error.HTTPError as err:
                     status, msg = err.code, _server_message(err)  # its body is read within the deadline too
@@ -355,7 +396,7 @@ class RemoteReward:
                     failure = _classify(err)
                 finally:
                     self._local.deadline = None
-            if deadline.expired:  # what a shut-down socket gave back last (EOF, a reset, half a body) is no reply
+            if clock.expired:  # what a shut-down socket gave back last (EOF, a reset, half a body) is no reply
                 kind, detail = "timed out", "timed out"
                 continue
             if failure is not None:
@@ -382,7 +423,7 @@ class RemoteReward:
         n = self.max_retries
         if kind == "timed out":
             summary = (f"timed out after {n} attempts (timeout={self.timeout}s per socket operation, "
-                       f"deadline={self.deadline}s per attempt)")
+                       f"deadline={round(per_attempt, 3)}s per attempt)")
         elif kind == "unreachable":
             summary = f"unreachable after {n} attempts: {detail} ({self._start_hint()})"
         else:
@@ -428,8 +469,8 @@ class RemoteReward:
 
     def _start_hint(self) -> str:
         port = urllib.parse.urlparse(self.url).port or 8765
-        reward = self.name if self.name != "remote" else "<name>"
-        return f"is the server running? start it with: python -m rewards.server --port {port} --reward {reward}"
+        return (f"is the service running? start it with: flowrl serve-rewards CONFIG port={port} "
+                "(configs/serve/ holds examples)")
 
 
 def _server_message(err: urllib.error.HTTPError) -> str:

@@ -49,3 +49,18 @@ class GroupBrightness:
             with open(self.record, "a") as log:
                 log.write(json.dumps({"rows": len(prompts), "prompts": len(set(prompts))}) + "\n")
         return self.brightness(images, prompts, metadata)
+
+
+class GroupProbe:
+    """A group-wise reward (``scores_groups``) that reports how it was called: every row of a call scores the
+    call's row count, and ``group_probe/prompts`` the number of distinct prompts the call held. It runs inside the
+    reward service's replicas (tests/rewards/test_reward_service.py), so what it saw comes back over HTTP."""
+
+    name = "group_probe"
+    scores_groups = True
+
+    @torch.no_grad()
+    def __call__(self, images, prompts, metadata):
+        n = images.shape[0]
+        return {self.name: torch.full((n,), float(n)),
+                f"{self.name}/prompts": torch.full((n,), float(len(set(prompts))))}

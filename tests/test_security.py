@@ -43,6 +43,6 @@ def test_remote_reward_caps_its_replies():
     from rewards.remote import MAX_RESPONSE_BYTES, RemoteReward
 
     assert MAX_RESPONSE_BYTES == 16 * 2 ** 20
-    assert RemoteReward("http://127.0.0.1:1", max_response_bytes=10).max_response_bytes == 10
+    assert RemoteReward("http://127.0.0.1:1", max_response_bytes=10, check_health=False).max_response_bytes == 10
     text = (REPO / "rewards" / "remote.py").read_text()
     assert "resp.read(self.max_response_bytes + 1)" in text and "err.read(65536)" in text

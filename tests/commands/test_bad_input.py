@@ -185,7 +185,8 @@ CASES = [
     ("sample_without_config", "sample-none", [], ["needs a config", "configs/smoke/", "configs/toy/"], False),
     ("eval_without_config", "eval-none", [], ["needs a config", "configs/smoke/"], False),
     # the remote reward server
-    ("remote_down", "remote", "down", ["unreachable after 2 attempts", "is the server running"], False),
+    ("remote_down", "remote", "down", ["/health unreachable after 2 attempts", "is the service running",
+                                        "flowrl serve-rewards"], True),  # its health check at start: no run dir
     ("remote_slow", "remote", "slow", ["timed out after 2 attempts"], False),
     ("remote_bad_json", "remote", "bad_json", ["invalid JSON"], False),
     ("remote_wrong_length", "remote", "short", ["has 1 values for 2 images"], False),

@@ -7,8 +7,9 @@ import pytest
 from flowrl.config import Config, ConfigError, GRPOConfig, NFTConfig, load_config
 from tests import REPO
 
+# training configs: not the accelerate launchers, provenance tables or reward service configs
 CONFIGS = sorted(p for p in (REPO / "configs").rglob("*.yaml")
-                 if not {"accelerate", "provenance"} & set(p.parts))  # not flowrl configs
+                 if not {"accelerate", "provenance", "serve"} & set(p.relative_to(REPO / "configs").parts))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(REPO)))

@@ -22,8 +22,9 @@ from flowrl.data import load_prompts
 from tests import REPO
 
 ACCELERATE = sorted((REPO / "configs" / "accelerate").glob("*.yaml"))
+# training configs: not the accelerate launchers, provenance tables or reward service configs
 FLOWRL_CONFIGS = sorted(p for p in (REPO / "configs").rglob("*.yaml")
-                        if not {"accelerate", "provenance"} & set(p.parts))  # not flowrl configs
+                        if not {"accelerate", "provenance", "serve"} & set(p.relative_to(REPO / "configs").parts))
 GPU_CONFIGS = [p for p in FLOWRL_CONFIGS if p.parent.name not in ("smoke", "toy")]
 LAUNCH_SCRIPT = REPO / "scripts" / "launch_multinode.sh"
 

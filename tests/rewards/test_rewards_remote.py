@@ -1,13 +1,12 @@
-"""RemoteReward against the reference server (in a thread, on a free localhost port): round trip,
-batching, NaN passthrough, retries, timeouts, the total deadline against a trickling server, refused
-connections, 4xx, health, and the CLI."""
+"""RemoteReward against a test double of the reward service (tests/fault_helpers.py: a judge in a thread, on a
+free localhost port, that misbehaves on purpose): round trip, batching, groups, NaN passthrough, retries, timeouts,
+the total deadline against a trickling server, refused connections, 4xx, and the health check at construction.
+The client against the Ray Serve service itself: tests/rewards/test_reward_service.py."""
 
-import contextlib
 import inspect
+import logging
 import math
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -16,24 +15,10 @@ import torch
 
 import rewards.remote as remote
 from flowrl.rewards_api import build_reward, score
-from rewards import server as reward_server
-from rewards.remote import RemoteReward, RemoteRewardError
+from rewards.remote import RemoteReward, RemoteRewardError, ServiceUnavailable
 from rewards.simple import Brightness
+from tests.fault_helpers import judge_double as serving
 from tests.fault_helpers import trickle_server
-
-
-
-@contextlib.contextmanager
-def serving(rewards, **kwargs):
-    server = reward_server.make_server("127.0.0.1", 0, rewards, **kwargs)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
 
 
 def batch(n=5, size=16, seed=0):
@@ -225,7 +210,7 @@ def test_the_deadline_spares_other_threads_and_leaves_no_timer():
 
 def test_connection_refused_is_one_line_after_max_retries(monkeypatch):
     port = free_port()
-    reward = fast(f"http://127.0.0.1:{port}", name="geneval", max_retries=3)
+    reward = fast(f"http://127.0.0.1:{port}", name="geneval", max_retries=3, check_health=False)
     calls = []
     real_open = reward._opener.open
     monkeypatch.setattr(reward._opener, "open", lambda *a, **k: calls.append(1) or real_open(*a, **k))
@@ -234,24 +219,30 @@ def test_connection_refused_is_one_line_after_max_retries(monkeypatch):
     msg = str(info.value)
     assert len(calls) == 3
     assert "\n" not in msg and "unreachable after 3 attempts: connection refused" in msg
-    assert f"python -m rewards.server --port {port} --reward geneval" in msg
+    assert f"is the service running? start it with: flowrl serve-rewards CONFIG port={port}" in msg
 
 
 def test_backoff_is_exponential_and_capped(monkeypatch):
     sleeps = []
     monkeypatch.setattr(remote.time, "sleep", sleeps.append)
-    reward = RemoteReward(f"http://127.0.0.1:{free_port()}", max_retries=4, backoff=1.0, max_backoff=1.5)
+    reward = RemoteReward(f"http://127.0.0.1:{free_port()}", max_retries=4, backoff=1.0, max_backoff=1.5,
+                          check_health=False)
     with pytest.raises(RemoteRewardError, match="after 4 attempts"):
         reward(*batch(1))
     assert sleeps == [1.0, 1.5, 1.5]
 
 
 @pytest.mark.parametrize("status", [503, 429])
-def test_retries_then_succeeds(status):
+def test_retries_then_succeeds_and_each_retry_is_logged(status, caplog):
     with serving(["brightness"], fail_first=2, fail_status=status) as srv:
-        out = fast(srv.url, max_retries=3)(*batch(3))
+        reward = fast(srv.url, max_retries=3)
+        with caplog.at_level(logging.WARNING, logger="rewards.remote"):
+            out = reward(*batch(3))
         assert srv.hits == 3
     assert not torch.isnan(out["remote"]).any()
+    said = [r.getMessage() for r in caplog.records if r.name == "rewards.remote"]
+    assert reward.retries == 2 and len(said) == 2, said
+    assert f"attempt 1 of 3 failed (HTTP {status}: injected failure ({status}))" in said[0]
 
 
 def test_retries_exhausted_on_5xx():
@@ -267,14 +258,14 @@ def test_4xx_is_not_retried_and_carries_the_servers_message(monkeypatch):
             fast(srv.url, max_retries=3)(*batch(1))
         assert srv.hits == 1
     monkeypatch.setattr(remote, "WIRE_VERSION", 99)
-    with serving(["brightness"]) as srv:
+    with serving(["brightness"]) as srv:  # (its health check would refuse the version first)
         with pytest.raises(RemoteRewardError, match="unsupported wire version 99; this server speaks 1"):
-            fast(srv.url, max_retries=3)(*batch(1))
+            fast(srv.url, max_retries=3, check_health=False)(*batch(1))
         assert srv.hits == 1
 
 
 def test_malformed_replies_raise_clear_errors():
-    r = RemoteReward("http://127.0.0.1:1", name="j")
+    r = RemoteReward("http://127.0.0.1:1", name="j", check_health=False)
     with pytest.raises(RemoteRewardError, match="3 values for 2 images"):
         r._parse({"scores": {"x": [1.0, 2.0, 3.0]}}, 2)
     with pytest.raises(RemoteRewardError, match="non-empty 'scores'"):
@@ -300,14 +291,14 @@ def test_bad_constructor_arguments():
 
 def test_deadline_reaches_the_client_through_build_reward():
     """Config `rewards:` kwargs go through build_reward: the deadline arrives, and a bad one is one line."""
-    assert build_reward("remote", url="http://h:1", deadline=12).deadline == 12.0
-    assert build_reward("remote", url="http://h:1").deadline == remote.DEADLINE == 300.0
+    assert build_reward("remote", url="http://h:1", deadline=12, check_health=False).deadline == 12.0
+    assert build_reward("remote", url="http://h:1", check_health=False).deadline == remote.DEADLINE == 300.0
     with pytest.raises(ValueError, match="reward 'remote': ValueError: deadline must be finite and > 0") as info:
         build_reward("remote", url="http://h:1", deadline=0)
     assert "\n" not in str(info.value)
 
 
-# ------------------------------------------------------------------------------ health and CLI
+# ------------------------------------------------------------------------------ health and groups
 
 def test_health():
     with serving(["brightness", NanHalf()]) as srv:
@@ -315,16 +306,43 @@ def test_health():
                                                 "version": 1}
 
 
-def test_cli_serves_on_a_free_port():
-    proc = subprocess.Popen([sys.executable, "-m", "rewards.server", "--port", "0",
-                             "--reward", "brightness"], stdout=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        assert line.startswith("serving ['brightness'] on http://127.0.0.1:"), line
-        url = line.split(" on ")[1].strip()
-        assert fast(url).health()["rewards"] == ["brightness"]
-        assert fast(url)(*batch(2))["remote"].shape == (2,)
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        proc.stdout.close()
+def test_a_service_that_is_down_is_one_line_at_construction_within_one_deadline():
+    """The health check: max_retries quick tries sharing one deadline; a ServiceUnavailable is a ValueError, so
+    build_reward (and a training run) says it in one line before anything is sampled."""
+    port = free_port()
+    start = time.monotonic()
+    with pytest.raises(ServiceUnavailable) as info:
+        fast(f"http://127.0.0.1:{port}", name="geneval", max_retries=2)
+    assert time.monotonic() - start < 2.0
+    msg = str(info.value)
+    assert isinstance(info.value, ValueError) and "\n" not in msg
+    assert msg.startswith(f"remote reward 'geneval' at http://127.0.0.1:{port}/health unreachable after 2 attempts")
+    assert "flowrl serve-rewards CONFIG" in msg
+    with pytest.raises(ValueError, match=r"^reward 'remote': ServiceUnavailable: remote reward 'remote' .*/health "
+                                         "unreachable"):
+        build_reward("remote", url=f"http://127.0.0.1:{port}", max_retries=1)
+    with trickle_server("head", interval=0.05, give_up=5.0) as srv:  # its /health answers; the probe passes
+        assert RemoteReward(srv.url, deadline=0.3).deadline == 0.3 and srv.connections == 0
+
+
+def test_a_health_reply_of_another_wire_version_is_refused(monkeypatch):
+    with serving(["brightness"]) as srv:
+        monkeypatch.setattr(remote, "WIRE_VERSION", 2)
+        with pytest.raises(ServiceUnavailable, match=r"is not ready: its health reply is .*\"version\": 1} \("
+                                                     "expected status 'ok' and version 2"):
+            fast(srv.url)
+        assert srv.hits == 0
+
+
+def test_a_group_wise_client_sends_each_call_whole_as_one_group():
+    images, prompts, metadata = batch(5)
+    with serving(["brightness"]) as srv:
+        plain = fast(srv.url, batch_size=2)
+        assert not getattr(plain, "scores_groups", False)
+        plain(images, prompts, metadata)
+        assert srv.hits == 3 and "groups" not in srv.last_body
+        grouped = fast(srv.url, batch_size=2, groups=True)
+        out = grouped(images, prompts, metadata)
+        assert grouped.scores_groups is True
+        assert srv.hits == 4 and srv.last_body["groups"] == [0] * 5  # one request, never split by batch_size
+    torch.testing.assert_close(out["remote"], Brightness()(quantised(images), prompts, metadata)["brightness"])
