@@ -83,13 +83,6 @@ class ScoreRequest:
     metadata: list[Any]  # [N] JSON objects ({} for null)
     groups: list[int]  # [N] group id per row: the request's "groups", else one id per distinct prompt
 
-    def group_rows(self) -> list[list[int]]:
-        """The row indices of each group, groups in order of first appearance."""
-        rows: dict[int, list[int]] = {}
-        for i, group in enumerate(self.groups):
-            rows.setdefault(group, []).append(i)
-        return list(rows.values())
-
 
 def parse_request(body: bytes) -> ScoreRequest:
     """A /score body -> `ScoreRequest`; BadRequest (one line) for anything the wire format does not allow."""

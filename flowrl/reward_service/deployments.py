@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from flowrl.reward_wire import WIRE_VERSION, BadRequest, ScoreRequest, jsonable_scores, parse_request, to_float
-from flowrl.rewards_api import RewardError, build_reward, score
+from flowrl.rewards_api import RewardError, build_reward, group_rows, score
 
 logger = logging.getLogger("flowrl.reward_service")
 
@@ -198,7 +198,7 @@ class Ingress:
         """One reward over the request: one call per image, or one per group -> {key: [N]}."""
         handle, n = self.scorers[name], len(req.prompts)
         if grouped:
-            units = req.group_rows()
+            units = [rows.tolist() for rows in group_rows(torch.tensor(req.groups), req.prompts)]
             calls = [handle.score_groups.remote(([req.pixels[i] for i in rows], [req.prompts[i] for i in rows],
                                                  [req.metadata[i] for i in rows])) for rows in units]
         else:
