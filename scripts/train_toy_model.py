@@ -4,10 +4,12 @@ What: a real ``StableDiffusion3Pipeline`` (MMDiT ``SD3Transformer2DModel``, ``Au
 two CLIP text encoders, the offline CLIP BPE tokenizer, ``FlowMatchEulerDiscreteScheduler``;
 the T5 slot holds a 1-layer stand-in whose output is exactly zero, see ``make_null_t5``) trained
 from scratch with rectified flow matching on 32 px renders of the toy world (``flowrl.toy.world``)
-for prompts of the TRAIN split of ``flowrl.toy.prompts.split(0)`` (the one split pre-training and RL share).
+for every prompt of the grammar (``flowrl.toy.prompts.all_prompts``): every binding and every pair is in
+pre-training, and RL holds whole prompts out (``flowrl.toy.prompts.split``), as GenEval's prompts are held out
+from the RL that reports on them.
 
 Why: the RL loop needs a *pretrained* base model that is cheap (a 64-image CFG rollout in ~1.5 s on 2 CPU
-cores) and whose failures RL can fix on prompts whose bindings it never saw. Two runs make it: the clean model
+cores) and whose failures RL can fix on prompts it was never rewarded on. Two runs make it: the clean model
 (faithful captions, ``assets/toy_clean``: the instrument's ceiling) and the base (the clean model fine-tuned on
 noisy captions with ``--init-from`` and ``--caption-noise``, ``assets/toy``), whose failures are choices
 (a swapped colour, a count off by one, a flipped relation, a missing object).
@@ -191,20 +193,19 @@ def task_balanced_specs(items, n: int, rng: np.random.Generator) -> list[tuple[s
 
 
 def stage_data(work: Path, n_images: int, seed: int, noise: dict[str, float] | None = None) -> dict:
-    """Render n_images train-split scenes; with `noise`, each image shows its caption's corrupted spec
+    """Render n_images scenes of the whole grammar; with `noise`, each image shows its caption's corrupted spec
     (`flowrl.toy.captions`) with the given probability per kind. Cached as data.pt."""
     path = work / "data.pt"
     if path.exists():
         return torch.load(path, weights_only=True)
     t0 = time.time()
     rng = np.random.default_rng(seed)
-    items = task_balanced_specs(toy_prompts.train_prompts(0, **toy_prompts.SPLIT), n_images, rng)
+    items = task_balanced_specs(toy_prompts.all_prompts(), n_images, rng)
     shown, kinds = [s for _, s in items], {}
     if noise and any(noise.values()):
-        rule = toy_prompts.heldout_rule(0, **toy_prompts.SPLIT)
         shown = []
         for _, spec in items:
-            drawn, applied = captions.corrupt(spec, noise, rng, rule)
+            drawn, applied = captions.corrupt(spec, noise, rng)
             shown.append(drawn)
             for k in applied or ["none"]:
                 kinds[k] = kinds.get(k, 0) + 1
@@ -214,7 +215,7 @@ def stage_data(work: Path, n_images: int, seed: int, noise: dict[str, float] | N
         images.append((imgs * 255).round().to(torch.uint8))
     data = {"images": torch.cat(images), "prompts": [p for p, _ in items]}
     torch.save(data, path)
-    log(f"data: rendered {n_images} train-split images in {time.time() - t0:.0f}s"
+    log(f"data: rendered {n_images} images in {time.time() - t0:.0f}s"
         + (f"; corruptions {json.dumps(kinds)}" if kinds else ""))
     return data
 
@@ -268,11 +269,11 @@ def encode_all(vae: AutoencoderKL, images: torch.Tensor, batch: int = 500) -> to
 
 @torch.no_grad()
 def vae_check(vae: AutoencoderKL, seed: int, n: int = 256) -> dict:
-    """ToyEval strict accuracy of VAE reconstructions of held-out renders (should be ~1)."""
+    """ToyEval strict accuracy of VAE reconstructions of fresh renders of RL's held-out prompts (should be ~1)."""
     from rewards.toyeval import ToyEval
 
     rng = np.random.default_rng(seed + 7)
-    items = task_balanced_specs(toy_prompts.heldout_prompts(0, **toy_prompts.SPLIT), n, rng)
+    items = task_balanced_specs(toy_prompts.heldout_prompts(0), n, rng)
     imgs, _ = render_batch([s for _, s in items], rng, size=RESOLUTION)
     rec = (vae.decode(vae.encode(imgs * 2 - 1).latent_dist.mean).sample / 2 + 0.5).clamp(0, 1)
     ev = ToyEval()
@@ -410,6 +411,8 @@ def stage_flow(work: Path, out: Path, data: dict, vae: AutoencoderKL, args) -> T
                         "step": step + 1, "arch": arch_of(args)}, work / "ckpt.tmp")
             os.replace(work / "ckpt.tmp", ckpt_path)
             export(ema, vae, out)
+            if args.keep_exports:  # earlier checkpoints are base candidates: less trained, failures spread
+                export(ema, vae, work / "exports" / f"step_{step + 1}")
             log(f"flow: checkpoint + EMA pipeline exported at step {step + 1} -> {out}")
     return ema
 
@@ -418,12 +421,12 @@ def stage_flow(work: Path, out: Path, data: dict, vae: AutoencoderKL, args) -> T
 @torch.no_grad()
 def evaluate(pipe: StableDiffusion3Pipeline, n: int = 512, seed: int = 0, steps: int = DEFAULT_STEPS,
              guidance: float = DEFAULT_GUIDANCE, max_seq: int = DEFAULT_MAX_SEQ, batch: int = 64) -> dict:
-    """ToyEval strict / partial on n task-stratified held-out and n train prompts (seeded)."""
+    """ToyEval strict / partial on n task-stratified prompts of RL's held-out and train sets (seeded)."""
     from rewards.toyeval import ToyEval
 
     ev = ToyEval()
     result = {}
-    split = toy_prompts.split(0, **toy_prompts.SPLIT)  # the split the shipped model was trained on
+    split = toy_prompts.split(0)  # RL's split: "heldout" is what the main job's report scores
     for name, items in (("heldout", split[1]), ("train", split[0])):
         by_task: dict[str, list] = {}
         for it in items:
@@ -500,6 +503,8 @@ def main() -> None:
     ap.add_argument("--ema", type=float, default=0.999)
     ap.add_argument("--cfg-drop", type=float, default=0.1)
     ap.add_argument("--ckpt-every", type=int, default=2000)
+    ap.add_argument("--keep-exports", action="store_true",
+                    help="also keep each checkpoint's EMA pipeline under WORK_DIR/exports/step_N")
     ap.add_argument("--caption-noise", type=captions.parse_noise, default=None,
                     help="noisy captions, e.g. color=0.5,count=0.5,relation=0.5,missing=0.3: the probability "
                          "per kind that an image shows a corrupted spec (flowrl.toy.captions)")

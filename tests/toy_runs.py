@@ -13,7 +13,7 @@ from tests.policy_capture import capture_training_policy
 
 # Training prompts of the toy split, a single object and three counts: tests/toy/test_toy_rl.py trains on them, and
 # so does python -m tools.toy_four_prompts.
-FOUR_PROMPTS = ("a green triangle", "two purple triangles", "three blue circles", "three cyan diamonds")
+FOUR_PROMPTS = ("a green triangle", "two purple circles", "three blue circles", "three cyan diamonds")
 
 
 def train_on_prompts(config: str, prompts, tmp_path, monkeypatch, epochs: int, overrides=()):

@@ -1,8 +1,10 @@
-"""Prompt grammar of the toy world, and a train / held-out split of combinations.
+"""Prompt grammar of the toy world, and the RL train / held-out split of its prompts.
 
-Why: RL on a verifiable reward should be judged on prompts whose attribute
-*bindings* were never trained on (GenEval-style compositional generalisation),
-so the split is over combinations, not over random prompts.
+Why: RL is judged as GenEval judges it. Every object, colour and pairing of the
+benchmark was in the base model's pre-training; the benchmark's prompts were
+not in RL's training set. So pre-training draws from every prompt of the grammar
+and RL trains on a split that holds whole prompts out (`split`): RL sharpens
+choices the model can already make, on prompts it was never rewarded on.
 
 Every prompt comes with a JSON-serialisable metadata dict, the spec that both
 the renderer (`world.sample_scene`) and the ToyEval reward read:
@@ -101,85 +103,77 @@ def spec_combos(spec: dict[str, Any]) -> list[Combo]:
     return [(g["color"], g["shape"]) for g in spec["objects"]]
 
 
-SPLIT: dict[str, Any] = dict(n_combos=16, pair_frac=0.1, pair_base=16)
-"""The toy world's one split: the shipped base was pre-trained on its train prompts and RL trains on them
-too, so a held-out binding appears in no pre-training image or caption (noise included) and in no RL batch.
+SPLIT: dict[str, Any] = dict(heldout_frac=0.25, min_heldout=32)
+"""The toy world's one split, GenEval's protocol: pre-training sees every prompt of the grammar (every binding
+and every pair), and RL trains on three quarters of the prompts and is scored on the rest.
 
-16 of the 32 colour-shape bindings are held out, each colour with two of the four shapes and each shape with
-four of the eight colours (a balanced half), and 10% of the pairs of trained bindings."""
+Held out per task: a quarter of its prompts, at least `min_heldout` and at most half (single objects have 32
+prompts in all, so 16 / 16). Every colour-shape binding appears in both sets wherever the task has room."""
+
 
 def combo_order(seed: int = 0, colors: Sequence[str] | None = None,
                 shapes: Sequence[str] | None = None) -> list[Combo]:
-    """Every (color, shape) pair in the order `heldout_rule` holds them out, drawn from `seed`.
+    """Every (color, shape) pair in a balanced order drawn from `seed`.
 
     Shape-major diagonals of a random colour x shape grid: combo k has shape k % S and colour
     (k // S + (k % S) * max(1, C // S)) % C (after shuffling both). So the first min(C, S) combos
-    have distinct colours and distinct shapes, each shape is held out at most ceil(n / S) times, and
-    colours nearly as evenly: with 8 colours x 4 shapes the first 8 hold each colour once and the
-    first 16 each colour twice (with 5 x 4, at most twice each in the first 8).
+    have distinct colours and distinct shapes, and any prefix spreads over colours and shapes nearly
+    evenly: with 8 colours x 4 shapes the first 16 hold each colour twice and each shape four times.
     """
-    return _draw_combo_order(seed, list(colors or COLORS), list(shapes or SHAPES))[0]
-
-
-def _draw_combo_order(seed: int, colors: list[str], shapes: list[str]) -> tuple[list[Combo], np.random.Generator]:
-    """`combo_order`, and the generator after its draws (the held-out pairs are drawn next)."""
+    colors, shapes = list(colors or COLORS), list(shapes or SHAPES)
     rng = np.random.default_rng(seed)
     pc, ps = rng.permutation(len(colors)), rng.permutation(len(shapes))
     nc, ns = len(colors), len(shapes)
     step = max(1, nc // ns)  # spreads each round's shapes over the colours evenly
-    return [(colors[pc[(k // ns + (k % ns) * step) % nc]], shapes[ps[k % ns]]) for k in range(nc * ns)], rng
+    return [(colors[pc[(k // ns + (k % ns) * step) % nc]], shapes[ps[k % ns]]) for k in range(nc * ns)]
 
 
-def heldout_rule(seed: int = 0, n_combos: int = SPLIT["n_combos"], pair_frac: float = SPLIT["pair_frac"],
-                 colors: Sequence[str] | None = None, shapes: Sequence[str] | None = None,
-                 pair_base: int = SPLIT["pair_base"]) -> dict[str, list]:
-    """Which combinations are held out, drawn deterministically from `seed`.
-
-    * the first `n_combos` (color, shape) bindings of `combo_order`; every colour and every shape
-      must still be seen in training;
-    * a fraction `pair_frac` of the unordered pairs of the bindings after the first `pair_base` of
-      `combo_order`, so bindings are trained but some pairings are new (novel composition). Pairs
-      with a held-out binding add nothing and are dropped. `pair_base` fixes the draw, so a rule
-      holds out everything the rule with n_combos = pair_base (same seed) holds out.
-    """
-    colors, shapes = list(colors or COLORS), list(shapes or SHAPES)
-    order, rng = _draw_combo_order(seed, colors, shapes)
-    if not 0 <= n_combos <= len(order) or not 0 <= pair_base <= len(order):
-        raise ValueError(f"n_combos and pair_base must be in [0, {len(order)}], got {n_combos}, {pair_base}")
-    held = order[:n_combos]
-    seen = set(order[n_combos:])
-    unseen = sorted(set(colors) - {c for c, _ in seen}) + sorted(set(shapes) - {s for _, s in seen})
-    if unseen:
-        raise ValueError(f"n_combos={n_combos} holds out every combination of {unseen}")
-    pairs = list(itertools.combinations([c for c in all_combos(colors, shapes) if c not in order[:pair_base]], 2))
-    pick = rng.choice(len(pairs), size=int(round(pair_frac * len(pairs))), replace=False)
-    held_pairs = [pairs[i] for i in sorted(pick) if not set(pairs[i]) & set(held)]
-    return {"combos": [list(c) for c in held], "pairs": [[list(a), list(b)] for a, b in held_pairs]}
+def heldout_count(n: int, heldout_frac: float = SPLIT["heldout_frac"],
+                  min_heldout: int = SPLIT["min_heldout"]) -> int:
+    """How many of a task's `n` prompts are held out: the fraction, at least `min_heldout`, at most half."""
+    return min(max(min_heldout, int(round(heldout_frac * n))), n // 2)
 
 
-def is_heldout(spec: dict[str, Any], rule: dict[str, list]) -> bool:
-    """True if the spec uses a held-out binding or a held-out pairing of bindings."""
-    held = {tuple(c) for c in rule["combos"]}
-    combos = spec_combos(spec)
-    if any(c in held for c in combos):
-        return True
-    pairs = {frozenset((tuple(a), tuple(b))) for a, b in rule["pairs"]}
-    return len(combos) == 2 and frozenset(combos) in pairs
+def _heldout_of_task(task: str, specs: list[dict[str, Any]], n_held: int, order: list[Combo],
+                     rng: np.random.Generator) -> set[int]:
+    """Indices into `specs` (one task's) to hold out.
+
+    Single objects: a balanced prefix of `combo_order`, so each colour and each shape is held out equally.
+    Counting: per binding one of its counts, so every binding is trained and scored. Pairs and relations:
+    a uniform random draw (with hundreds of prompts every binding lands in both sets)."""
+    if task == "single_object":
+        held = set(order[:n_held])
+        return {i for i, s in enumerate(specs) if spec_combos(s)[0] in held}
+    if task == "counting":
+        by_combo: dict[Combo, list[int]] = {}
+        for i, s in enumerate(specs):
+            by_combo.setdefault(spec_combos(s)[0], []).append(i)
+        combos = list(by_combo)
+        # the k-th binding of a random order holds out its (k mod #counts)-th count: counts held out evenly
+        picks = [by_combo[combos[c]][k % len(by_combo[combos[c]])] for k, c in enumerate(rng.permutation(len(combos)))]
+        return set(picks[:n_held])
+    return set(rng.choice(len(specs), size=n_held, replace=False).tolist())
 
 
-def split(seed: int = 0, n_combos: int = SPLIT["n_combos"], pair_frac: float = SPLIT["pair_frac"],
-          pair_base: int = SPLIT["pair_base"],
+def split(seed: int = 0, heldout_frac: float = SPLIT["heldout_frac"], min_heldout: int = SPLIT["min_heldout"],
           tasks: Iterable[str] = TASKS, **kwargs: Any) -> tuple[list[Item], list[Item]]:
-    """Deterministic (train, heldout) lists of (prompt, metadata); disjoint by construction.
+    """Deterministic (rl_train, heldout) lists of (prompt, metadata): disjoint prompts of the full grammar.
 
-    Each list takes its tasks in turn (see `interleave_tasks`), so any prefix is a task-stratified
-    subset: recipes score the first N held-out prompts, and position prompts outnumber the others.
+    Pre-training uses every prompt (`all_prompts`); the split only decides what RL trains on. Each list
+    takes its tasks in turn (see `interleave_tasks`), so any prefix is a task-stratified subset: recipes
+    score the first N held-out prompts, and position prompts outnumber the others.
     """
-    rule = heldout_rule(seed, n_combos, pair_frac, kwargs.get("colors"), kwargs.get("shapes"), pair_base)
+    rng = np.random.default_rng(seed)
+    order = combo_order(seed, kwargs.get("colors"), kwargs.get("shapes"))
     train: list[Item] = []
     held: list[Item] = []
-    for spec in all_specs(tasks=tasks, **kwargs):
-        (held if is_heldout(spec, rule) else train).append((prompt_for(spec), spec))
+    for task in TASKS:
+        if task not in set(tasks):
+            continue
+        specs = all_specs(tasks=[task], **kwargs)
+        out = _heldout_of_task(task, specs, heldout_count(len(specs), heldout_frac, min_heldout), order, rng)
+        for i, spec in enumerate(specs):
+            (held if i in out else train).append((prompt_for(spec), spec))
     return interleave_tasks(train), interleave_tasks(held)
 
 
@@ -215,12 +209,7 @@ def read_jsonl(path: str | Path) -> list[Item]:
 
 
 def write_split(out_dir: str | Path, seed: int = 0, **kwargs: Any) -> dict[str, Path]:
-    """Write train.jsonl, heldout.jsonl and heldout_rule.json under `out_dir`."""
-    out = Path(out_dir)
+    """Write train.jsonl (RL's prompts) and heldout.jsonl (the report's) under `out_dir`."""
     train, held = split(seed, **kwargs)
-    rule_kw = {k: kwargs[k] for k in ("n_combos", "pair_frac", "colors", "shapes", "pair_base") if k in kwargs}
-    out.mkdir(parents=True, exist_ok=True)
-    rule_path = out / "heldout_rule.json"
-    rule_path.write_text(json.dumps(heldout_rule(seed, **rule_kw), indent=1) + "\n", encoding="utf-8")
-    return {"train": write_jsonl(train, out / "train.jsonl"),
-            "heldout": write_jsonl(held, out / "heldout.jsonl"), "rule": rule_path}
+    return {"train": write_jsonl(train, Path(out_dir) / "train.jsonl"),
+            "heldout": write_jsonl(held, Path(out_dir) / "heldout.jsonl")}

@@ -17,7 +17,7 @@ from diffusers import StableDiffusion3Pipeline
 from flowrl.models import build_policy
 from flowrl.sampling import rollout
 from flowrl.seeding import generators
-from flowrl.toy.prompts import SPLIT, TASKS, heldout_prompts
+from flowrl.toy.prompts import TASKS, heldout_prompts
 from rewards.toyeval import ToyEval
 from tests import REPO
 
@@ -73,7 +73,7 @@ def test_flowrl_ode_rollout_matches_the_pipeline(pipe):
 
 def test_heldout_toyeval_is_in_a_loose_band(pipe):
     by_task: dict[str, list] = {}
-    for item in heldout_prompts(0, **SPLIT):  # prompts the base never saw in pre-training
+    for item in heldout_prompts(0):  # prompts RL never trains on
         by_task.setdefault(item[1]["task"], []).append(item)
     rng = np.random.default_rng(0)
     items = [by_task[t][i] for t in TASKS for i in rng.integers(len(by_task[t]), size=8)]  # 32, stratified
