@@ -70,9 +70,9 @@ def before_after(policy, ema, rewards, prompts: PromptSet, *, images_per_prompt:
     """The base model (``policy.reference()``) and the trained adapter (EMA weights when kept) on the same
     prompts and seeds, scored alike: ``(results, before [P * n, ...], after [P * n, ...])``.
 
-    ``results`` holds both sides' :func:`evaluate` and, with task metadata, the prompts per task and the
-    change of each task-mean score with its paired standard error: the same prompts and seeds on both sides
-    make the difference the adapter's effect, not sampling noise."""
+    ``results`` holds both sides' :func:`evaluate` and, with task metadata, the prompts per task and
+    :func:`paired_changes` (each score's change as the task mean and per task, with its paired standard error):
+    the same prompts and seeds on both sides make the difference the adapter's effect, not sampling noise."""
     kwargs = dict(images_per_prompt=images_per_prompt, num_steps=num_steps, guidance=guidance, seed=seed)
     with policy.reference():
         before = render(policy, prompts, **kwargs)
@@ -85,7 +85,24 @@ def before_after(policy, ema, rewards, prompts: PromptSet, *, images_per_prompt:
     tasks = row_tasks(prompts.metadata)
     if tasks is not None:
         results["prompts_per_task"] = {t: tasks.count(t) for t in dict.fromkeys(tasks) if t is not None}
-        row_task = [t for t in tasks for _ in range(images_per_prompt)]
-        results["paired"] = {f"eval/{k}/task_mean": paired_task_mean_gain(scores_before[k], scores_after[k], row_task)
-                             for k in scores_before}
+        results["paired"] = paired_changes(scores_before, scores_after,
+                                           [t for t in tasks for _ in range(images_per_prompt)])
     return results, before, after
+
+
+def paired_changes(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor],
+                   row_task: list[str | None]) -> dict[str, dict[str, float]]:
+    """``{eval/<key>/task_mean: change, eval/<key>/task/<task>: change}`` for every score key, each change
+    :func:`~flowrl.eval_tasks.paired_task_mean_gain`'s ``{gain, standard_error, standard_errors}`` of the
+    per-image differences ``after - before`` (``[P * n]``, one task per row).
+
+    A task's own change is the task-mean change of its rows alone (the others' task set to None): the mean
+    difference over its prompts x images and ``s / sqrt(n)``, so a task's gain reads on the same scale as
+    the task mean's, and a gain that only one task carries shows where the adapter helped."""
+    names = [t for t in dict.fromkeys(row_task) if t is not None]
+    alone = {t: [task if task == t else None for task in row_task] for t in names}
+    out = {}
+    for key in before:
+        out[f"eval/{key}/task_mean"] = paired_task_mean_gain(before[key], after[key], row_task)
+        out.update({f"eval/{key}/task/{t}": paired_task_mean_gain(before[key], after[key], alone[t]) for t in names})
+    return out

@@ -5,16 +5,20 @@ trade-off plot, and side-by-side grids per prompt (prompt text above, one labell
 
 The end of a run (:func:`write_report`): did the adapter improve the rewards, and what did it cost in
 diversity? Written into the run directory after training:
-- ``report.html``: the page to open, in the layout of ``flowrl eval``: the before / after table with deltas
-  and paired standard errors, the training curve, and one labelled grid per held-out prompt (the prompt
-  above, a row of base images and a row of trained images on the same seeds);
+- ``report.html``: the page to open, in the layout of ``flowrl eval``: first the headline table (the main
+  score's task mean and each task: before, after, change, paired standard error) and the toy world's
+  ground-truth diversity, then the training curve, one labelled grid per held-out prompt (the prompt
+  above, a row of base images and a row of trained images on the same seeds), and the sub-scores and
+  other metrics folded away (without the rows that are NaN on both sides, sub-scores a task lacks);
 - ``reward_curve.png``: the trained reward per epoch (raw and moving average) with the held-out score on
-  the same axes, and the other rewards and sub-scores (moving averages) in a second panel;
+  the same axes, the other rewards and sub-scores (moving averages) in a second panel, and the held-out
+  score against wall-clock minutes in a third when ``metrics.jsonl`` times its epochs;
 - ``before.png`` / ``after.png``: the same grids as plain images, one row per prompt;
-- ``report.json`` / ``report.md``: mean rewards before and after on those images (with task metadata
-  also per task and as the mean over tasks, GenEval's overall score) and, when asked, the toy world's
-  ground-truth diversity of each prompt's group (exact mode collapse), and the one-line summary
-  ``flowrl train`` prints at the end.
+- ``report.md``: report.html's tables, in the same order, with links to the images;
+- ``report.json``: mean rewards before and after on those images (with task metadata also per task and as
+  the mean over tasks, GenEval's overall score, each with its paired change) and, when asked, the toy
+  world's ground-truth diversity of each prompt's group (exact mode collapse), and the one-line summary
+  ``flowrl train`` prints at the end (the main score's change overall and per task, and diversity's).
 
 Both pages are made of the pieces of :mod:`flowrl.eval.html` and share what is here: tables whose deltas
 are coloured by each metric's direction, the samples section, the "All metrics" section, and matplotlib
@@ -53,9 +57,9 @@ def table(columns: dict[str, dict[str, float]], keys: Sequence[str], base: str, 
                              caption=caption)
 
 
-def all_metrics(columns: dict[str, dict[str, float]], keys: Sequence[str], base: str) -> tuple[str, str]:
-    """The last table of both pages: every metric, folded away."""
-    return "All metrics", f"<details><summary>{len(keys)} metrics</summary>{table(columns, keys, base)}</details>"
+def all_metrics(content: str, count: int, heading: str = "All metrics") -> tuple[str, str]:
+    """The last section of both pages: the table of ``count`` metrics, folded away."""
+    return heading, f"<details><summary>{count} metrics</summary>{content}</details>"
 
 
 def samples(prompts: PromptSet, tasks: list, count: int, rows: Callable[[int], list], what: str) -> tuple[str, str]:
@@ -87,11 +91,6 @@ def png(figure, **savefig) -> bytes:
     data = html.figure_png(figure, **savefig)
     pyplot().close(figure)
     return data
-
-
-def paired_change(paired: dict) -> str:
-    """``+0.0220 (2.1 paired standard errors)``: a task-mean score's change and its paired standard errors."""
-    return f"{paired['gain']:+.4f} ({paired['standard_errors']:.1f} paired standard errors)"
 
 
 # --- flowrl eval -------------------------------------------------------------------------------------------
@@ -180,7 +179,7 @@ def write_eval_report(out_dir: Path, results: dict, suite: PromptSet, images: di
     if by_task:
         sections.append(("By task (the mean over tasks is GenEval's overall score)",
                          "".join(content for _, content in by_task)))
-    sections.append(all_metrics(metrics, flat, base))
+    sections.append(all_metrics(table(metrics, flat, base), len(flat)))
     reading = "".join(f"<li><code>{html.escape(prefix)}</code>: {html.escape(text)}</li>"
                       for prefix, text in READING.items() if any(k.startswith(prefix) for k in keys))
     notes = []
@@ -224,8 +223,26 @@ def curve_keys(records: list[dict], trained: list[str]) -> tuple[str, str | None
     return main, held_out, others
 
 
+def wall_clock(records: list[dict]) -> dict[int, float]:
+    """``{epoch: minutes of training by its end}`` (epoch -1, before training: 0): ``perf/train_wall_s``
+    (sampling, scoring and updates, summed by the run and kept across a resume), else the running sum of
+    ``perf/epoch_s``; empty when the records time nothing."""
+    records = sorted((r for r in records if isinstance(r.get("epoch"), int)), key=lambda r: r["epoch"])
+    if any(r.get("perf/train_wall_s") is not None for r in records):
+        return {r["epoch"]: r["perf/train_wall_s"] / 60 for r in records if r.get("perf/train_wall_s") is not None}
+    if all(r.get("perf/epoch_s") is None for r in records):
+        return {}
+    total, out = 0.0, {}
+    for r in records:
+        total += r.get("perf/epoch_s") or 0.0
+        out[r["epoch"]] = total / 60
+    return out
+
+
 def plot_reward_curve(run_dir: Path, trained: list[str] | None = None) -> Path | None:
-    """``reward_curve.png``: trained reward (raw, moving average) and held-out score; other series below."""
+    """``reward_curve.png``: trained reward (raw, moving average) and held-out score by epoch, other series
+    below, and with timed records the held-out score against wall-clock minutes: the axis on which runs of
+    different costs per epoch (group size, sampler, steps) compare."""
     if not (run_dir / "metrics.jsonl").is_file():  # a report of an adapter outside a run has no curve
         return None
     records = [r for r in read_metrics(run_dir) if r.get("epoch", -1) is not None]
@@ -236,9 +253,14 @@ def plot_reward_curve(run_dir: Path, trained: list[str] | None = None) -> Path |
     points = [p for p in series(main) if p[0] >= 0]
     if not points:
         return None
+    clock = wall_clock(records)
+    timed = [(clock[e], value) for e, value in series(held_out) if e in clock] if held_out else []
+    panels = 3 if timed else 2
+    figure = pyplot().figure(figsize=(7.5, 3 * panels))
+    grid = figure.add_gridspec(panels, 1, height_ratios=[3, 2, 2][:panels])
+    top = figure.add_subplot(grid[0])
+    bottom = figure.add_subplot(grid[1], sharex=top)
     window = max(1, min(10, len(points) // 5))
-    figure, (top, bottom) = pyplot().subplots(2, 1, figsize=(7.5, 6), sharex=True,
-                                              gridspec_kw={"height_ratios": [3, 2]})
     epochs, values = [p[0] for p in points], [p[1] for p in points]
     name = main.removeprefix("reward/").removesuffix("_mean")
     top.plot(epochs, values, color="tab:blue", alpha=0.3, linewidth=1, label=f"{name} (training rollouts)")
@@ -252,6 +274,7 @@ def plot_reward_curve(run_dir: Path, trained: list[str] | None = None) -> Path |
     top.grid(alpha=0.3)
     top.legend(fontsize=8, loc="best", framealpha=0.8)
     top.set_title("trained reward", fontsize=10)
+    top.tick_params(labelbottom=False)
     for key in others:
         line = series(key)
         if line:
@@ -263,73 +286,157 @@ def plot_reward_curve(run_dir: Path, trained: list[str] | None = None) -> Path |
     bottom.grid(alpha=0.3)
     if others:
         bottom.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    if timed:
+        plot_wall_clock(figure.add_subplot(grid[2]), timed, held_out.removeprefix("test/"))
     out = run_dir / "reward_curve.png"
     out.write_bytes(png(figure, bbox_inches="tight"))
     return out
 
 
+def plot_wall_clock(axis, points: list[tuple[float, float]], label: str) -> None:
+    """The held-out score ``label`` at each ``(minutes, score)`` point."""
+    axis.plot([p[0] for p in points], [p[1] for p in points], "o-", color="tab:orange", linewidth=2)
+    axis.set_xlabel("wall-clock minutes of training (sampling, scoring, updates)")
+    axis.set_ylabel("held-out score")
+    axis.set_title(f"held-out {label} vs wall-clock minutes", fontsize=10)
+    axis.grid(alpha=0.3)
+
+
+DIVERSITY = ("diversity/gt_mean", "diversity/background", "diversity/position", "diversity/size")
+COLUMNS = ("before", "after", "change", "paired s.e.")
+READING_CHANGE = ("Change: after minus before, with the paired standard errors it spans; paired s.e.: its standard "
+                  "error from the per-image differences on the same prompts and seeds (for the task mean, from "
+                  "the per-task means' differences).")
+
+
+def main_score(results: dict, trained: Sequence[str]) -> str | None:
+    """The reward the report leads with: the first trained one, else the first one scored; None if unscored."""
+    names = [k.removeprefix("eval/") for k in results["before"] if k.startswith("eval/") and k.count("/") == 1]
+    name = trained[0] if trained else next(iter(names), None)
+    return name if name in names else None
+
+
+def headline_keys(results: dict, name: str) -> dict[str, str]:
+    """``{row: key}`` of reward ``name``'s headline: the task mean (GenEval's overall score) and each task, or
+    without task metadata its plain mean."""
+    before, prefix = results["before"], f"eval/{name}/task/"
+    if f"eval/{name}/task_mean" not in before:
+        return {name: f"eval/{name}"}
+    tasks = {k.removeprefix(prefix): k for k in before if k.startswith(prefix)}
+    return {"task mean": f"eval/{name}/task_mean", **tasks}
+
+
+def measured(results: dict, key: str) -> bool:
+    """Whether ``key`` has a number on either side: a sub-score that does not apply to a task is NaN on both."""
+    return not all(math.isnan(results[side].get(key, math.nan)) for side in ("before", "after"))
+
+
+def report_tables(results: dict, trained: Sequence[str]) -> list[tuple[str, dict[str, str]]]:
+    """``(title, {row: key})`` of the run report's tables, in order: the main score by task (did the run help,
+    and where), the toy world's ground-truth diversity (what it cost), then every other metric (sub-scores,
+    other rewards, plain means), which both pages fold away. Rows unmeasured on both sides are left out."""
+    name = main_score(results, trained)
+    headline = headline_keys(results, name) if name else {}
+    diversity = {k.removeprefix("diversity/"): k for k in DIVERSITY if k in results["before"]}
+    shown = {*headline.values(), *diversity.values()}
+    tables = [(f"{name}, held-out", headline), ("diversity (ground truth)", diversity),
+              ("metric", {k: k for k in results["before"] if k not in shown})]
+    return [(title, {row: k for row, k in rows.items() if measured(results, k)}) for title, rows in tables]
+
+
+def table_cells(results: dict, rows: dict[str, str], change: Callable[[str, float, float], str]
+                ) -> tuple[list[str], list[list[str]]]:
+    """The header and the cells of one before / after table of both pages: per row its two values,
+    ``change(key, after, before)`` with the paired standard errors it spans, and the paired s.e.; that last
+    column only when a row has one."""
+    paired = results.get("paired", {})
+    columns = list(COLUMNS if any(k in paired for k in rows.values()) else COLUMNS[:3])
+    body = []
+    for row, key in rows.items():
+        before, after, pair = results["before"][key], results["after"][key], paired.get(key, {})
+        errors = pair.get("standard_errors", math.nan)
+        cells = [row, html.number(before), html.number(after),
+                 change(key, after, before) + ("" if math.isnan(errors) else f" ({errors:.1f} s.e.)"),
+                 html.number(pair["standard_error"]) if pair else ""]
+        body.append(cells[:len(columns) + 1])
+    return columns, body
+
+
+def html_table(results: dict, title: str, rows: dict[str, str]) -> str:
+    """:func:`table_cells` as an HTML table, each change coloured by its metric's direction."""
+    coloured = lambda key, after, before: html.delta(after, before, higher_is_better(key))
+    columns, body = table_cells(results, rows, coloured)
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in [title, *columns])
+    cells = "".join(f"<tr><td>{html.escape(row)}</td>" + "".join(f"<td>{c}</td>" for c in values) + "</tr>"
+                    for row, *values in body)
+    return f"<table><tr>{head}</tr>{cells}</table>"
+
+
+def markdown_table(results: dict, title: str, rows: dict[str, str]) -> str:
+    """:func:`table_cells` as a markdown table."""
+    plain = lambda key, after, before: "" if math.isnan(after - before) else f"{after - before:+.4f}"
+    columns, body = table_cells(results, rows, plain)
+    return "\n".join(f"| {' | '.join(line)} |" for line in [[title, *columns], ["---"] * (len(columns) + 1), *body])
+
+
+def shift(results: dict, key: str, unit: str = " s.e.") -> str:
+    """``0.250 -> 0.350 (+0.100, 2.5 s.e.)``: a key's change, with its paired standard errors when known."""
+    before, after = results["before"][key], results["after"][key]
+    errors = results.get("paired", {}).get(key, {}).get("standard_errors", math.nan)
+    detail = "" if math.isnan(errors) else f", {errors:.1f}{unit}"
+    return f"{before:.3f} -> {after:.3f} ({after - before:+.3f}{detail})"
+
+
 def summary_line(results: dict, trained: list[str], report: Path) -> str:
-    """``toyeval (held-out task mean) 0.354 -> 0.376 (+0.022, 2.1 paired s.e.); ...; report: PATH``."""
-    before, after, paired = results["before"], results["after"], results.get("paired", {})
-    parts = []
-    for name in trained[:1] or [k.removeprefix("eval/") for k in before if k.count("/") == 1][:1]:
-        key = next((k for k in (f"eval/{name}/task_mean", f"eval/{name}") if k in before), None)
-        if key is None:
-            continue
-        errors = paired.get(key, {}).get("standard_errors", math.nan)
-        detail = "" if math.isnan(errors) else f", {errors:.1f} paired s.e."
-        what = "held-out task mean" if key.endswith("task_mean") else "held-out"
-        parts.append(f"{name} ({what}) {before[key]:.3f} -> {after[key]:.3f} ({after[key] - before[key]:+.3f}{detail})")
-    if "diversity/gt_mean" in before:
-        parts.append(f"diversity {before['diversity/gt_mean']:.3f} -> {after['diversity/gt_mean']:.3f}")
+    """``toyeval held-out task mean 0.135 -> 0.152 (+0.017, 2.2 paired s.e.); single_object 0.200 -> 0.250
+    (+0.050, 1.9 s.e.), counting ...; diversity 0.886 -> 0.873 (-0.013); report: PATH``, one line: the main
+    score's change overall and per task, and what it cost in diversity."""
+    parts, name = [], main_score(results, trained)
+    if name is not None:
+        (_, mean), *tasks = headline_keys(results, name).items()
+        what = "held-out task mean" if mean.endswith("task_mean") else "held-out"
+        parts.append(f"{name} {what} {shift(results, mean, ' paired s.e.')}")
+        by_task = [f"{task} {shift(results, key)}" for task, key in tasks if measured(results, key)]
+        parts += [", ".join(by_task)] if by_task else []
+    if "diversity/gt_mean" in results["before"]:
+        parts.append(f"diversity {shift(results, 'diversity/gt_mean')}")
     return "; ".join(parts + [f"report: {report}"])
 
 
-def is_headline(key: str) -> bool:
-    """A reward's main score (``eval/<name>``), its mean over tasks, or the toy world's diversity."""
-    parts = key.split("/")
-    if parts[0] == "diversity":
-        return parts[1] in ("gt_mean", "background", "position", "size")
-    return parts[0] == "eval" and (len(parts) == 2 or len(parts) == 3 and parts[2] == "task_mean")
-
-
 def html_report(run_dir: Path, results: dict, prompts: PromptSet, before: torch.Tensor, after: torch.Tensor,
-                images_per_prompt: int, curve: Path | None, grid_prompts: int = 12) -> Path:
-    """``report.html`` in the layout of ``flowrl eval``: table, curve, labelled grids per prompt."""
-    n, columns = images_per_prompt, {"base": results["before"], "trained": results["after"]}
-    keys = list(results["before"])
-    headline = [k for k in keys if is_headline(k)]
-    paired = "".join(f"<li><code>{html.escape(k)}</code>: {paired_change(v)}</li>"
-                     for k, v in results.get("paired", {}).items() if k in headline)
-    sections = [("Before and after", table(columns, headline, "base")
-                 + (f"<p class='note'>Change of each task-mean score with its paired standard error:</p><ul>{paired}"
-                    "</ul>" if paired else ""))]
+                images_per_prompt: int, curve: Path | None, grid_prompts: int = 12, trained: Sequence[str] = ()
+                ) -> Path:
+    """``report.html`` in the layout of ``flowrl eval``: the headline tables, curve, labelled grids per prompt,
+    the other metrics folded."""
+    n = images_per_prompt
+    *shown, (_, rest) = report_tables(results, trained)
+    sections = [("Before and after", "".join(html_table(results, title, rows) for title, rows in shown if rows)
+                 + f"<p class='note'>{html.escape(READING_CHANGE)}</p>")]
     if curve is not None:
         sections.append(("Training curve", html.img(curve.read_bytes(), "reward curve")))
     k = min(n, GRID_IMAGES)  # a row of 24 images would shrink each to a few pixels
     sections.append(samples(prompts, [m.get("task") for m in prompts.metadata], grid_prompts,
                             lambda i: [("base", before[i * n:i * n + k]), ("trained", after[i * n:i * n + k])],
                             f"held-out prompts, {k} of {n} images each, same seeds in both rows"))
-    sections.append(all_metrics(columns, keys, "base"))
+    sections.append(all_metrics(html_table(results, "metric", rest), len(rest), "Sub-scores and other metrics"))
     intro = (f"{len(prompts)} held-out prompts × {n} images, ODE, the same seeds before (base model) and after "
-             "(trained adapter, EMA weights when kept). Δ: change from base.")
+             "(trained adapter, EMA weights when kept).")
     return write_page(run_dir / "report.html", f"flowrl run report: {run_dir.name}", sections, intro)
 
 
-def markdown_report(results: dict, num_steps: int) -> str:
-    """``report.md``: the before / after table, the paired changes, and links to the images."""
-    lines = ["| metric | before | after |", "| --- | --- | --- |"]
-    for key in results["before"]:
-        lines.append(f"| {key} | {results['before'][key]:.4f} | {results['after'][key]:.4f} |")
+def markdown_report(results: dict, num_steps: int, trained: Sequence[str] = ()) -> str:
+    """``report.md``: the headline tables, how they were measured, the other metrics folded, links to the images."""
+    *shown, (_, rest) = report_tables(results, trained)
+    tables = "".join(markdown_table(results, title, rows) + "\n\n" for title, rows in shown if rows)
     by_task_note = "" if "prompts_per_task" not in results else (
         " Prompts per task: " + ", ".join(f"{t} {c}" for t, c in results["prompts_per_task"].items())
-        + "; `<key>/task_mean` is the mean over tasks of the per-task means (GenEval's overall score).")
-    paired = [f"- {key}: {paired_change(v)}" for key, v in results.get("paired", {}).items()]
-    paired_note = "" if not paired else "\n\nChange of each task-mean score, after minus before:\n" + "\n".join(paired)
-    return (f"# Run report\n\n{results['prompts']} held-out prompts x {results['images_per_prompt']} images, ODE, "
-            f"{num_steps} steps, same seeds before and after.{by_task_note} The full report: report.html.\n\n"
-            + "\n".join(lines) + paired_note + "\n\n"
-            "![before](before.png) ![after](after.png)\n\n![reward curve](reward_curve.png)\n")
+        + "; the task mean (`<key>/task_mean`) is the mean over tasks of the per-task means (GenEval's overall "
+        "score).")
+    folded = "" if not rest else (f"<details><summary>{len(rest)} more metrics: sub-scores, other rewards"
+                                  f"</summary>\n\n{markdown_table(results, 'metric', rest)}\n\n</details>\n\n")
+    return (f"# Run report\n\n{tables}{results['prompts']} held-out prompts x {results['images_per_prompt']} images, "
+            f"ODE, {num_steps} steps, same seeds before and after.{by_task_note} {READING_CHANGE} The full report: "
+            f"report.html.\n\n{folded}![before](before.png) ![after](after.png)\n\n![reward curve](reward_curve.png)\n")
 
 
 def write_report(run_dir: str | Path, *, policy, ema, rewards, prompts: PromptSet, images_per_prompt: int,
@@ -349,7 +456,7 @@ def write_report(run_dir: str | Path, *, policy, ema, rewards, prompts: PromptSe
         save_image(stills(before[:grid_rows]), run_dir / "before.png", nrow=images_per_prompt, padding=2)
         save_image(stills(after[:grid_rows]), run_dir / "after.png", nrow=images_per_prompt, padding=2)
         curve = plot_reward_curve(run_dir, trained)
-        html_report(run_dir, results, prompts, before, after, images_per_prompt, curve)
+        html_report(run_dir, results, prompts, before, after, images_per_prompt, curve, trained=trained)
         (run_dir / "report.json").write_text(json.dumps(results, indent=2) + "\n")
-        (run_dir / "report.md").write_text(markdown_report(results, num_steps))
+        (run_dir / "report.md").write_text(markdown_report(results, num_steps, trained))
     return results
