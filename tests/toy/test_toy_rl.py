@@ -1,15 +1,14 @@
 """Short RL runs on the shipped toy model fix far more images than they break on the prompts they train on.
 
-This is the toy world's promise in miniature. The base model was pre-trained on noisy captions, so for a known
-share of its samples it draws a choice the caption did not ask for (a swapped colour, a count off by one, the
-flipped relation, a missing object); the verifiable reward says which samples are right, and a minute or two of
-RL on a 2-core CPU moves the model onto the right choice. Two recipes are held to it:
+This is the toy world's promise in miniature. The base model is an early checkpoint of pre-training on the whole
+grammar, so the right image is among its samples for most prompts but not reliably first; the verifiable reward
+says which samples are right, and a minute or two of RL on a 2-core CPU moves the model onto them. Two recipes
+are held to it:
 
 * DiffusionNFT, the main job's config (``configs/toy/nft.yaml``) at the rate four prompts bear, at 2.5 paired
-  standard errors (measured 3.0-5.6 over seeds 0, 1, 2: assets/toy/README.md);
+  standard errors (measured 4.8 / 6.1 / 2.9 over seeds 0, 1, 2 at one thread: assets/toy/README.md);
 * full-SDE GRPO at Flow-GRPO-like settings (``configs/toy/grpo.yaml``) is listed in RUNS but not yet held to a
-  gain: on these prompts it measured 1.8-3.3 paired standard errors, too close to 0 for a test that must pass on
-  every seed (run it with ``FLOWRL_TOY_RL_RECIPES=nft,grpo``).
+  gain (run it with ``FLOWRL_TOY_RL_RECIPES=nft,grpo``).
 
 Before and after are scored on the same seeds (common random numbers) with ODE sampling, so the comparison is
 paired: an image is "fixed" when it is wrong before and right after, "broken" the other way round. Under no
