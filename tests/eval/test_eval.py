@@ -84,7 +84,7 @@ def world(tmp_path_factory):
     try:
         root = tmp_path_factory.mktemp("eval")
         run = root / "run"
-        run_train(CONFIG, [f"run_dir={run}", "train.epochs=2", "sampling.prompts_per_batch=2", "sampling.group_size=4",
+        run_train(CONFIG, [f"run_dir={run}", "train.epochs=2", "sampling.prompts_per_batch=4", "sampling.group_size=4",
                            "log.eval_every=0", "log.report_prompts=0", "log.progress=false", "train.checkpoint_every=1"])
         bare = root / "bare"
         bare.mkdir()  # outside the run: no config.yaml records the model of these files
