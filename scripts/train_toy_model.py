@@ -73,6 +73,7 @@ import copy
 import json
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -412,7 +413,7 @@ def stage_flow(work: Path, out: Path, data: dict, vae: AutoencoderKL, args) -> T
             os.replace(work / "ckpt.tmp", ckpt_path)
             export(ema, vae, out)
             if args.keep_exports:  # earlier checkpoints are base candidates: less trained, failures spread
-                export(ema, vae, work / "exports" / f"step_{step + 1}")
+                shutil.copytree(out, work / "exports" / f"step_{step + 1}", dirs_exist_ok=True)
             log(f"flow: checkpoint + EMA pipeline exported at step {step + 1} -> {out}")
     return ema
 
