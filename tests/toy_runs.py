@@ -30,7 +30,7 @@ def train_on_prompts(config: str, prompts, tmp_path, monkeypatch, epochs: int, o
     cfg = load_config(Config, config, [
         f"run_dir={tmp_path / 'run'}", f"train.epochs={epochs}", f"data.prompts={prompts_file}",
         f"data.test_prompts={prompts_file}", f"sampling.prompts_per_batch={len(prompts)}", "log.progress=false",
-        "log.eval_every=0", "log.report_prompts=0", "train.checkpoint_every=0", *overrides])
+        "log.eval_every=0", "log.test_every=0", "log.report_prompts=0", "train.checkpoint_every=0", *overrides])
     recipe_train(cfg.recipe)(cfg)
     return captured["policy"], cfg, [meta[p] for p in prompts]
 
