@@ -28,8 +28,10 @@ from flowrl.algorithms.timesteps import schedule_timesteps
 from flowrl.cli import DEFAULT_CONFIG
 from flowrl.config import NFTConfig, load_config
 from flowrl.data import epoch_prompt_indices
-from flowrl.recipes.common import StatsAccumulator, held_out_metrics, optimizer_step, start_run
-from flowrl.recipes.nft import forward_process_loss
+from flowrl.recipes.epoch_end import held_out_metrics, optimizer_step
+from flowrl.recipes.start import start_run
+from flowrl.training.stats import StatsAccumulator
+from flowrl.algorithms.forward_losses import forward_process_loss
 from flowrl.toy.world import render_batch
 
 

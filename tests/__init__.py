@@ -1,5 +1,5 @@
 """flowrl's test suite, a package so that every test module has a unique dotted name (``tests.eval.test_eval``)
-and the shared helpers import the same way from every folder (``from tests.policy_capture import ...``).
+and the shared helpers import the same way from every folder (``from tests.reward_fixtures import ...``).
 
 ``REPO`` is the repository root: tests find configs, assets and scripts from it wherever their file sits."""
 

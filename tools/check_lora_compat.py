@@ -1,15 +1,16 @@
 """Does each exported LoRA file load at the trained scale in each loader? ``python -m tools.check_lora_compat RUN_DIR``.
 
 For every ``*.safetensors`` in ``RUN_DIR/lora`` (or in an export dir given directly) and each loader -- diffusers
-``load_lora_weights``, ComfyUI (the re-implementation in tests/comfyui_reference.py: key map, alpha rule,
+``load_lora_weights``, ComfyUI (the re-implementation in tools/comfyui_reference.py: key map, alpha rule,
 fused-slice patches) and a kohya sd-scripts-style reader -- it prints the keys matched out of the file's
 total, the scale the loader applies against the trained alpha / r, and the max difference of the merged
 weights against a manual merge ``W + (alpha / r) B A`` of the trained adapter.
 
 The trained adapter is the run's latest checkpoint (its EMA weights when kept, as RUN_DIR/lora holds them);
 an export dir without a run falls back to the diffusers file read back through flowrl (weaker: self-referential).
-The reference loaders live in tests/ (they are test oracles, not runtime code), which is why this is a tool run
-from the repository root with ``python -m`` rather than part of the package.
+The reference loaders live in tools/ beside this check (they are test oracles, not runtime code, shared with the
+LoRA tests), which is why this is a tool run from the repository root with ``python -m`` rather than part of the
+package.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from tests import comfyui_reference as comfy
+from tools import comfyui_reference as comfy
 
 
 def trained_adapter(run_dir: Path, export_dir: Path) -> tuple[dict, dict, str]:

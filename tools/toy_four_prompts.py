@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from rewards.toyeval import ToyEval
-from tests.toy_runs import FOUR_PROMPTS, ode_images, paired_gain, train_on_prompts
+from tools.toy_runs import FOUR_PROMPTS, ode_images, paired_gain, train_on_prompts
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ Each prompt's group of rollouts yields pairs (winner w, loser l) by score (the g
 the worst (``best_worst``) or every pair whose scores differ (``all``) (:data:`PAIRINGS`). Equal scores give no
 pair, so a group whose rewards all tie (zero advantages) gives none. Both samples of a pair are noised at one
 shared (t, eps): ``x_t = (1 - t) x0 + t eps``, with the flow-matching target ``u = eps - x0`` (flowrl's
-convention, ``flowrl.recipes.nft.noised_sample``). With ``e(x) = mean((v(x_t, t) - u)^2)`` over the non-batch
+convention, ``flowrl.algorithms.forward_losses.noised_sample``). With ``e(x) = mean((v(x_t, t) - u)^2)`` over the non-batch
 dims, under the trained model (``e``) and the reference (``e_ref``, the adapter off):
 
     diff = (e(w) - e_ref(w)) - (e(l) - e_ref(l))

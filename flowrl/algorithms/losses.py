@@ -1,5 +1,9 @@
-"""Policy losses on stored transitions. Plain functions, registered by name, one signature:
-``fn(log_probs [B], old_log_probs [B], advantages [B], *, clip_low, clip_high) -> (loss [B], stats)``.
+"""Policy losses on stored transitions, registered by ``train.loss`` name with :func:`register_policy_loss`.
+
+A registered loss is ``fn(log_probs [B], old_log_probs [B], advantages [B], config) -> (loss [B], stats)`` with
+``config`` the recipe's ``train`` section, from which it reads its own settings: a new loss is its function, its
+config fields and its registration, and no caller changes. ``stats`` holds ``ratio``, ``clipped`` and
+``approx_kl`` [B].
 
 ``grpo-clip`` is PPO's pessimistic clipped surrogate with separate lower/upper ranges:
 ``max(-A * rho, -A * clip(rho, 1 - clip_low, 1 + clip_high))`` with ``rho = exp(logp - logp_old)``.
@@ -20,6 +24,24 @@ from typing import Callable
 import torch
 
 
+PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+# Per-transition losses by train.loss name. TMPO's path-level loss (flowrl.algorithms.tmpo.PATH_LOSSES) and SDPO's
+# pair loss (flowrl.algorithms.sdpo.PAIR_LOSSES) are the other kinds of train.loss: recipe grpo trains them over
+# whole paths or pairs (its OBJECTIVES).
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Register the decorated loss as ``train.loss: name``."""
+    def register(loss: PolicyLoss) -> PolicyLoss:
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is registered twice")
+        POLICY_LOSSES[name] = loss
+        return loss
+    return register
+
+
 def grpo_clip_loss(log_probs, old_log_probs, advantages, *, clip_low: float, clip_high: float):
     ratio = torch.exp(log_probs - old_log_probs)
     unclipped = -advantages * ratio
@@ -35,9 +57,11 @@ def grpo_clip_loss(log_probs, old_log_probs, advantages, *, clip_low: float, cli
     return loss, stats
 
 
-# Per-transition losses by train.loss name. TMPO's path-level loss (flowrl.algorithms.tmpo.PATH_LOSSES) is the
-# other kind of train.loss: the GRPO recipe trains it over whole paths (flowrl.recipes.tmpo_paths).
-POLICY_LOSSES: dict[str, Callable] = {"grpo-clip": grpo_clip_loss}
+@register_policy_loss("grpo-clip")
+def grpo_clip(log_probs, old_log_probs, advantages, config):
+    """grpo-clip with ``train.clip_range`` below and ``train.clip_range_high`` (default: the same) above."""
+    high = config.clip_range if config.clip_range_high is None else config.clip_range_high
+    return grpo_clip_loss(log_probs, old_log_probs, advantages, clip_low=config.clip_range, clip_high=high)
 
 
 def gaussian_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ class NFTSection:
     velocity error (Diffusion-DPO's beta_dpo, T folded in; Flow-GRPO's SD3.5-M DPO: 100)."""
     dpo_pairs: Literal["best_worst", "all"] = "best_worst"
     """DPO: a group's pairs, its best rollout against its worst (Flow-GRPO's) or every winner/loser pair; equal
-    advantages give no pair. best_worst: better per second of training on the toy world (flowrl/recipes/nft.py,
+    advantages give no pair. best_worst: better per second of training on the toy world (flowrl/algorithms/forward_losses.py,
     DpoLoss)."""
     crd_beta: float = 1.0
     """CRD: the KL temperature beta of beta (log-ratio - group mean) ~ (r - group mean), r in [0, 1]

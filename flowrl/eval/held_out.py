@@ -1,7 +1,7 @@
 """Held-out prompts on fixed seeds: their ODE samples, their scores, and an adapter's paired before / after.
 
 One job: turn a policy and prompts into images and numbers that can be compared across runs and epochs.
-Training's held-out points and eval grids (:mod:`flowrl.recipes.common`), the renders of ``flowrl eval``
+Training's held-out points and eval grids (:mod:`flowrl.recipes.epoch_end`), the renders of ``flowrl eval``
 (:mod:`flowrl.eval.runner`) and the end-of-run report (:mod:`flowrl.eval.report`, which writes what
 :func:`before_after` computes) all sample here, so they all see the same images for the same seeds.
 """

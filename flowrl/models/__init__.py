@@ -2,37 +2,17 @@
 
 ``build_policy`` takes flat arguments; ``path="tiny"`` builds the offline tiny pipeline of the
 family, anything else is a hub id or a local diffusers directory. A family is one entry of
-``FAMILY_CLASSES``: its config name -> the module and class of its adapter (imported on use, so a
-family's diffusers classes load only when it is picked).
+``FAMILY_CLASSES`` (:mod:`flowrl.models.families`): its config name -> the module and class of its adapter
+(imported on use, so a family's diffusers classes load only when it is picked).
 """
 
 from __future__ import annotations
 
-import importlib
-
 from flowrl.models.base import (
     Policy, PolicyBase, TextCond, cast_components, component_dtypes, load_pipeline, resolve_dtype,
 )
+from flowrl.models.families import FAMILIES, FAMILY_CLASSES, PIPELINE_FAMILIES, policy_class
 from flowrl.models.quantize import check_quantize, pipeline_quantization, quantize_pipeline
-
-FAMILY_CLASSES = {
-    "sd3": "flowrl.models.sd3:SD3Policy",  # SD3 / SD3.5
-    "flux": "flowrl.models.flux:FluxPolicy",  # FLUX.1 [dev] / [schnell]
-    "flux_kontext": "flowrl.models.flux_kontext:FluxKontextPolicy",  # FLUX.1 Kontext [dev] (editing)
-    "flux2_klein": "flowrl.models.flux2:Flux2KleinPolicy",  # FLUX.2 [klein]
-    "qwen_image": "flowrl.models.qwen_image:QwenImagePolicy",  # Qwen-Image
-    "z_image": "flowrl.models.z_image:ZImagePolicy",  # Z-Image (Turbo)
-    "wan": "flowrl.models.wan:WanPolicy",  # Wan2.1 text-to-video
-}
-FAMILIES = tuple(FAMILY_CLASSES)
-
-
-def policy_class(family: str) -> type[PolicyBase]:
-    """The adapter class of ``family`` (one-line error for an unknown name)."""
-    if family not in FAMILY_CLASSES:
-        raise ValueError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
-    module, name = FAMILY_CLASSES[family].split(":")
-    return getattr(importlib.import_module(module), name)
 
 
 def build_policy(family: str, path: str, *, dtype: str = "float32", device="cpu", height: int | None = None,
@@ -97,13 +77,6 @@ def policy_from_config(model, *, device="cpu", seed: int = 0) -> PolicyBase:
                         text_encoder_device=model.text_encoder_device, revision=model.revision, variant=model.variant,
                         num_frames=model.num_frames, negative_prompt=model.negative_prompt, quantize=model.quantize,
                         text_encoder_dtype=model.text_encoder_dtype, vae_dtype=model.vae_dtype)
-
-
-PIPELINE_FAMILIES = {
-    "StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "FluxKontextPipeline": "flux_kontext",
-    "Flux2KleinPipeline": "flux2_klein", "QwenImagePipeline": "qwen_image", "ZImagePipeline": "z_image",
-    "WanPipeline": "wan",
-}
 
 
 def check_pipeline_family(family: str, path: str, expected: str) -> None:

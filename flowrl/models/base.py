@@ -9,8 +9,8 @@ for video (Wan); model-specific packing (FLUX's 2x2 patch sequence) happens insi
 :meth:`Policy.velocity`, so trajectories, losses and rewards never see it.
 
 Adding a family is one subclass of :class:`PolicyBase` (a module in ``flowrl.models``) and one line of
-``flowrl.models.FAMILY_CLASSES``: the class says how to encode text (``encode_batch``), which sigmas to
-use, how to run the transformer (``velocity``), how to build its tiny offline pipeline
+``FAMILY_CLASSES`` (:mod:`flowrl.models.families`): the class says how to encode text (``encode_batch``), which
+sigmas to use, how to run the transformer (``velocity``), how to build its tiny offline pipeline
 (``tiny_pipeline``) and how its diffusers pipeline is called for the same images (``pipeline_images``).
 """
 
@@ -257,7 +257,7 @@ class PolicyBase:
                         seeds: Sequence[int], metadata: Sequence[dict] | None = None) -> torch.Tensor:
         """The family's own diffusers pipeline, called for the images an ODE :func:`flowrl.sampling.rollout` of
         the same seeds makes (``noise_level=0``): ``[N, 3, H, W]`` in [0, 1] (video ``[N, T, 3, H, W]``).
-        The reference of the parity tests and of ``scripts/bench_rollout.py``."""
+        The reference of the parity tests and of ``scripts/bench/rollout.py``."""
         from flowrl.seeding import generators
 
         return self.pipeline(

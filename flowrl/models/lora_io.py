@@ -123,7 +123,7 @@ def save_diffusers_lora(pipeline_class, out_dir: str | Path, state: dict[str, to
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if metadata is None:
-        from flowrl.models import PIPELINE_FAMILIES
+        from flowrl.models.families import PIPELINE_FAMILIES
 
         family = PIPELINE_FAMILIES.get(getattr(pipeline_class, "__name__", ""), "unknown")
         metadata = export_metadata(config, family=family, base_model=None, config_text=None)

@@ -262,7 +262,7 @@ def checkpoint_preference(state: dict[str, torch.Tensor], family: str, preferenc
     """A checkpoint's preference embedding, as :func:`read_preference` gives an export's: its tensors out of the
     adapter ``state`` and a header rebuilt from the run's ``model.preference`` (``preference``) and ``family``;
     None where the state has none."""
-    from flowrl.models import policy_class
+    from flowrl.models.families import policy_class
 
     _, tensors = split_preference(state)
     if not tensors:

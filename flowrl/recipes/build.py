@@ -1,7 +1,7 @@
 """What a run is built from, read off the config: the policy with its LoRA, the prompt splits, the eval
 grid's prompts and the accelerator (with its tracker); the rewards are built by
 :func:`flowrl.rewards_api.build_rewards`, which ``flowrl eval`` uses too. ``start_run`` in
-:mod:`flowrl.recipes.common` calls these; scripts that need one piece (a policy to benchmark, the
+:func:`flowrl.recipes.start.start_run` calls these; scripts that need one piece (a policy to benchmark, the
 prompt splits to fit a reward direction on) call them directly.
 """
 

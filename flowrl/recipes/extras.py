@@ -1,5 +1,5 @@
 """The builders of the run extras (:class:`flowrl.recipes.run.Run`) that either recipe may carry, read off the
-config. :func:`flowrl.recipes.common.start_run` calls each in order on the new run (an extra built later sees the
+config. :func:`flowrl.recipes.start.start_run` calls each in order on the new run (an extra built later sees the
 ones before it) and keeps what they return under their names; a builder returns None where its feature is off.
 A recipe passes builders of its own (GRPO: GARDO's reference, TMPO's split scheduler) the same way.
 
@@ -14,6 +14,7 @@ from typing import Any, Callable
 from tqdm.auto import tqdm
 
 from flowrl.algorithms.combine import COMBINERS, marble_initial
+from flowrl.algorithms.gardo import build_features
 from flowrl.algorithms.marble import MarbleBalancer
 from flowrl.recipes.guard import DiversityGuard
 from flowrl.recipes.held_out_guard import HeldOutGuard, HeldOutWeights
@@ -67,7 +68,7 @@ def guard(run: Run) -> DiversityGuard | None:
                           beta=run.cfg.train.beta, beta_factor=gd.beta_factor, beta_floor=gd.beta_floor,
                           cooldown=gd.cooldown, diversity_weight=gd.diversity_weight,
                           write=tqdm.write if run.accelerator.is_main_process else None,
-                          best=snapshot(run, taken=False))
+                          best=snapshot(run, taken=False), features=build_features(gd.features, gd.feature_kwargs))
 
 
 def held_out_guard(run: Run) -> HeldOutGuard | None:

@@ -91,7 +91,8 @@ class DiversityGuard:
 
     def __init__(self, *, every: int, warmup: int, max_drop: float, policy: str, beta: float, beta_factor: float,
                  beta_floor: float, cooldown: int, diversity_weight: float,
-                 write: Callable[[str], None] | None = None, best: AdapterSnapshot | None = None):
+                 write: Callable[[str], None] | None = None, best: AdapterSnapshot | None = None,
+                 features: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
         self.every, self.warmup, self.max_drop, self.policy = every, warmup, max_drop, policy
         self.beta_factor, self.beta_floor, self.cooldown = beta_factor, beta_floor, cooldown
         self.diversity_weight = diversity_weight
@@ -103,6 +104,7 @@ class DiversityGuard:
         self.best_score: float | None = None
         self.best_epoch: int | None = None
         self.best = best  # policy stop: the exported weights of the best-scoring measurement
+        self.features = features  # (images, latents) -> [N, D], what the run's hook measures diversity on
 
     @property
     def start(self) -> float:
@@ -111,6 +113,17 @@ class DiversityGuard:
     def due(self, epoch: int) -> bool:
         """Whether epoch ``epoch`` is measured: every epoch until the warmup is full, then every ``every``-th."""
         return len(self.starts) < self.warmup or epoch % self.every == 0
+
+    def after_scoring(self, run, epoch: int, traj, combined: torch.Tensor) -> dict[str, float]:
+        """The run's hook once epoch ``epoch``'s rollouts are scored: where due, their in-group diversity on
+        :attr:`features` and the mean trained reward of ``combined`` [N_all] go to :meth:`observe`, which may raise
+        the KL beta of this epoch's update or stop the run after it."""
+        if self.features is None or not self.due(epoch):
+            return {}
+        diversity = in_group_diversity(self.features(traj.images, traj.final_latents), traj.group_ids,
+                                       run.accelerator)
+        return self.observe(epoch, diversity, reward=finite_mean(combined),
+                            weights=lambda: exported_weights(run.policy, run.exported_ema))
 
     def observe(self, epoch: int, diversity: float, *, reward: float,
                 weights: Callable[[], dict[str, torch.Tensor]] | None = None) -> dict[str, float]:

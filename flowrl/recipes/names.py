@@ -20,10 +20,11 @@ from flowrl.algorithms.tmpo import PATH_LOSSES
 from flowrl.config import Config, check
 from flowrl.rewards_api import resolve_reward_class, scores_groups
 
-# Config.registry_names() kind -> (the registry, whether a dotted path 'package.module:Class' may stand in for a name)
-REGISTRIES = {"policy loss": ({**POLICY_LOSSES, **PATH_LOSSES, **PAIR_LOSSES}, False),  # per transition, TMPO's
-              # over paths, SDPO's over pairs
-              "reward combiner": (COMBINERS, False), "feature space": (FEATURES, True)}
+# Config.registry_names() kind -> (the registries that hold its names, whether a dotted path 'package.module:Class' may
+# stand in for a name). The registries themselves, not copies: a loss registered after import is a known name.
+REGISTRIES = {"policy loss": ((POLICY_LOSSES, PATH_LOSSES, PAIR_LOSSES), False),  # per transition, TMPO's over
+              # paths, SDPO's over pairs
+              "reward combiner": ((COMBINERS,), False), "feature space": ((FEATURES,), True)}
 
 
 def check_names(cfg: Config) -> None:
@@ -31,9 +32,10 @@ def check_names(cfg: Config) -> None:
     its keys are registry names (its recipe's own included). Then :func:`check_group_rewards` on the configured
     reward classes."""
     for key, (kind, name) in cfg.registry_names().items():
-        registry, dotted = REGISTRIES[kind]
-        check(name in registry or (dotted and ":" in name), key, f"unknown {kind} {name!r}; choose one of "
-              f"{sorted(registry)}" + (" or 'package.module:Class'" if dotted else ""))
+        registries, dotted = REGISTRIES[kind]
+        known = sorted(key for registry in registries for key in registry)
+        check(name in known or (dotted and ":" in name), key, f"unknown {kind} {name!r}; choose one of {known}"
+              + (" or 'package.module:Class'" if dotted else ""))
     check_group_rewards(cfg)
 
 

@@ -21,14 +21,14 @@ if TYPE_CHECKING:
 
 
 class RewardUpdates:
-    """``after_epoch`` hook: each trainable reward's ``update`` on the epoch's rollouts every ``update_every``
+    """``after_update`` hook: each trainable reward's ``update`` on the epoch's rollouts every ``update_every``
     epochs (epochs ``update_every - 1``, ``2 update_every - 1``, ...), logged as ``reward/<name>/<metric>``;
     ``state_dict`` holds every trainable reward's state by name."""
 
     def __init__(self, rewards: dict[str, TrainableReward]):
         self.rewards = rewards
 
-    def after_epoch(self, run: Run, epoch: int, traj) -> dict[str, float]:
+    def after_update(self, run: Run, epoch: int, traj, stats=None) -> dict[str, float]:
         due = {name: r for name, r in self.rewards.items() if (epoch + 1) % r.update_every == 0}
         if not due or traj.images is None:
             return {}

@@ -13,8 +13,12 @@ the scaffold, the checkpoint code and the other recipe stay as they are. Every m
   :class:`~flowrl.training.ema.LoraEMA`) saved beside ``ema.safetensors`` as ``<name>.safetensors``;
 - ``begin_epoch(run, epoch)`` -> metrics, at the start of each epoch (:meth:`Run.begin_epoch`);
 - ``before_step(run)``: on the accumulated gradients, before each optimizer step;
-- ``after_epoch(run, epoch, traj)`` -> metrics, after the epoch's policy update and before its checkpoint, with
-  its rollouts (:meth:`Run.after_epoch`: the trainable rewards learn from them);
+- ``after_scoring(run, epoch, traj, combined)`` -> metrics, once the epoch's rollouts ``traj`` are scored and
+  their combined rewards ``combined`` [N_all] gathered, before the update (:meth:`Run.after_scoring`: the
+  diversity guard measures them and may raise the KL beta the update uses);
+- ``after_update(run, epoch, traj, stats)`` -> metrics, after the epoch's policy update and before its checkpoint,
+  with its rollouts and the update's statistics (:meth:`Run.after_update`: the trainable rewards learn from the
+  rollouts, GARDO's reference moves to the adapter);
 - ``metrics()``: logged at the end of each epoch;
 - ``end_epoch(run, epoch, metrics, held_out)`` -> metrics, at the end of each epoch (and at the base model's
   held-out point, epoch -1) with the epoch's metrics and, at a held-out point, the per-image held-out scores
@@ -23,7 +27,7 @@ the scaffold, the checkpoint code and the other recipe stay as they are. Every m
   ``stopped``: the extra ended the run;
 - ``finish(run)``: before the final export and report.
 
-:mod:`flowrl.recipes.common` builds a ``Run`` and :mod:`flowrl.recipes.snapshots` defines extras; both read this
+:func:`flowrl.recipes.start.start_run` builds a ``Run`` and :mod:`flowrl.recipes.snapshots` defines extras; both read this
 one definition, so neither imports the other.
 """
 
@@ -101,11 +105,20 @@ class Run:
             metrics.update(begin(self, epoch))
         return metrics
 
-    def after_epoch(self, epoch: int, traj) -> dict[str, float]:
-        """Each extra's work on the epoch's rollouts ``traj`` after the policy's update; returns their metrics."""
+    def after_scoring(self, epoch: int, traj, combined: torch.Tensor) -> dict[str, float]:
+        """Each extra's work on the epoch's scored rollouts ``traj`` and combined rewards ``combined`` [N_all]
+        (the diversity guard), before the update; returns their metrics."""
         metrics: dict[str, float] = {}
-        for after in self.hook("after_epoch"):
-            metrics.update(after(self, epoch, traj))
+        for after in self.hook("after_scoring"):
+            metrics.update(after(self, epoch, traj, combined))
+        return metrics
+
+    def after_update(self, epoch: int, traj, stats) -> dict[str, float]:
+        """Each extra's work after the epoch's policy update, on its rollouts ``traj`` and the update's ``stats``
+        (trainable rewards, GARDO's reference); returns their metrics."""
+        metrics: dict[str, float] = {}
+        for after in self.hook("after_update"):
+            metrics.update(after(self, epoch, traj, stats))
         return metrics
 
     @property

@@ -1,11 +1,6 @@
-"""SDPO in recipe grpo: its dense-reward credit (``train.credit: sdpo``) and its pair objective (``train.loss:
-sdpo``). The math is :mod:`flowrl.algorithms.sdpo` (the reference repository and commit are named there).
-
-Credit: the rollout keeps every step's predicted clean latent (``store_x0_preds``); the state each step leads to
-is scored on its x̂0 for the first step, ``sdpo_queries - 2`` anchors and the last step (the sample itself, whose
-reward the rollout already has), in batches through the run's scorer; the other steps' rewards are predicted by
-latent similarity, discounted into returns and normalised per step over each prompt's group (every process's
-returns gathered, as the terminal rewards are).
+"""SDPO's pair objective in recipe grpo (``train.loss: sdpo``). The math is :mod:`flowrl.algorithms.sdpo` (the
+reference repository and commit are named there); its dense-reward credit (``train.credit: sdpo``) is
+:func:`flowrl.algorithms.credit.sdpo_credit`.
 
 Objective: the rows of a group are paired two by two, and the rollout gives both members of a pair the same
 initial noise (``pairs_share_noise``). Each pair trains its steps in its own shuffled order: position ``j`` of
@@ -20,100 +15,17 @@ Run: ``flowrl train configs/toy/grpo_sdpo.yaml``.
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from functools import partial
 
 import numpy as np
 import torch
 
-from flowrl.algorithms.combine import COMBINERS
-from flowrl.algorithms.dense import stepwise_advantages
 from flowrl.algorithms.sdpo import (
-    cosine_similarities, discounted_returns, least_similar_anchors, pair_difference_loss, predicted_rewards,
-    temporal_weights,
+    pair_difference_loss, temporal_weights,
 )
 from flowrl.sampling import sde_step
 from flowrl.training.accumulate import micro_batch
 from flowrl.training.stats import StatsAccumulator
-
-
-# --- credit: dense rewards from a few queried clean predictions ------------------------------------------------
-
-def query_states(x0_preds: torch.Tensor, queries: int, anchor: str, seeds: torch.Tensor) -> torch.Tensor:
-    """[N, Q] the states scored per row: the first, the last, then ``queries - 2`` anchors (``anchor``:
-    least_similar, the reference's rule; random, distinct middle states drawn from the row's seed); ``x0_preds``
-    [N, S, ...]. Fewer states than queries: every state is scored."""
-    n, states = x0_preds.shape[:2]
-    count = min(queries, states) - min(2, states)  # anchors beyond the first and last states
-    ends = torch.tensor([0, states - 1]).repeat(n, 1)  # [N, 2] (one state: the same one twice)
-    if count <= 0:
-        return ends
-    if count >= states - 2:  # every middle state
-        return torch.cat([ends, torch.arange(1, states - 1).repeat(n, 1)], dim=1)
-    if anchor == "least_similar":
-        return torch.cat([ends, least_similar_anchors(x0_preds, count)], dim=1)
-    drawn = [np.random.default_rng([int(seed), 0x5D90]).choice(np.arange(1, states - 1), count, replace=False)
-             for seed in seeds.tolist()]
-    return torch.cat([ends, torch.as_tensor(np.stack(drawn), dtype=torch.long)], dim=1)
-
-
-@torch.no_grad()
-def queried_rewards(policy, scorer, traj, x0_preds: torch.Tensor, queried: torch.Tensor, keys, *,
-                    batch_size: int) -> tuple[dict[str, torch.Tensor], int]:
-    """{key: [N, Q]} rewards of the queried states and how many images were scored: the last state's is the
-    rollout's own reward; each other distinct (row, state) is decoded from its x̂0 and scored once, in batches."""
-    n, states = x0_preds.shape[:2]
-    out = {key: traj.rewards[key].float().cpu()[:, None].repeat(1, queried.shape[1]) for key in keys}
-    pairs = sorted({(row, state) for row, state in zip(
-        torch.arange(n).repeat_interleave(queried.shape[1]).tolist(), queried.flatten().tolist())
-        if state != states - 1})
-    prompts, metadata, futures = traj.row_prompts, traj.row_metadata, []
-    for start in range(0, len(pairs), batch_size):
-        part = pairs[start:start + batch_size]
-        rows, chosen = torch.tensor([r for r, _ in part]), torch.tensor([s for _, s in part])
-        images = policy.decode(x0_preds[rows, chosen].to(policy.device))
-        futures.append(scorer.submit(images, [prompts[r] for r in rows.tolist()],
-                                     [metadata[r] for r in rows.tolist()]))
-    scored = {}
-    for start, future in zip(range(0, len(pairs), batch_size), futures):
-        values = future.result()
-        for i, pair in enumerate(pairs[start:start + batch_size]):
-            scored[pair] = {key: float(values[key][i]) for key in keys}
-    for row in range(n):
-        for q, state in enumerate(queried[row].tolist()):
-            if state != states - 1:
-                for key in keys:
-                    out[key][row, q] = scored[(row, state)][key]
-    return out, len(pairs)
-
-
-def sdpo_credit(inputs, mask: torch.Tensor, stats: StatsAccumulator) -> torch.Tensor:
-    """train.credit sdpo: each step's advantage from its discounted dense return, normalised per step over its
-    group; the dense rewards are queried at a few states and predicted by latent similarity at the others. A row
-    with a reward that could not be scored trains nothing."""
-    run, traj, t = inputs.run, inputs.traj, inputs.run.cfg.train
-    start = time.perf_counter()
-    x0 = traj.x0_preds[:, 1:].cpu()  # [N, K, ...] the x̂0 of the state each step leads to; the last: the sample
-    queried = query_states(x0, t.sdpo_queries, t.sdpo_anchor, traj.seeds)  # [N, Q]
-    keys = list(run.weights)
-    with run.policy.local_forward():
-        rewards, count = queried_rewards(run.policy, inputs.scorer, traj, x0, queried, keys,
-                                         batch_size=inputs.batch_size)
-    similarities = cosine_similarities(x0, queried)  # [N, K, Q]
-    accelerator = run.accelerator
-    returns = {key: accelerator.gather(discounted_returns(predicted_rewards(rewards[key], similarities, queried),
-                                                          t.sdpo_gamma).float().to(accelerator.device)).cpu()
-               for key in keys}  # {key: [N_all, K]}
-    advantages, combined = stepwise_advantages(returns, run.weights, inputs.all_groups, COMBINERS[t.combine],
-                                               partial(inputs.estimator, std_scope=t.std_scope),
-                                               clip=t.advantage_clip)
-    traj.advantages = advantages[inputs.local]  # [N, K]
-    mask &= torch.isfinite(combined[inputs.local]).all(dim=1, keepdim=True)
-    stats.add("reward/sdpo_return_mean", combined[inputs.local].nan_to_num().flatten(), mask.flatten().float())
-    stats.add_scalar("perf/sdpo_queried_images", float(count))  # images scored for the credit, per process
-    stats.add_scalar("perf/sdpo_credit_s", time.perf_counter() - start, reduce="max")
-    return mask
 
 
 # --- objective: the pair difference loss over shuffled steps ---------------------------------------------------
@@ -127,8 +39,8 @@ def group_pairs(group_ids: torch.Tensor) -> torch.Tensor:
 
 class SdpoPairs:
     """``train.loss: sdpo``: the GRPO recipe's objective for SDPO's dense reward difference loss (module doc), with
-    the interface of :class:`~flowrl.recipes.grpo.TransitionObjective`; it reads the per-step advantages the credit
-    rule leaves in ``traj.advantages`` [N, K] (SDPO's own with ``train.credit: sdpo``)."""
+    the interface of :class:`~flowrl.recipes.objectives.TransitionObjective`; it trains on the per-step advantages
+    [N, K] the credit rule gives (SDPO's own with ``train.credit: sdpo``)."""
 
     own_split_noise = False
     store_means = False
@@ -136,14 +48,15 @@ class SdpoPairs:
     pairs_share_noise = True  # the two rows of a pair start from the same noise
     trains_last_step = True  # the reference trains every step, the last included
 
-    def __init__(self, run, traj, columns: list[int], noise_levels: list[float], rewards: torch.Tensor):
+    def __init__(self, run, traj, columns: list[int], noise_levels: list[float], rewards: torch.Tensor,
+                 advantages: torch.Tensor, mask: torch.Tensor):
         self.run, self.traj, self.columns, self.levels = run, traj, columns, noise_levels
+        self.advantages, self.mask = advantages, mask  # [N, K] each step's, and the steps that train
         self.t, self.kind = run.cfg.train, run.cfg.sampling.kind
         self.pairs = group_pairs(traj.group_ids)  # [P, 2]
         self.weights = temporal_weights(traj.num_stored_steps, self.t.sdpo_lam, self.t.sdpo_log_scale)  # [K]
         self.plan: deque = deque()  # (pairs [B], position) of each chunk, in the order the recipe trains them
         self.steps = torch.zeros(len(self.pairs), len(columns), dtype=torch.long)  # [P, S] each pair's step order
-        self.mask = None  # [N, K] the steps that train, as the recipe passes it
 
     def chunks(self, order: np.ndarray, count: int) -> list[np.ndarray]:
         """Rows of whole pairs: for each position of the pairs' shuffled step orders, the pairs (in the order
@@ -163,15 +76,12 @@ class SdpoPairs:
 
     def advantage_size(self, combined_advantages: torch.Tensor, clip: float) -> float:
         """The epoch's ``advantages/abs_mean``: the mean |per-step advantage| over the trained steps."""
-        mask = self.mask if self.mask is not None else torch.ones_like(self.traj.advantages, dtype=torch.bool)
-        return float(self.traj.advantages.abs()[mask].mean()) if mask.any() else 0.0
+        return float(self.advantages.abs()[self.mask].mean()) if self.mask.any() else 0.0
 
-    def backward(self, rows: torch.Tensor, stats: StatsAccumulator, *, on_policy: bool, transitions=None,
-                 mask: torch.Tensor) -> None:
+    def backward(self, rows: torch.Tensor, stats: StatsAccumulator, *, on_policy: bool, transitions=None) -> None:
         """Accumulate one chunk's gradient: each of its pairs at the step its shuffled order puts at this chunk's
         position, the loss averaged over the pairs of every process; ``transitions`` is not used."""
-        run, traj, accelerator = self.run, self.traj, self.run.accelerator
-        self.mask = mask
+        run, accelerator, mask = self.run, self.run.accelerator, self.mask
         pairs, position = self.plan.popleft()
         columns = self.steps[pairs, position]  # [B] index into self.columns
         members = self.pairs[pairs]  # [B, 2]
@@ -205,7 +115,7 @@ class SdpoPairs:
         shape = (len(members), 2)
         loss, loss_stats = pair_difference_loss(
             step.log_prob.view(shape), traj.log_probs[rows, k].to(device).view(shape),
-            traj.advantages[rows, k].to(device).view(shape),
+            self.advantages[rows, k].to(device).view(shape),
             self.weights[k].to(device, torch.float32).expand(len(members)), clip_range=self.t.clip_range)
         ones = torch.full((len(members),), weight, device=device)
         for name, values in (("loss/policy", loss), ("loss/total", loss), ("policy/ratio", loss_stats["ratio"].mean(1)),

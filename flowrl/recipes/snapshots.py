@@ -64,7 +64,7 @@ class GardoReference:
         """The KL reference as a context: the base model (adapter off), or the snapshot after the first reset."""
         return ema_weights(self.snapshot) if self.resets else policy.reference()
 
-    def after_update(self, run: Run, epoch: int, stats: StatsAccumulator) -> dict[str, float]:
+    def after_update(self, run: Run, epoch: int, traj, stats: StatsAccumulator) -> dict[str, float]:
         """After epoch ``epoch``'s update: move the reference to the current adapter when ``gardo.reset_every``
         epochs have passed or the epoch's mean KL exceeds ``gardo.reset_kl`` (before the checkpoint, so a resumed
         run has the same reference). Returns the metric to log."""

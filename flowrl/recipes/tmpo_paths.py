@@ -43,8 +43,10 @@ class TmpoPaths:
     pairs_share_noise = False
     trains_last_step = False
 
-    def __init__(self, run, traj, columns: list[int], noise_levels: list[float], rewards: torch.Tensor):
-        """``columns``: the trained stored steps (stochastic ones); ``noise_levels``: theirs; ``rewards`` [N]: R."""
+    def __init__(self, run, traj, columns: list[int], noise_levels: list[float], rewards: torch.Tensor,
+                 advantages: torch.Tensor | None = None, mask: torch.Tensor | None = None):
+        """``columns``: the trained stored steps (stochastic ones); ``noise_levels``: theirs; ``rewards`` [N]: R.
+        The per-step ``advantages`` and ``mask`` [N, K] are not used: TMPO's targets come from R and the paths."""
         cfg = run.cfg
         self.run, self.traj, self.columns, self.levels = run, traj, columns, noise_levels
         self.kind, self.t = cfg.sampling.kind, cfg.train
@@ -130,11 +132,10 @@ class TmpoPaths:
         """The epoch's ``advantages/abs_mean``: the mean absolute TMPO target of the rollout's paths."""
         return self.advantage_abs_mean
 
-    def backward(self, rows: torch.Tensor, stats: StatsAccumulator, *, on_policy: bool, transitions=None,
-                 mask: torch.Tensor | None = None) -> None:
+    def backward(self, rows: torch.Tensor, stats: StatsAccumulator, *, on_policy: bool, transitions=None) -> None:
         """Accumulate the gradient of the mean group loss of the groups of ``rows`` (one optimizer step's chunk);
-        ``transitions``, the recipe's per-transition update, and ``mask`` are not used (unscored rows are left out
-        by their reward)."""
+        ``transitions``, the recipe's per-transition update, is not used (unscored rows are left out by their
+        reward)."""
         run, t, accelerator = self.run, self.t, self.run.accelerator
         rows = rows[torch.isfinite(self.rewards[rows])]
         slots = self.index[rows].flatten().unique()

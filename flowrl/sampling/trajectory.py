@@ -1,4 +1,5 @@
-"""The one container that moves between stages: rollout -> rewards -> advantages -> loss.
+"""The one container that moves between stages: the rollout fills it, the rewards are attached, and the loss
+reads it; advantages are the recipe's own tensors, computed from it and never written back.
 
 Rows are trajectories. Groups are explicit ids (never implicit reshapes), and the same key names
 are used from sampler to loss. Only the stochastic (SDE) steps are stored: ``K`` below is the
@@ -39,7 +40,6 @@ class Trajectory:
     images: torch.Tensor | None = None  # [N, 3, H, W] in [0, 1], decoded final_latents (video: [N, T, 3, H, W])
     cond: Any = None  # text conditioning of ``prompts`` (policy-specific), reused by the loss
     rewards: dict[str, torch.Tensor] = field(default_factory=dict)  # {name: [N]}
-    advantages: torch.Tensor | None = None  # [N, K]
     x0_preds: torch.Tensor | None = None  # [N, K+1, C, H, W] float32 x_k - sigma_k v_k at each stored state
     # (the last: x_K itself when clean, else from the next ODE step's velocity); filled only by
     # ``rollout(..., store_x0_preds=True)`` for dense_cosine credit, None otherwise to save memory.

@@ -22,9 +22,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+import rewards.geneval.rules as rules
 from flowrl.devices import resolve_device, resolve_dtype
 from flowrl.rewards_api import check_batch
-from rewards.geneval import rules
 from rewards.geneval.models import CLIP_PRETRAINED, DETECTOR_ID, ColorClassifier, Detector, clip_weights
 
 

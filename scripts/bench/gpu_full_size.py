@@ -19,7 +19,7 @@ family's default targets, fp32). Text conditioning is a random ``TextCond`` of t
 padding, the empty negative) through the adapter's own ``finish_cond``; Kontext adds a source latent of the
 output size. Sampling settings (guidance, noise level, px) are each family's shipped ``configs/<family>/``
 recipe (``SAMPLING``); Wan renders 5-frame clips. So every flowrl number runs flowrl's code:
-``flowrl.sampling.rollout`` and ``flowrl.recipes.grpo.transition_loss`` under accelerate's bf16 autocast.
+``flowrl.sampling.rollout`` and ``flowrl.algorithms.transition.transition_loss`` under accelerate's bf16 autocast.
 
 The baseline. ``capture_calls`` records the keyword arguments of every transformer call the adapter's
 ``velocity`` makes (packing, ids, CFG batched or as two passes, text trimmed, Z-Image's lists) without running
@@ -61,6 +61,7 @@ text length, so the whole logic runs in seconds on a CPU (memory is then the pro
 
 from __future__ import annotations
 
+from functools import partial
 import argparse
 import json
 import os
@@ -224,8 +225,8 @@ def random_cond(policy, spec: dict, device):
 # -------------------------------------------------------------------------------------- the stages
 
 def bench_family(family: str, args, accelerator, clock: Clock, memory: Memory) -> list[dict]:
-    from flowrl.algorithms.losses import POLICY_LOSSES
-    from flowrl.recipes.grpo import transition_loss
+    from flowrl.algorithms.losses import grpo_clip_loss
+    from flowrl.algorithms.transition import TransitionSettings, transition_loss
     from flowrl.sampling import rollout, root_seeds
     from flowrl.training.stats import StatsAccumulator
 
@@ -298,7 +299,7 @@ def bench_family(family: str, args, accelerator, clock: Clock, memory: Memory) -
 
     # 3. Train step: GRPO transition loss forward + backward against the bare forward + backward.
     micro = args.micro_batch
-    traj.advantages = torch.randn(traj.num_rows, traj.num_stored_steps, generator=torch.Generator().manual_seed(1))
+    advantages = torch.randn(traj.num_rows, traj.num_stored_steps, generator=torch.Generator().manual_seed(1))
     mask = torch.ones(traj.num_rows, traj.num_stored_steps, dtype=torch.bool)
     train_rows, k = torch.arange(micro), traj.num_stored_steps // 2
     params_list = policy.trainable_parameters()
@@ -317,9 +318,11 @@ def bench_family(family: str, args, accelerator, clock: Clock, memory: Memory) -
 
     def flowrl_step(beta: float = 0.0) -> None:
         zero_grad()
-        loss = transition_loss(policy, traj, train_rows, k, mask, accelerator=accelerator, guidance=guidance,
-                               noise_level=noise_level, kind="sde", beta=beta, policy_loss=POLICY_LOSSES["grpo-clip"],
-                               clip_low=1e-4, clip_high=1e-4, stats=StatsAccumulator(), on_policy=False)
+        settings = TransitionSettings(policy_loss=partial(grpo_clip_loss, clip_low=1e-4, clip_high=1e-4),
+                                      guidance=guidance, kind="sde", beta=beta)
+        loss = transition_loss(policy, traj, advantages, train_rows, k, mask, settings=settings,
+                               accelerator=accelerator, noise_level=noise_level, stats=StatsAccumulator(),
+                               on_policy=False)
         loss.backward()
 
     def bare_step(calls=step_calls) -> None:

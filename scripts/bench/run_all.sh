@@ -4,10 +4,10 @@
 #   scripts/bench/run_all.sh [OUT_DIR]          # default OUT_DIR: runs/bench; ~3-4 min on 2 CPU cores
 #
 # Runs, with small settings, offline (HF_HUB_OFFLINE=1):
-#   1. scripts/bench_rollout.py   flowrl's SDE rollout vs the diffusers pipeline __call__ (tiny SD3 + FLUX)
-#   2. scripts/bench_train.py     a GRPO epoch's stage times and one train step vs the bare forward+backward
+#   1. scripts/bench/rollout.py   flowrl's SDE rollout vs the diffusers pipeline __call__ (tiny SD3 + FLUX)
+#   2. scripts/bench/train.py     a GRPO epoch's stage times and one train step vs the bare forward+backward
 #                                 (configs/smoke/sd3_tiny.yaml and flux_tiny.yaml)
-#   3. scripts/bench_rewards.py   reward throughput, one batched call vs one call per image (tiny CLIP-family
+#   3. scripts/bench/bench_rewards.py   reward throughput, one batched call vs one call per image (tiny CLIP-family
 #                                 models of the real architectures, and OCR)
 #   4. scripts/bench/gpu_full_size.py   full-size SD3.5-M and FLUX.1-dev (--family all: every family) when
 #                                 `nvidia-smi` sees a GPU; otherwise
@@ -43,10 +43,10 @@ sys.exit(rc)' "$OUT/$name.usage" "$@" 2>&1 | tee "$OUT/$name.log"
   fi
 }
 
-measure rollout "$PY" scripts/bench_rollout.py --threads 1 --repeats 9
-measure train_sd3 "$PY" scripts/bench_train.py configs/smoke/sd3_tiny.yaml --epochs 4 --repeats 20
-measure train_flux "$PY" scripts/bench_train.py configs/smoke/flux_tiny.yaml --epochs 4 --repeats 20
-measure rewards "$PY" scripts/bench_rewards.py --n 32 --repeats 3 --threads 1
+measure rollout "$PY" scripts/bench/rollout.py --threads 1 --repeats 9
+measure train_sd3 "$PY" scripts/bench/train.py configs/smoke/sd3_tiny.yaml --epochs 4 --repeats 20
+measure train_flux "$PY" scripts/bench/train.py configs/smoke/flux_tiny.yaml --epochs 4 --repeats 20
+measure rewards "$PY" scripts/bench/bench_rewards.py --n 32 --repeats 3 --threads 1
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   measure gpu "$PY" scripts/bench/gpu_full_size.py --out "$OUT/gpu.json"
 else
@@ -84,7 +84,7 @@ def failed(name):
     return u is None or u[2] != 0
 
 
-# 1. Rollout overhead: flowrl rollout / diffusers __call__ (bench_rollout's table lines).
+# 1. Rollout overhead: flowrl rollout / diffusers __call__ (rollout.py's table lines).
 line = re.compile(r"^(sd3|flux)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(-?[\d.]+)\s*$")
 for m in (line.match(l) for l in text("rollout").splitlines()):
     if m:
@@ -93,9 +93,9 @@ for m in (line.match(l) for l in text("rollout").splitlines()):
                      f"{family} {model}, {device} {dtype}, {batch} images x {steps} steps; {extra} ms/step extra",
                      f"{float(ours):.3f} s", f"{float(theirs):.3f} s", f"{float(ratio):.3f}"))
 if failed("rollout"):
-    rows.append(("rollout overhead", "bench_rollout.py FAILED: see rollout.log", "-", "-", "-"))
+    rows.append(("rollout overhead", "rollout.py FAILED: see rollout.log", "-", "-", "-"))
 
-# 2. Train-step overhead and epoch stage times (bench_train).
+# 2. Train-step overhead and epoch stage times (train.py).
 for name, family in (("train_sd3", "sd3"), ("train_flux", "flux")):
     log = text(name)
     step = re.search(r"train step: flowrl ([\d.]+) ms, bare forward\+backward ([\d.]+) ms, KL reference pass \+(-?[\d.]+) ms", log)
@@ -111,7 +111,7 @@ for name, family in (("train_sd3", "sd3"), ("train_flux", "flux")):
                      ", ".join(f"{k} {v}" for k, v in stages.items() if k != "epoch"), f"epoch {stages.get('epoch')}",
                      f"sample share {float(stages['sample']) / float(stages['epoch']):.0%}" if "epoch" in stages else "-"))
     if failed(name):
-        rows.append(("train-step overhead", f"bench_train.py ({family}) FAILED: see {name}.log", "-", "-", "-"))
+        rows.append(("train-step overhead", f"train.py ({family}) FAILED: see {name}.log", "-", "-", "-"))
 
 # 3. Reward throughput: batched vs one-by-one (bench_rewards' final table).
 for m in re.finditer(r"^(\w+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x$", text("rewards"), flags=re.M):
@@ -149,10 +149,10 @@ elif (out / "gpu.usage").exists():
     rows.append(("full-size GPU", "gpu_full_size.py FAILED: see gpu.log", "-", "-", "-"))
 
 # 5. Peak memory: on the CPU, each benchmark process's peak RSS (per process, not per stage within it).
-for name, stage in (("rollout", "rollout (bench_rollout, both tiny families)"),
-                    ("train_sd3", "GRPO epochs + train step (bench_train, sd3 tiny)"),
-                    ("train_flux", "GRPO epochs + train step (bench_train, flux tiny)"),
-                    ("rewards", "reward scoring (bench_rewards, 4 tiny CLIP models + OCR)")):
+for name, stage in (("rollout", "rollout (rollout.py, both tiny families)"),
+                    ("train_sd3", "GRPO epochs + train step (train.py, sd3 tiny)"),
+                    ("train_flux", "GRPO epochs + train step (train.py, flux tiny)"),
+                    ("rewards", "reward scoring (bench_rewards.py, 4 tiny CLIP models + OCR)")):
     u = usage(name)
     if u is not None:
         rows.append(("peak memory per stage (process peak RSS)", f"{stage}; wall {u[0]:.0f} s",

@@ -8,12 +8,13 @@ import math
 import pytest
 import torch
 
+import flowrl.algorithms.forward_losses as forward_losses
 import flowrl.recipes.nft as nft_recipe
 from flowrl.algorithms.awm import awm_loss
 from flowrl.algorithms.losses import nft_loss
 from flowrl.config import Config, ConfigError, NFTConfig, load_config
 from flowrl.training.metrics import read_metrics
-from tests.policy_capture import capture_training_policy
+from tools.policy_capture import capture_training_policy
 
 SMOKE = "configs/smoke/sd3_tiny.yaml"
 
@@ -69,7 +70,7 @@ def test_awm_gradient_is_nft_at_the_old_policy_and_vanishes_at_its_minimum():
 def test_awm_smoke_run_trains_the_lora_through_the_awm_loss(tmp_path, monkeypatch):
     captured = capture_training_policy(monkeypatch)
     calls = {"awm": [], "nft": 0}
-    real_awm, real_nft = nft_recipe.awm_loss, nft_recipe.nft_loss
+    real_awm, real_nft = forward_losses.awm_loss, forward_losses.nft_loss
 
     def spy_awm(velocity, reference_velocity, target, advantages, sigma, *, kl_weight, **options):
         calls["awm"].append((advantages.detach().clone(), kl_weight))
@@ -79,8 +80,8 @@ def test_awm_smoke_run_trains_the_lora_through_the_awm_loss(tmp_path, monkeypatc
         calls["nft"] += 1
         return real_nft(*args, **kwargs)
 
-    monkeypatch.setattr(nft_recipe, "awm_loss", spy_awm)
-    monkeypatch.setattr(nft_recipe, "nft_loss", spy_nft)
+    monkeypatch.setattr(forward_losses, "awm_loss", spy_awm)
+    monkeypatch.setattr(forward_losses, "nft_loss", spy_nft)
     metrics = nft_recipe.train(awm_config(tmp_path, "nft.awm_kl=0.5", "train.beta=0.1"))
 
     assert math.isfinite(metrics["loss/awm"]) and math.isfinite(metrics["loss/total"])

@@ -20,9 +20,10 @@ from flowrl.algorithms.dense import (
 )
 from flowrl.config import Config, ConfigError, load_config
 from flowrl.models import build_policy
-from flowrl.recipes.grpo import cosine_credit, ode_credit, train
+from flowrl.algorithms.credit import cosine_credit, ode_credit
+from flowrl.recipes.grpo import train
 from flowrl.sampling import StepPlan, rollout
-from tests.policy_capture import capture_training_policy, lora_and_base
+from tools.policy_capture import capture_training_policy, lora_and_base
 
 PROMPTS = ["a red circle", "two blue squares"]
 

@@ -20,8 +20,8 @@ from flowrl.algorithms.losses import grpo_clip_loss
 from flowrl.algorithms.marble import MarbleBalancer, balanced_backward, measure_reward_gradients, min_norm_weights
 from flowrl.commands.train import run_train
 from flowrl.config import Config, ConfigError, load_config
-from flowrl.recipes.common import StatsAccumulator
-from flowrl.recipes.nft import NftLoss
+from flowrl.training.stats import StatsAccumulator
+from flowrl.algorithms.forward_losses import NftLoss
 
 GROUPS = torch.tensor([0, 0, 1, 1])
 
@@ -219,7 +219,7 @@ TWO_REWARDS = "rewards=[{name: brightness}, {name: 'tests.reward_fixtures:RedMin
 def test_marble_with_one_trained_reward_warns_and_falls_back_to_weighted_when_the_run_starts(tmp_path):
     """Loading and validating change nothing (the config keeps marble, silently); start_run falls back, warns, and
     saves the combiner the run uses."""
-    from flowrl.recipes.common import start_run
+    from flowrl.recipes.start import start_run
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -12,7 +12,8 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, SASolverScheduler
 from safetensors.torch import load_file
 
-import flowrl.recipes.common as common
+import flowrl.recipes.finish as finish
+import flowrl.algorithms.forward_losses as forward_losses
 import flowrl.recipes.nft as nft_recipe
 from flowrl.algorithms.awm import awm_loss, awm_policy_loss, matching_log_prob, stratified_indices
 from flowrl.config import Config, ConfigError, load_config
@@ -250,8 +251,8 @@ def awm_config(tmp_path, *overrides):
 
 def test_awm_rolls_out_the_trained_adapter_with_sa_solver_and_exports_the_eval_ema(tmp_path, monkeypatch):
     runs, rollouts, exported, sigmas, restored = [], [], [], [], []
-    real_start, real_rollout, real_export = nft_recipe.start_run, nft_recipe.sa_solver_rollout, common.export_final_lora
-    real_loss = nft_recipe.awm_loss
+    real_start, real_rollout, real_export = nft_recipe.start_run, nft_recipe.sa_solver_rollout, finish.export_final_lora
+    real_loss = forward_losses.awm_loss
 
     def start(cfg, accelerator=None, **kwargs):
         runs.append(real_start(cfg, accelerator, **kwargs))
@@ -273,8 +274,8 @@ def test_awm_rolls_out_the_trained_adapter_with_sa_solver_and_exports_the_eval_e
 
     monkeypatch.setattr(nft_recipe, "start_run", start)
     monkeypatch.setattr(nft_recipe, "sa_solver_rollout", spy_rollout)
-    monkeypatch.setattr(nft_recipe, "awm_loss", spy_loss)
-    monkeypatch.setattr(common, "export_final_lora", spy_export)
+    monkeypatch.setattr(forward_losses, "awm_loss", spy_loss)
+    monkeypatch.setattr(finish, "export_final_lora", spy_export)
     nft_recipe.train(awm_config(tmp_path))
     run = runs[0]
     assert rollouts and all(live for live, _ in rollouts) and {level for _, level in rollouts} == {0.4}

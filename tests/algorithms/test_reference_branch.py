@@ -211,11 +211,12 @@ def test_tree_settings_and_their_checks():
     (["train.loss=tmpo", "train.beta=0"], False, 1.0),  # TMPO keeps its own targets and its splits' own noise
 ])
 def test_the_recipe_uses_the_reference_tree_by_default(tmp_path, monkeypatch, extra, backup_calls, noise):
+    import flowrl.algorithms.credit as credit
     import flowrl.recipes.grpo as grpo
 
     plans, calls = [], []
     sampling = sys.modules["flowrl.sampling.rollout"]
-    real_rollout, real_backup = sampling.rollout, grpo.branch_advantages
+    real_rollout, real_backup = sampling.rollout, credit.branch_advantages
 
     def recording_rollout(*args, plan=None, **kwargs):
         plans.append(plan)
@@ -226,7 +227,7 @@ def test_the_recipe_uses_the_reference_tree_by_default(tmp_path, monkeypatch, ex
         return calls[-1]
 
     monkeypatch.setattr(sampling, "rollout", recording_rollout)
-    monkeypatch.setattr(grpo, "branch_advantages", recording_backup)
+    monkeypatch.setattr(credit, "branch_advantages", recording_backup)
     cfg = load_config(Config, SMOKE, [f"run_dir={tmp_path}", "train.epochs=1", "log.progress=false", "log.eval_every=0",
                                       "log.report_prompts=0", "train.export_lora=false",
                                       "sampling.tree.branch_steps=[0,2]", *extra])

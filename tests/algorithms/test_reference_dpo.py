@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 from flowrl.algorithms.dpo import all_pairs, best_worst_pairs, dpo_loss, matching_error
 from flowrl.cli import main
 from flowrl.config import Config, ConfigError, load_config
-from flowrl.recipes.nft import DpoLoss, FORWARD_LOSSES, noised_sample, train
+from flowrl.algorithms.forward_losses import FORWARD_LOSSES, DpoLoss, noised_sample
+from flowrl.recipes.nft import train
 from flowrl.training.metrics import read_metrics
 
 SMOKE = "configs/smoke/sd3_tiny.yaml"

@@ -20,14 +20,18 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np
+from functools import partial
+
 import pytest
 import torch
 
-from flowrl.algorithms.losses import POLICY_LOSSES
+from flowrl.algorithms.losses import grpo_clip_loss
 from flowrl.algorithms.ratio_norm import grpo_guard_log_ratio, grpo_guard_loss_scale
 from flowrl.config import Config, ConfigError, load_config
 from flowrl.models import build_policy
-from flowrl.recipes.grpo import StatsAccumulator, make_accelerator, transition_loss
+from flowrl.training.stats import StatsAccumulator
+from flowrl.recipes.build import make_accelerator
+from flowrl.algorithms.transition import TransitionSettings, transition_loss
 from flowrl.sampling import rollout, sde_step
 
 A = 0.7  # noise_level
@@ -164,7 +168,6 @@ def moved_policy_and_rollout():
             v = policy.velocity(x, float(traj.sigmas[k]), traj.cond.select(traj.prompt_ids), 4.5)
         step = sde_step(v, x, float(traj.sigmas[k]), float(traj.sigmas[k + 1]), noise_level=A, prev_sample=x_next)
         on_policy.append((step.mean, grpo_guard_log_ratio(step.mean, traj.means[:, k], x_next, step.std)))
-    traj.advantages = torch.tensor([[1.5], [-0.5], [2.0]]).expand(3, traj.num_stored_steps).clone()
     with torch.no_grad():
         for p in policy.trainable_parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
@@ -183,13 +186,14 @@ def test_the_recipe_loss_is_the_references_per_step_loss_divided_by_dt_and_the_k
     policy, traj, _ = moved_policy_and_rollout
     accelerator = make_accelerator(load_config(Config, SMOKE, ["device=cpu"]))
     rows, k, clip = torch.arange(3), 1, 1e-3
+    advantages = torch.tensor([[1.5], [-0.5], [2.0]]).expand(3, traj.num_stored_steps).clone()  # [N, K]
     mask = torch.ones(3, traj.num_stored_steps, dtype=torch.bool)
 
     def loss(ratio_norm, beta=0.0):
-        return transition_loss(policy, traj, rows, k, mask, accelerator=accelerator, guidance=4.5, noise_level=A,
-                               kind="sde", beta=beta, policy_loss=POLICY_LOSSES["grpo-clip"], clip_low=clip,
-                               clip_high=clip, stats=StatsAccumulator(), on_policy=False,
-                               ratio_norm=ratio_norm).item()
+        settings = TransitionSettings(policy_loss=partial(grpo_clip_loss, clip_low=clip, clip_high=clip),
+                                      guidance=4.5, kind="sde", beta=beta, ratio_norm=ratio_norm)
+        return transition_loss(policy, traj, advantages, rows, k, mask, settings=settings, accelerator=accelerator,
+                               noise_level=A, stats=StatsAccumulator(), on_policy=False).item()
 
     # The reference by hand: its log-ratio from the moved policy's velocity, PPO's max, over |dt|.
     sigma, sigma_next = float(traj.sigmas[k]), float(traj.sigmas[k + 1])
@@ -203,7 +207,7 @@ def test_the_recipe_loss_is_the_references_per_step_loss_divided_by_dt_and_the_k
     old_log_prob = reference_log_prob(x_next.double().numpy(), old_mean, sigma, sigma_next, float(traj.sigmas[1]))
     bias = ((mean - old_mean) ** 2).mean(axis=(1, 2, 3)) / (2 * s**2)
     ratio = np.exp((log_prob - old_log_prob + bias) * s)
-    adv = traj.advantages[:, k].double().numpy()
+    adv = advantages[:, k].double().numpy()
     per_row = np.maximum(-adv * ratio, -adv * np.clip(ratio, 1 - clip, 1 + clip)) / (sigma - sigma_next)
     outside = np.abs(ratio - 1) > clip
     assert outside.any() and not outside.all(), "the fixture must exercise both PPO branches"

@@ -9,6 +9,7 @@ References (each formula below is written out from them, not taken from flowrl):
 """
 
 import contextlib
+from functools import partial
 
 import pytest
 import torch
@@ -16,9 +17,10 @@ import torch
 from flowrl.algorithms.crd import crd_weights, implicit_reward
 from flowrl.config import Config, load_config
 from flowrl.config.forward import NFTSection
-from flowrl.recipes.common import StatsAccumulator
-from flowrl.recipes.nft import CrdLoss, forward_process_loss, implicit_log_ratio, noised_sample, train
-from flowrl.training.ema import LoraEMA, decay_schedule
+from flowrl.training.stats import StatsAccumulator
+from flowrl.algorithms.forward_losses import CrdLoss, forward_process_loss, implicit_log_ratio, noised_sample
+from flowrl.recipes.nft import train
+from flowrl.training.ema import LoraEMA, decay_schedule, ema_weights
 
 
 class LinearPolicy:
@@ -100,7 +102,7 @@ def test_nft_loss_is_the_reference_loss_with_its_scale(strength, kl_beta):
     scale = NFTSection(strength=strength).policy_loss_scale(advantage_clip=5.0)
     assert scale == pytest.approx(5.0 / strength)  # the default: DiffusionNFT's adv_clip_max / beta
     a = advantages.clamp(-5, 5) / 5  # the recipe's clipped advantage over the clip
-    ours = forward_process_loss(policy, old, X0, None, a, torch.ones(3), guidance=1.0, strength=strength,
+    ours = forward_process_loss(policy, partial(ema_weights, old), X0, None, a, torch.ones(3), guidance=1.0, strength=strength,
                                 adaptive=True, beta=kl_beta, noise_seed=SEED, stats=StatsAccumulator(),
                                 sigma=SIGMA, scale=scale) / 3  # the recipe divides the sum by the pairs
     ours.backward()
@@ -233,12 +235,12 @@ def test_crd_gradient_is_the_reference_loss_gradient(crd_beta, adaptive):
     policy, old = policy_with_old([1.2, -0.4], [1.0, -0.5], [0.9, -0.6])
     a = advantages.clamp(-5, 5) / 5
     # flowrl: measure the log-ratios, weigh, then the surrogate's gradient (policy unguided, anchor at 4.5).
-    ratios = implicit_log_ratio(policy, old, X0, None, guidance=1.0, noise_seed=SEED, sigma=SIGMA, adaptive=adaptive)
+    ratios = implicit_log_ratio(policy, partial(ema_weights, old), X0, None, guidance=1.0, noise_seed=SEED, sigma=SIGMA, adaptive=adaptive)
     weights = crd_weights(ratios, a, torch.arange(3), torch.zeros(3, dtype=torch.long), torch.ones(3, dtype=torch.bool),
                           num_rows=3, beta=crd_beta)
     scale = NFTSection(loss="crd", crd_beta=crd_beta).policy_loss_scale(advantage_clip=5.0)
     assert scale == pytest.approx(5.0 / crd_beta)
-    loss = forward_process_loss(policy, old, X0, None, weights, torch.ones(3), guidance=1.0, beta=kl_beta,
+    loss = forward_process_loss(policy, partial(ema_weights, old), X0, None, weights, torch.ones(3), guidance=1.0, beta=kl_beta,
                                 noise_seed=SEED, stats=StatsAccumulator(), sigma=SIGMA,
                                 loss=CrdLoss(adaptive=adaptive, beta=crd_beta), scale=scale, kl_guidance=anchor_guidance,
                                 kl_weights=reward_adaptive_kl_weights(a, kl_beta)) / 3

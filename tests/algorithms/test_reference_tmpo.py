@@ -21,7 +21,7 @@ from flowrl.algorithms.tmpo import (
     cps_log_prob, path_surrogate, ratio_norm_weights, reference_term, softmax_tb_advantages,
 )
 from flowrl.config import Config, ConfigError, load_config
-from flowrl.recipes.common import step_plan
+from flowrl.sampling.epoch_plan import step_plan
 from flowrl.sampling.split_schedule import BetaSplitScheduler
 
 SMOKE = "configs/smoke/sd3_tiny.yaml"

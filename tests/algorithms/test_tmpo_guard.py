@@ -16,7 +16,7 @@ from flowrl.algorithms.tmpo import softmax_tb_gradient as tmpo_advantages
 from flowrl.config import Config, ConfigError, load_config
 from flowrl.recipes.grpo import train
 from flowrl.sampling.steps import velocity_sensitivity
-from tests.policy_capture import capture_training_policy, lora_and_base
+from tools.policy_capture import capture_training_policy, lora_and_base
 
 
 def test_tmpo_target_on_a_three_trajectory_group_by_hand():

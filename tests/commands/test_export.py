@@ -179,7 +179,7 @@ def test_cli_bad_input_is_one_line_error(run, tmp_path, capsys):
 def test_lora_state_dict_is_a_copy_so_the_ema_export_holds_the_ema_weights():
     """export_final_lora reads the state inside ema_weights(...): a view of the live float32 parameters
     would turn back into the raw weights when the block restores them, before the file is written."""
-    from flowrl.recipes.common import export_final_lora
+    from flowrl.recipes.finish import export_final_lora
 
     policy = build_policy("sd3", "tiny", seed=0)
     policy.add_lora(rank=RANK, alpha=ALPHA, init_seed=0)

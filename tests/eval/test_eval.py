@@ -10,7 +10,7 @@ report as headless Chromium renders it (skipped without chromium).
 from __future__ import annotations
 
 import base64
-import importlib.util
+import importlib
 import json
 import os
 import shutil
@@ -516,10 +516,7 @@ def test_report_html_structure(world):
 
 
 def _render_script():
-    spec = importlib.util.spec_from_file_location("render_report", REPO / "scripts/render_report.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("tools.render_report")
 
 
 def test_report_in_headless_chromium(world, tmp_path):

@@ -23,7 +23,7 @@ from flowrl.models import FAMILIES, build_policy, policy_class
 from flowrl.models.lora_io import load_lora_into, lora_config_dict, lora_state_dict, write_lora_files
 from flowrl.recipes.grpo import train
 from flowrl.sampling import rollout, sde_step
-from tests.policy_capture import capture_training_policy, lora_and_base
+from tools.policy_capture import capture_training_policy, lora_and_base
 
 PROMPTS = ["a red circle", "two blue squares"]
 SEEDS = [11, 12, 13, 14]  # 2 prompts x group 2
@@ -146,7 +146,7 @@ def test_family_parity_script_prints_the_readme_figure():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "scripts/family_parity.py", "--family", "flux_kontext"], check=True,
+    out = subprocess.run([sys.executable, "-m", "tools.family_parity", "--family", "flux_kontext"], check=True,
                          capture_output=True, text=True).stdout
     line = out.strip()
     assert line.startswith("flux_kontext") and float(line.rsplit("=", 1)[1]) < 1e-5

@@ -118,10 +118,10 @@ def test_the_scorer_hands_rewards_the_source_without_touching_the_metadata(tmp_p
 
 def test_lora_exports_in_every_format(tmp_path):
     """diffusers and comfyui files load in plain FluxKontextPipeline; the kohya file through the sd-scripts reader
-    of tests/comfyui_reference.py (diffusers' kohya converter hard-codes FLUX.1's 3072 width, so not the tiny one)."""
+    of tools/comfyui_reference.py (diffusers' kohya converter hard-codes FLUX.1's 3072 width, so not the tiny one)."""
     from safetensors.torch import load_file
 
-    from tests import comfyui_reference as comfy
+    from tools import comfyui_reference as comfy
 
     trained = build_policy("flux_kontext", "tiny", seed=0)
     trained.add_lora(rank=4, alpha=8.0, init_seed=0)

@@ -1,5 +1,5 @@
 """The diffusers-key export (``pytorch_lora_weights.safetensors``) of every newer family in ComfyUI's LoraLoader,
-through the key maps re-implemented in tests/comfyui_reference.py: each LoRA module lands on a native weight of
+through the key maps re-implemented in tools/comfyui_reference.py: each LoRA module lands on a native weight of
 its shape (or the right rows of a fused one), no key is left unloaded, and strength 1.0 applies the trained
 ``(alpha / r) B A``.
 
@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 
 from flowrl.models import build_policy
 from flowrl.models.lora_io import DIFFUSERS_WEIGHT_NAME, lora_config_dict, lora_state_dict, write_lora_files
-from tests import comfyui_reference as comfy
-from tests.policy_capture import random_lora_policy
+from tools import comfyui_reference as comfy
+from tools.policy_capture import random_lora_policy
 
 RANK, ALPHA = 4, 8.0  # scale 2, as in every shipped config
 MAPPED = ["flux_kontext", "flux2_klein", "qwen_image", "z_image"]

@@ -1,5 +1,5 @@
 """Every exported LoRA file at the trained scale in every loader: diffusers, ComfyUI (re-implemented in
-tests/comfyui_reference.py), kohya sd-scripts-style; the metadata; flowrl reading an export back.
+tools/comfyui_reference.py), kohya sd-scripts-style; the metadata; flowrl reading an export back.
 
 Would have caught: the default file at half strength in ComfyUI (no ``.alpha``, scale 1.0 vs alpha/r = 2),
 the SD3 comfyui file refused by diffusers (``.alpha`` keys), and the missing base model in the header."""
@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 from flowrl.models import build_policy
 from flowrl.models.lora_io import (COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME, KOHYA_WEIGHT_NAME, load_lora_into,
                                    lora_config_dict, lora_state_dict, read_lora, write_lora_files)
-from tests import comfyui_reference as comfy
-from tests.policy_capture import random_lora_policy
+from tools import comfyui_reference as comfy
+from tools.policy_capture import random_lora_policy
 
 RANK, ALPHA = 4, 8.0  # scale 2, as in every shipped config
 CONFIG_TEXT = "model:\n  family: {family}\n  path: tiny\nseed: 0\n"

@@ -3,15 +3,18 @@ model.vae_dtype and train.mixed_precision, Flow-GRPO's float32 master weights un
 
 from types import SimpleNamespace
 
+from functools import partial
+
 import pytest
 import torch
 
-from flowrl.algorithms.losses import POLICY_LOSSES
+from flowrl.algorithms.losses import grpo_clip_loss
 from flowrl.config import Config, ConfigError, load_config
 from flowrl.config.schema import FLOW_GRPO_PRECISION
 from flowrl.models import build_policy, policy_from_config
 from flowrl.recipes.build import autocast_precision
-from flowrl.recipes.grpo import StatsAccumulator, transition_loss
+from flowrl.training.stats import StatsAccumulator
+from flowrl.algorithms.transition import TransitionSettings, transition_loss
 from flowrl.sampling import rollout
 
 SMOKE = "configs/smoke/sd3_tiny.yaml"
@@ -58,16 +61,17 @@ def test_the_training_log_prob_runs_the_transformer_in_the_autocast_dtype_and_th
     traj = rollout(policy, ["a red circle"], group_size=2, num_steps=2, guidance_scale=4.5, noise_level=0.7,
                    seeds=[1, 2])
     assert traj.latents.dtype == torch.float32 and traj.log_probs.dtype == torch.float32
-    traj.advantages = torch.ones(traj.log_probs.shape)
+    advantages = torch.ones(traj.log_probs.shape)
     seen = []
     hook = policy.transformer.proj_out.register_forward_hook(
         lambda module, args, out: seen.append((module.weight.dtype, out.dtype)))
     accelerator = SimpleNamespace(device=torch.device("cpu"), autocast=lambda: torch.autocast("cpu", dtype=autocast))
     try:
-        loss = transition_loss(policy, traj, torch.arange(2), 0, torch.ones(traj.log_probs.shape, dtype=torch.bool),
-                               accelerator=accelerator, guidance=4.5, noise_level=0.7, kind="sde", beta=0.1,
-                               policy_loss=POLICY_LOSSES["grpo-clip"], clip_low=1e-4, clip_high=1e-4,
-                               stats=StatsAccumulator(), on_policy=False)
+        settings = TransitionSettings(policy_loss=partial(grpo_clip_loss, clip_low=1e-4, clip_high=1e-4),
+                                      guidance=4.5, kind="sde", beta=0.1)
+        loss = transition_loss(policy, traj, advantages, torch.arange(2), 0,
+                               torch.ones(traj.log_probs.shape, dtype=torch.bool), settings=settings,
+                               accelerator=accelerator, noise_level=0.7, stats=StatsAccumulator(), on_policy=False)
     finally:
         hook.remove()
     assert seen and set(seen) == {(torch.float32, autocast)}  # the policy's pass and the KL reference's
@@ -110,7 +114,7 @@ def test_fp16_loss_scale_overflows_go_to_the_scaler_and_are_not_faults():
     skips it and halves the scale, however many in a row; below scale 1 a non-finite gradient is a fault again.
     torch's own GradScaler on the CPU, with accelerate's two calls on it: unscale in clip_grad_norm_, step + update
     in the optimizer's step."""
-    from flowrl.recipes.common import optimizer_step
+    from flowrl.recipes.epoch_end import optimizer_step
     from flowrl.training.faults import FaultCounter, TrainingAborted
 
     param = torch.nn.Parameter(torch.ones(3))

@@ -44,10 +44,10 @@ def plain_base(policy) -> dict[str, torch.Tensor]:
 def runs(tmp_path_factory):
     """The same 2-epoch GRPO run on the tiny SD3 model, unquantised and under int8, with the int8 run's policy and
     copies of its quantised and plain base weights as built."""
-    import flowrl.recipes.common as common
+    import flowrl.recipes.start as start
 
     root, captured = tmp_path_factory.mktemp("quantize"), {}
-    real_build = common.build_training_policy
+    real_build = start.build_training_policy
 
     def build_and_capture(cfg, device):
         policy = real_build(cfg, device)
@@ -58,12 +58,12 @@ def runs(tmp_path_factory):
             "quantized"].items()}
         return policy
 
-    common.build_training_policy = build_and_capture
+    start.build_training_policy = build_and_capture
     try:
         for scheme in ("none", "int8"):
             train(load_config(Config, SMOKE, [*RUN, f"run_dir={root / scheme}", f"model.quantize={scheme}"]))
     finally:
-        common.build_training_policy = real_build
+        start.build_training_policy = real_build
     return root, captured
 
 

@@ -97,7 +97,7 @@ def test_stratified_batches_are_deterministic_and_sharded():
 
 def test_balance_by_missing_key_is_a_one_line_error(tmp_path):
     from flowrl.config import Config
-    from flowrl.recipes.common import load_prompt_splits
+    from flowrl.recipes.build import load_prompt_splits
 
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt": "a cat", "metadata": {"task": "animal"}}) + "\n"

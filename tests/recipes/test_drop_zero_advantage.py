@@ -7,16 +7,21 @@ import subprocess
 import sys
 import warnings
 
+from functools import partial
+
 import pytest
 import torch
 
 import flowrl.recipes.grpo as grpo
-from flowrl.algorithms.losses import POLICY_LOSSES
+from flowrl.algorithms.losses import grpo_clip_loss
 from flowrl.config import Config, ConfigError, load_config
-from flowrl.recipes.grpo import StatsAccumulator, train, transition_loss, zero_advantage_kept
+from flowrl.training.stats import StatsAccumulator
+from flowrl.algorithms.credit import zero_advantage_kept
+from flowrl.algorithms.transition import TransitionSettings, transition_loss
+from flowrl.recipes.grpo import train
 from flowrl.training.metrics import read_metrics
 from tests import REPO
-from tests.policy_capture import capture_training_policy, lora_and_base
+from tools.policy_capture import capture_training_policy, lora_and_base
 
 REWARD = "rewards=[{name: 'tests.reward_fixtures:FlatOnSomePrompts'}]"
 COMMON = ["train.epochs=1", "log.progress=false", "log.eval_every=0", "train.drop_zero_advantage=true",
@@ -41,9 +46,9 @@ def test_the_rule_is_exact_zero_on_every_trained_step():
 def test_a_saturated_group_is_dropped_and_the_gradient_is_that_of_the_kept_rows(tmp_path, monkeypatch):
     """One step on two groups, one of them flat: the accumulated gradient (policy loss and KL) equals the mean
     transition loss of the other group's rows alone, recomputed by hand from the run's own rollouts."""
-    import flowrl.recipes.common as common
+    import flowrl.recipes.start as start
 
-    real_build = common.build_training_policy
+    real_build = start.build_training_policy
 
     def build_off_base(cfg, device):  # a LoRA away from the base, so the flat rows' KL is not 0
         policy = real_build(cfg, device)
@@ -53,9 +58,9 @@ def test_a_saturated_group_is_dropped_and_the_gradient_is_that_of_the_kept_rows(
                 param.add_(0.05 * torch.randn(param.shape, generator=generator))
         return policy
 
-    monkeypatch.setattr(common, "build_training_policy", build_off_base)
+    monkeypatch.setattr(start, "build_training_policy", build_off_base)
     captured, seen = capture_training_policy(monkeypatch), {}
-    real_sample, real_step = grpo.sample_and_score, grpo.optimizer_step
+    real_sample, real_step, real_update = grpo.sample_and_score, grpo.optimizer_step, grpo.update_policy
 
     def sample(*args, **kwargs):
         seen["traj"], *rest = real_sample(*args, **kwargs)
@@ -66,14 +71,20 @@ def test_a_saturated_group_is_dropped_and_the_gradient_is_that_of_the_kept_rows(
         seen["accelerator"] = run.accelerator
         real_step(run, stats)
 
+    def update(run, epoch, objective, traj, advantages, *args):
+        seen["advantages"] = advantages  # [N, K] what each stored step trained on
+        real_update(run, epoch, objective, traj, advantages, *args)
+
     monkeypatch.setattr(grpo, "sample_and_score", sample)
+    monkeypatch.setattr(grpo, "update_policy", update)
     monkeypatch.setattr(grpo, "optimizer_step", step)
     metrics = train(_config(tmp_path, ["a flat square", "a varied square"]))
     assert metrics["policy/dropped_rows"] == 4  # the flat prompt's group of 4
 
     traj, policy = seen["traj"], captured["policy"]
     flat = torch.tensor(["flat" in p for p in traj.row_prompts])
-    assert torch.all(traj.advantages[flat] == 0) and torch.all(traj.advantages[~flat] != 0)
+    advantages = seen["advantages"]
+    assert torch.all(advantages[flat] == 0) and torch.all(advantages[~flat] != 0)
     lora_before, _ = captured["before"]
     with torch.no_grad():  # back to the weights the step's gradient was taken at
         for name, param in policy.transformer.named_parameters():
@@ -83,9 +94,11 @@ def test_a_saturated_group_is_dropped_and_the_gradient_is_that_of_the_kept_rows(
     def mean_loss_gradient(rows: torch.Tensor) -> dict[str, torch.Tensor]:
         policy.transformer.zero_grad(set_to_none=True)
         mask = torch.ones(traj.log_probs.shape, dtype=torch.bool)  # [N, K]
-        total = sum(transition_loss(policy, traj, rows, k, mask, accelerator=seen["accelerator"], guidance=4.5,
-                                    noise_level=0.7, kind="sde", beta=0.04, policy_loss=POLICY_LOSSES["grpo-clip"],
-                                    clip_low=1e-4, clip_high=1e-4, stats=StatsAccumulator(), on_policy=False)
+        settings = TransitionSettings(policy_loss=partial(grpo_clip_loss, clip_low=1e-4, clip_high=1e-4),
+                                      guidance=4.5, kind="sde", beta=0.04)
+        total = sum(transition_loss(policy, traj, seen["advantages"], rows, k, mask, settings=settings,
+                                    accelerator=seen["accelerator"], noise_level=0.7, stats=StatsAccumulator(),
+                                    on_policy=False)
                     for k in range(traj.num_stored_steps))
         (total / (len(rows) * traj.num_stored_steps)).backward()
         return {n: p.grad.clone() for n, p in policy.transformer.named_parameters() if p.grad is not None}

@@ -6,18 +6,22 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import math
+from functools import partial
 
 import pytest
 import torch
 
-from flowrl.algorithms.losses import POLICY_LOSSES
+from flowrl.algorithms.losses import grpo_clip_loss
+from flowrl.algorithms.transition import TransitionSettings, transition_loss
 from flowrl.config import Config, load_config
 from flowrl.models import build_policy
-from flowrl.recipes.grpo import StatsAccumulator, make_accelerator, train, transition_loss
+from flowrl.training.stats import StatsAccumulator
+from flowrl.recipes.build import make_accelerator
+from flowrl.recipes.grpo import train
 from flowrl.sampling import rollout
 from flowrl.training.metrics import read_metrics
 from tests.reward_fixtures import RedMinusBlue
-from tests.policy_capture import capture_training_policy, lora_and_base
+from tools.policy_capture import capture_training_policy, lora_and_base
 
 SMOKE = "configs/smoke/sd3_tiny.yaml"
 
@@ -62,26 +66,27 @@ def _hand_setup(guidance=4.5):
     policy.add_lora(rank=4, alpha=8, init_seed=0)
     traj = rollout(policy, ["a red circle"], group_size=4, num_steps=3, guidance_scale=guidance, noise_level=0.7,
                    seeds=[1, 2, 3, 4])
-    traj.advantages = torch.tensor([[1.5], [-0.5], [2.0], [-3.0]]).expand(4, traj.num_stored_steps).clone()
+    advantages = torch.tensor([[1.5], [-0.5], [2.0], [-3.0]]).expand(4, traj.num_stored_steps).clone()
     # Move the policy off the sampling policy so ratios leave the clip range on some rows.
     with torch.no_grad():
         for p in policy.trainable_parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
-    return policy, traj
+    return policy, traj, advantages
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.3])
 def test_recipe_loss_matches_a_hand_computation(beta):
     guidance, a, clip = 4.5, 0.7, 0.002
-    policy, traj = _hand_setup(guidance)
+    policy, traj, advantages = _hand_setup(guidance)
     accelerator = make_accelerator(load_config(Config, SMOKE, ["device=cpu"]))
     rows, k = torch.arange(4), 1
     mask = torch.ones(4, traj.num_stored_steps, dtype=torch.bool)
     mask[3, k] = False  # a masked transition must not count
     stats = StatsAccumulator()
-    loss_sum = transition_loss(policy, traj, rows, k, mask, accelerator=accelerator, guidance=guidance, noise_level=a,
-                               kind="sde", beta=beta, policy_loss=POLICY_LOSSES["grpo-clip"], clip_low=clip,
-                               clip_high=clip, stats=stats, on_policy=False)
+    settings = TransitionSettings(policy_loss=partial(grpo_clip_loss, clip_low=clip, clip_high=clip),
+                                  guidance=guidance, kind="sde", beta=beta)
+    loss_sum = transition_loss(policy, traj, advantages, rows, k, mask, settings=settings, accelerator=accelerator,
+                               noise_level=a, stats=stats, on_policy=False)
 
     # By hand, per row: CFG velocity from two separate transformer passes, the SDE mean from the
     # formula, the Gaussian log-density of the stored next latent, the PPO max, and the KL.
@@ -112,7 +117,7 @@ def test_recipe_loss_matches_a_hand_computation(beta):
         mean_ref = xi + (v_ref + a**2 / (1 - s) / 2 * (xi + (1 - s) * v_ref)) * dt
         logp = (-((x_next[row: row + 1] - mean) ** 2) / (2 * std**2) - math.log(std) - 0.5 * math.log(2 * math.pi)).mean()
         ratio = torch.exp(logp - traj.log_probs[row, k])
-        adv = traj.advantages[row, k]
+        adv = advantages[row, k]
         unclipped, clipped = -adv * ratio, -adv * ratio.clamp(1 - clip, 1 + clip)
         clipped_seen |= bool(clipped > unclipped)
         unclipped_seen |= bool(unclipped >= clipped)

@@ -18,7 +18,7 @@ from flowrl.models.lora_io import lora_state_dict, read_lora
 from flowrl.recipes.guard import DiversityGuard, guard_score, in_group_diversity, raised_beta, relative_drop
 from flowrl.training.ema import AdapterSnapshot
 from flowrl.training.metrics import read_metrics
-from tests.toy_runs import train_on_prompts
+from tools.toy_runs import train_on_prompts
 
 SMOKE = "configs/smoke/sd3_tiny.yaml"
 

@@ -12,7 +12,7 @@ from flowrl.config import Config, ConfigError, load_config
 from flowrl.recipes.nft import train
 from flowrl.training.ema import LoraEMA
 from flowrl.training.metrics import read_metrics
-from tests.policy_capture import capture_training_policy
+from tools.policy_capture import capture_training_policy
 
 SMOKE = "configs/smoke/sd3_tiny.yaml"
 
@@ -127,7 +127,7 @@ def test_old_policy_decay_can_be_set_per_step():
 
 def test_crd_weights_match_the_reward_matching_loss_gradient_by_hand():
     from flowrl.algorithms.crd import crd_weights
-    from flowrl.recipes.common import StatsAccumulator
+    from flowrl.training.stats import StatsAccumulator
 
     # Two groups of two rows, one timestep slot; row 3 has no reward.
     ratios = torch.tensor([0.3, 0.1, -0.2, 0.5])

@@ -31,7 +31,9 @@ def smoke(tmp_path, *overrides):
     (["log.eval_num_steps=3", "log.eval_guidance_scale=2.0"], (3, 2.0)),
 ])
 def test_eval_steps_and_guidance_reach_every_eval_render(tmp_path, monkeypatch, overrides, expected):
-    import flowrl.recipes.common as common
+    import flowrl.recipes.epoch_end as epoch_end
+    import flowrl.recipes.finish as finish
+    import flowrl.recipes.rollouts as rollouts
     import flowrl.eval.held_out as held_out
     from flowrl.recipes.grpo import train
 
@@ -44,9 +46,9 @@ def test_eval_steps_and_guidance_reach_every_eval_render(tmp_path, monkeypatch, 
         return wrapped
 
     monkeypatch.setattr(held_out, "render", recorder("grid", held_out.render))  # eval_grid's (and the report's)
-    monkeypatch.setattr(common, "render", recorder("held_out", common.render))  # held_out_metrics'
-    monkeypatch.setattr(common, "write_report", recorder("report", common.write_report))
-    monkeypatch.setattr(common, "chunked_rollout", recorder("rollout", common.chunked_rollout,
+    monkeypatch.setattr(epoch_end, "render", recorder("held_out", epoch_end.render))  # held_out_metrics'
+    monkeypatch.setattr(finish, "write_report", recorder("report", finish.write_report))
+    monkeypatch.setattr(rollouts, "chunked_rollout", recorder("rollout", rollouts.chunked_rollout,
                                                             guidance="guidance_scale"))
     train(smoke(tmp_path, "log.eval_every=1", "log.test_every=1", "log.test_prompts=2", "log.report_prompts=2",
                 "log.eval_images_per_prompt=2", *overrides))
@@ -172,7 +174,7 @@ def test_lr_schedule_and_ema_schedule_resume_exactly(tmp_path):
 def test_tracker_gets_run_name_entity_and_tags(tmp_path, monkeypatch):
     from accelerate import Accelerator
 
-    from flowrl.recipes.common import start_run
+    from flowrl.recipes.start import start_run
 
     calls = []
     monkeypatch.setattr(Accelerator, "init_trackers", lambda self, project, config=None, init_kwargs=None:
@@ -187,7 +189,7 @@ def test_tracker_gets_run_name_entity_and_tags(tmp_path, monkeypatch):
 def test_missing_wandb_is_a_one_line_error_naming_the_extra(tmp_path):
     import importlib.util
 
-    from flowrl.recipes.common import make_accelerator
+    from flowrl.recipes.build import make_accelerator
 
     assert importlib.util.find_spec("wandb") is None  # not installed here; the test checks what users see then
     with pytest.raises(ConfigError, match=r"log.backend.*wandb is not installed: pip install 'flowrl\[tracking\]'"):
@@ -214,7 +216,7 @@ def test_model_revision_and_variant_reach_from_pretrained(tmp_path, monkeypatch)
     import diffusers
 
     from flowrl.models.tiny import tiny_sd3_pipeline
-    from flowrl.recipes.common import build_training_policy
+    from flowrl.recipes.build import build_training_policy
 
     seen = []
     monkeypatch.setattr(diffusers.StableDiffusion3Pipeline, "from_pretrained",

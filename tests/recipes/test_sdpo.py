@@ -12,12 +12,13 @@ from flowrl.cli import main
 from flowrl.config import Config, ConfigError, load_config
 from flowrl.models import build_policy
 from flowrl.recipes.grpo import train
-from flowrl.recipes.sdpo import group_pairs, query_states
+from flowrl.algorithms.credit import query_states
+from flowrl.recipes.sdpo import group_pairs
 from flowrl.sampling import rollout
 from flowrl.sampling.rollout import chunked_rollout
 from flowrl.training.metrics import read_metrics
 from tests.fault_helpers import TINY_TRAIN
-from tests.policy_capture import capture_training_policy, lora_and_base
+from tools.policy_capture import capture_training_policy, lora_and_base
 
 SDPO = ["train.loss=sdpo", "train.credit=sdpo", "train.beta=0"]
 

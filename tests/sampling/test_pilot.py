@@ -15,7 +15,7 @@ from flowrl.algorithms.advantages import group_variances
 from flowrl.config import Config, ConfigError, load_config
 from flowrl.sampling import root_seeds
 from flowrl.sampling.pilot import commit_candidates, slot_seeds
-from tests.policy_capture import capture_training_policy, lora_and_base
+from tools.policy_capture import capture_training_policy, lora_and_base
 
 SMOKE = "configs/smoke/sd3_tiny.yaml"
 # The smoke config has group_size 4 and 2 prompts per batch: pilot 4 candidates with 2 rollouts each.
@@ -88,10 +88,10 @@ def test_pilot_and_commit_seeds_split_each_candidates_group_slot():
 
 def _record_sampling(monkeypatch, recipe_module):
     """Record every rollout call of sample_and_score and every trajectory it returns."""
-    import flowrl.recipes.common as common
+    import flowrl.recipes.rollouts as rollouts
 
     calls, trajs = [], []
-    real_rollout, real_sample = common.rollout, recipe_module.sample_and_score
+    real_rollout, real_sample = rollouts.rollout, recipe_module.sample_and_score
 
     def recording_rollout(policy, prompts, **kwargs):
         traj = real_rollout(policy, prompts, **kwargs)
@@ -103,7 +103,7 @@ def _record_sampling(monkeypatch, recipe_module):
         trajs.append(out[0])
         return out
 
-    monkeypatch.setattr(common, "rollout", recording_rollout)
+    monkeypatch.setattr(rollouts, "rollout", recording_rollout)
     monkeypatch.setattr(recipe_module, "sample_and_score", recording_sample)
     return calls, trajs
 
@@ -171,7 +171,9 @@ def test_nft_smoke_run_with_pilot_commit(tmp_path, monkeypatch):
 
 
 def test_pilot_sampling_is_deterministic_and_off_by_default(tmp_path):
-    from flowrl.recipes.common import sample_and_score, start_run, step_plan
+    from flowrl.sampling.epoch_plan import step_plan
+    from flowrl.recipes.rollouts import sample_and_score
+    from flowrl.recipes.start import start_run
     from flowrl.rewards_api import AsyncScorer
 
     cfg = smoke_config(tmp_path, "train.batches_per_epoch=2")

@@ -25,7 +25,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from flowrl.config import Config, ConfigError, load_config
 from flowrl.models.base import TextCond
-from flowrl.recipes.grpo import same_step_rows, trained_mask
+from flowrl.algorithms.credit import same_step_rows, trained_mask
 from flowrl.sampling import StepPlan, rollout, window_start
 from flowrl.seeding import generators
 from tests import REPO
@@ -61,7 +61,9 @@ def test_random_window_is_drawn_per_batch_and_per_process_and_covers_the_referen
 
 
 def test_each_rollout_batch_samples_and_records_its_own_window(tmp_path):
-    from flowrl.recipes.common import sample_and_score, start_run, step_plan
+    from flowrl.sampling.epoch_plan import step_plan
+    from flowrl.recipes.rollouts import sample_and_score
+    from flowrl.recipes.start import start_run
     from flowrl.rewards_api import AsyncScorer
 
     cfg = _smoke(tmp_path, "train.batches_per_epoch=4", "sampling.window.size=2", "sampling.window.mode=random",
@@ -102,7 +104,7 @@ def test_every_window_step_trains_the_last_schedule_step_included():
 
 
 def test_fast_grpo_trains_each_row_at_its_own_sigma_and_the_last_step(tmp_path):
-    from flowrl.recipes.common import step_plan
+    from flowrl.sampling.epoch_plan import step_plan
     from flowrl.recipes.grpo import train
 
     # 4 steps, a 2-step window anywhere: windows [2, 4) reach the last step and train it. Three batches per
@@ -124,7 +126,7 @@ def test_fast_grpo_trains_each_row_at_its_own_sigma_and_the_last_step(tmp_path):
 
 @pytest.mark.parametrize("credit", ["dense_ode", "dense_cosine"])
 def test_dense_credit_runs_on_rows_of_different_windows(tmp_path, credit):
-    from flowrl.recipes.common import step_plan
+    from flowrl.sampling.epoch_plan import step_plan
     from flowrl.recipes.grpo import train
 
     # Each row looks ahead from its own window's steps; on-policy ratios stay 1 and every stored step trains.

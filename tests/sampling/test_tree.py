@@ -15,10 +15,10 @@ from flowrl.algorithms.advantages import edge_advantages, grpo_advantages
 from flowrl.algorithms.tree import extreme_leaves, prune_mask
 from flowrl.config import Config, ConfigError, load_config
 from flowrl.models import build_policy
-from flowrl.recipes.common import step_plan
+from flowrl.sampling.epoch_plan import step_plan
 from flowrl.sampling import StepPlan, rollout
 from flowrl.sampling.plan import branch_schedule, depth_pruned_steps
-from tests.policy_capture import capture_training_policy, lora_and_base
+from tools.policy_capture import capture_training_policy, lora_and_base
 
 SMOKE = "configs/smoke/sd3_tiny.yaml"
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flowrl.toy.diversity import diversity
-from tests.toy_runs import ode_images, train_on_prompts
+from tools.toy_runs import ode_images, train_on_prompts
 
 PROMPTS = ("a red square", "a blue circle", "two green squares", "a yellow circle and a purple triangle")
 EVAL_SEEDS = list(range(7000, 7016))

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from rewards.toyeval import ToyEval
-from tests.toy_runs import FOUR_PROMPTS, ode_images, paired_gain, train_on_prompts
+from tools.toy_runs import FOUR_PROMPTS, ode_images, paired_gain, train_on_prompts
 
 EVAL_SEEDS = list(range(5000, 5096))
 SEEDS = [int(s) for s in os.environ.get("FLOWRL_TOY_RL_SEEDS", "0").split(",")]

@@ -17,7 +17,7 @@ from flowrl.toy.detect import detect
 from rewards.toy_proxy import ToyProxy
 from rewards.toyeval import ToyEval
 from tests import REPO
-from tests.toy_runs import FOUR_PROMPTS
+from tools.toy_runs import FOUR_PROMPTS
 
 RED_CIRCLE = {"task": "single_object", "objects": [{"shape": "circle", "color": "red", "count": 1}], "relation": None}
 

@@ -6,7 +6,7 @@ and counts its parts (prompt grids with their prompt text and checkpoint rows, t
 trade-off plot), writes a screenshot, and exits non-zero with a clear message when chromium is missing,
 a part is absent or the screenshot is blank. It made ``docs/eval_report.png``:
 
-    python scripts/render_report.py runs/toy_nft/eval/report.html --out docs/eval_report.png [--width 1280 --height 2400]
+    python -m tools.render_report runs/toy_nft/eval/report.html --out docs/eval_report.png [--width 1280 --height 2400]
 """
 
 from __future__ import annotations

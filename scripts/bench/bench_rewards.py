@@ -2,9 +2,9 @@
 
 Run (offline, tiny random models of the real architectures, 64 images of 256 px, 8 per prompt)::
 
-    HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench_rewards.py
-    HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench_rewards.py --only clipscore,aesthetic --n 128
-    .venv/bin/python scripts/bench_rewards.py --only pickscore --pickscore-model yuvalkirstain/PickScore_v1 \\
+    HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench/bench_rewards.py
+    HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench/bench_rewards.py --only clipscore,aesthetic --n 128
+    .venv/bin/python scripts/bench/bench_rewards.py --only pickscore --pickscore-model yuvalkirstain/PickScore_v1 \\
         --device cuda --dtype bf16
 
 What is measured, per reward, on one reward object (so both sides share the same weights):
@@ -121,7 +121,7 @@ BENCHMARKS: list[Benchmark] = [
     Benchmark("hpsv2", build_hpsv2),
     Benchmark("aesthetic", build_aesthetic),
 ]
-# OCR needs images that hold text, so it runs through its own benchmark (bench_rewards_ocr.py).
+# OCR needs images that hold text, so it runs through its own benchmark (rewards_ocr.py).
 EXTRA = ("ocr",)
 
 
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((bench.name, batched, single))
         print(f"  {bench.name}: {batched:.1f} img/s batched, {single:.1f} img/s one-by-one", flush=True)
     if not wanted or "ocr" in wanted:
-        from bench_rewards_ocr import ocr_benchmark
+        from rewards_ocr import ocr_benchmark
 
         ocr = ocr_benchmark(num_images=32, repeats=args.repeats)
         rows.append(("ocr", ocr["batched_img_s"], ocr["loop_img_s"]))

@@ -1,6 +1,6 @@
 """Max abs difference between flowrl's ODE rollout and each family's own diffusers pipeline (tiny, offline).
 
-    HF_HUB_OFFLINE=1 .venv/bin/python scripts/family_parity.py [--family F] [--steps 3]
+    HF_HUB_OFFLINE=1 .venv/bin/python -m tools.family_parity [--family F] [--steps 3]
 
 Same prompts, per-row seeds, steps and guidance (the family's default) on both sides: ``rollout(...,
 noise_level=0)`` against ``policy.pipeline_images(...)``, the family's ``__call__``. The figure behind the

@@ -1,4 +1,7 @@
-"""Keep the policy a recipe builds, with a copy of its weights as built, so a test can inspect training."""
+"""Keep the policy a recipe builds, with a copy of its weights as built, so a test or a tool can inspect training.
+
+In tools/ because ``tools.toy_runs`` (and through it ``python -m tools.toy_four_prompts``) needs it, and tools must
+not import the test suite; the tests import it from here."""
 
 import torch
 
@@ -13,10 +16,10 @@ def lora_and_base(policy) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tens
 def capture_training_policy(monkeypatch) -> dict:
     """Patch the recipes' policy builder; the returned dict gets ``policy`` (the live object the run
     trains) and ``before`` (``lora_and_base`` of it as built) from the first policy built."""
-    import flowrl.recipes.common as common
+    import flowrl.recipes.start as start
 
     captured = {}
-    real_build = common.build_training_policy
+    real_build = start.build_training_policy
 
     def build_and_capture(cfg, device):
         policy = real_build(cfg, device)
@@ -24,7 +27,7 @@ def capture_training_policy(monkeypatch) -> dict:
             captured.update(policy=policy, before=lora_and_base(policy))
         return policy
 
-    monkeypatch.setattr(common, "build_training_policy", build_and_capture)
+    monkeypatch.setattr(start, "build_training_policy", build_and_capture)
     return captured
 
 

@@ -2,8 +2,8 @@
 
 Run (offline, every tiny family, defaults: 10 steps, 2 prompts x group 4 = 8 images, 5 repeats)::
 
-    HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench_rollout.py --threads 1
-    HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench_rollout.py --family sd3 \\
+    HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench/rollout.py --threads 1
+    HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench/rollout.py --family sd3 \\
         --model stabilityai/stable-diffusion-3.5-medium --steps 28 --batch 8 --dtype bfloat16
 
 ``--threads 1`` on a small shared CPU box: two intra-op threads on two busy cores made the tiny

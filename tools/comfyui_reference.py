@@ -1,5 +1,6 @@
 """How ComfyUI (and kohya sd-scripts) put a LoRA file onto the native weights of the flowrl families,
-re-implemented for tests and ``tools/check_lora_compat.py``. Written from reading the sources, not copied; each
+re-implemented for tests and ``python -m tools.check_lora_compat`` (it lives in tools/ because tools must not
+import the test suite; the tests import it from here). Written from reading the sources, not copied; each
 piece names what it follows in github.com/comfyanonymous/ComfyUI:
 
 - ``mmdit_to_diffusers`` / ``flux_to_diffusers`` / ``z_image_to_diffusers``: comfy/utils.py, same names. diffusers

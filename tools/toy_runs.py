@@ -1,5 +1,8 @@
-"""Shared scaffolding of the short toy-world RL tests: train a shipped toy config on a few
-training prompts, keep the trained policy, and sample it with ODE on common seeds."""
+"""Shared scaffolding of the short toy-world RL runs: train a shipped toy config on a few training prompts,
+keep the trained policy, and sample it with ODE on common seeds.
+
+It lives in tools/ rather than tests/ because ``python -m tools.toy_four_prompts`` runs the same training as the
+toy tests, and tools must not import the test suite; the tests import it from here."""
 
 import json
 
@@ -9,7 +12,7 @@ from flowrl.commands.train import recipe_train
 from flowrl.config import Config, load_config
 from flowrl.sampling import rollout
 from flowrl.toy.prompts import train_prompts
-from tests.policy_capture import capture_training_policy
+from tools.policy_capture import capture_training_policy
 
 # Training prompts of the toy split, a single object and three counts: tests/toy/test_toy_rl.py trains on them, and
 # so does python -m tools.toy_four_prompts.

@@ -8,12 +8,13 @@ Prints
    latents, timesteps, embeddings, CFG-doubled batch). ``beta=0`` so both do the same number of
    transformer passes; the KL reference pass is an algorithmic cost, reported separately.
 
-    python scripts/bench_train.py                                  # tiny SD3 on CPU
-    python scripts/bench_train.py configs/sd35_medium/grpo_ocr_1gpu.yaml --epochs 3   # a real model
+    python scripts/bench/train.py                                  # tiny SD3 on CPU
+    python scripts/bench/train.py configs/sd35_medium/grpo_ocr_1gpu.yaml --epochs 3   # a real model
 """
 
 from __future__ import annotations
 
+from functools import partial
 import argparse
 import statistics
 import tempfile
@@ -24,7 +25,10 @@ import torch
 from flowrl.algorithms.losses import POLICY_LOSSES
 from flowrl.config import GRPOConfig, load_config
 from flowrl.recipes.build import build_training_policy
-from flowrl.recipes.grpo import StatsAccumulator, make_accelerator, train, transition_loss
+from flowrl.training.stats import StatsAccumulator
+from flowrl.recipes.build import make_accelerator
+from flowrl.algorithms.transition import TransitionSettings, transition_loss
+from flowrl.recipes.grpo import train
 from flowrl.sampling import rollout, root_seeds
 from flowrl.training.metrics import read_metrics
 
@@ -62,15 +66,15 @@ def overhead(cfg: GRPOConfig, repeats: int) -> tuple[float, float, float]:
     n = min(t.micro_batch_size, s.group_size)
     traj = rollout(policy, ["a photo of a cat"], group_size=n, num_steps=s.num_steps, guidance_scale=s.guidance_scale,
                    noise_level=s.noise_level, seeds=root_seeds(cfg.seed, 0, n))
-    traj.advantages = torch.randn(traj.num_rows, traj.num_stored_steps)
+    advantages = torch.randn(traj.num_rows, traj.num_stored_steps)  # [N, K]
     rows, k = torch.arange(n), 0
     mask = torch.ones(n, traj.num_stored_steps, dtype=torch.bool)
 
     def flowrl_step(beta: float = 0.0):
-        loss = transition_loss(policy, traj, rows, k, mask, accelerator=accelerator, guidance=s.guidance_scale,
-                               noise_level=s.noise_level, kind=s.kind, beta=beta,
-                               policy_loss=POLICY_LOSSES[t.loss], clip_low=t.clip_range, clip_high=t.clip_range,
-                               stats=StatsAccumulator(), on_policy=False)
+        settings = TransitionSettings(policy_loss=partial(POLICY_LOSSES[t.loss], config=t), guidance=s.guidance_scale,
+                                      kind=s.kind, beta=beta)
+        loss = transition_loss(policy, traj, advantages, rows, k, mask, settings=settings, accelerator=accelerator,
+                               noise_level=s.noise_level, stats=StatsAccumulator(), on_policy=False)
         loss.backward()
 
     cond = traj.cond.select(traj.prompt_ids)

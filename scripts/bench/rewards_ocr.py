@@ -2,8 +2,8 @@
 
 Run (offline, CPU; defaults: 32 images of 512x512, workers = min(4, CPUs), 1 ONNX thread each)::
 
-    .venv/bin/python scripts/bench_rewards_ocr.py
-    .venv/bin/python scripts/bench_rewards_ocr.py --num-images 64 --size 1024 --workers 8 --rapidocr-defaults
+    .venv/bin/python scripts/bench/rewards_ocr.py
+    .venv/bin/python scripts/bench/rewards_ocr.py --num-images 64 --size 1024 --workers 8 --rapidocr-defaults
 
 Images are black words of varied size and position on white, like a text-rendering prompt's output.
 Both sides use the same ``OcrReward`` (same engines, already built by a warm-up call, so engine

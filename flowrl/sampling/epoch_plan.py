@@ -1,15 +1,14 @@
 """The step plan each epoch and rollout batch samples with, from the sampling config: full SDE, an SDE window
 (Flow-GRPO-Fast per batch and process, MixGRPO sliding, fixed), tree branch points (fixed, moving, or placed by
 TMPO's reward-adaptive Beta scheduler), BranchGRPO's split noise and depth pruning, and TMPO's per-split noise
-levels. Recipes call :func:`step_plan` once per epoch; :mod:`flowrl.recipes.common` asks :func:`batch_plan`
-for each rollout batch's.
+levels. Recipes call :func:`step_plan` once per epoch; :mod:`flowrl.recipes.rollouts` asks :func:`batch_plan`
+for each rollout batch's. :mod:`flowrl.sampling.plan` is what a plan is; this module reads one off the config.
 """
 
 from __future__ import annotations
 
 from flowrl.config import SamplingConfig
-from flowrl.sampling import StepPlan, window_start
-from flowrl.sampling.plan import branch_schedule, depth_pruned_steps
+from flowrl.sampling.plan import StepPlan, branch_schedule, depth_pruned_steps, window_start
 from flowrl.sampling.split_schedule import BetaSplitScheduler
 
 

@@ -1,0 +1,38 @@
+"""The model families by name: config name -> adapter class, and diffusers pipeline class -> config name.
+
+A module of its own, not the package ``__init__``, because modules inside ``flowrl.models`` need these tables
+(the LoRA writer names an export's family, the preference embedding finds a family's sites): taking them from the
+package ``__init__`` would make an import cycle through it. It imports nothing of flowrl at load time, so any module
+of the package can use it; ``flowrl.models`` re-exports every name.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+FAMILY_CLASSES = {
+    "sd3": "flowrl.models.sd3:SD3Policy",  # SD3 / SD3.5
+    "flux": "flowrl.models.flux:FluxPolicy",  # FLUX.1 [dev] / [schnell]
+    "flux_kontext": "flowrl.models.flux_kontext:FluxKontextPolicy",  # FLUX.1 Kontext [dev] (editing)
+    "flux2_klein": "flowrl.models.flux2:Flux2KleinPolicy",  # FLUX.2 [klein]
+    "qwen_image": "flowrl.models.qwen_image:QwenImagePolicy",  # Qwen-Image
+    "z_image": "flowrl.models.z_image:ZImagePolicy",  # Z-Image (Turbo)
+    "wan": "flowrl.models.wan:WanPolicy",  # Wan2.1 text-to-video
+}
+FAMILIES = tuple(FAMILY_CLASSES)
+
+
+def policy_class(family: str) -> type:
+    """The adapter class of ``family``, a :class:`~flowrl.models.base.PolicyBase` subclass (one-line error for an
+    unknown name). Imported on use, so a family's diffusers classes load only when it is picked."""
+    if family not in FAMILY_CLASSES:
+        raise ValueError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
+    module, name = FAMILY_CLASSES[family].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+PIPELINE_FAMILIES = {
+    "StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "FluxKontextPipeline": "flux_kontext",
+    "Flux2KleinPipeline": "flux2_klein", "QwenImagePipeline": "qwen_image", "ZImagePipeline": "z_image",
+    "WanPipeline": "wan",
+}

@@ -1,0 +1,210 @@
+"""An epoch's rollouts and their advantages, as every recipe takes them: prompts sharded over processes,
+groups rolled out with the epoch's step plan (:mod:`flowrl.sampling.epoch_plan`) and scored in a worker while the
+next batch samples (or allocated by Pilot-Commit), ParetoSlider's per-group preferences, and the advantages
+over whole groups gathered from every process."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import NamedTuple
+
+import torch
+
+from flowrl.algorithms.advantages import group_variances
+from flowrl.algorithms.combine import COMBINERS
+from flowrl.algorithms.preference import draw_preferences, row_weights
+from flowrl.data import PromptSet, epoch_prompt_indices
+from flowrl.sampling.epoch_plan import batch_plan
+from flowrl.recipes.run import Run
+from flowrl.rewards_api import check_whole_groups
+from flowrl.sampling import (
+    StepPlan,
+    chunked_rollout,
+    concat_trajectories,
+    rollout,
+    root_seeds,
+)
+from flowrl.sampling.pilot import commit_candidates, join_committed, slot_seeds
+from flowrl.sampling.self_guidance import SelfGuidance
+
+
+def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_level: float, kind: str = "sde",
+                     same_noise_in_group: bool = False, same_noise_in_pairs: bool = False,
+                     store_x0_preds: bool = False, store_means: bool = False, batch_windows: bool = False,
+                     rollout_fn=None):
+    """This epoch's rollouts on this process, scored: batch b is scored in a worker while b+1 is sampled.
+
+    With ``batch_windows`` and ``sampling.window.mode: random`` each batch rolls out with its own window,
+    drawn from (seed, epoch, batch, process) (:func:`step_plan`), as Flow-GRPO-Fast draws one per sampling
+    call; otherwise every batch uses ``plan``.
+
+    Prompts are sharded over processes and row seeds come from global row indices, so N processes reproduce one.
+    A prompt's group_size rows are sampled on one process, in one batch, so a group-wise reward scores whole groups
+    with no gather (``check_whole_groups`` holds it). With ``sampling.pilot.candidates`` the batches are allocated by
+    Pilot-Commit (:func:`pilot_sample_and_score`). Returns (trajectory with rewards, time sampling ended, time scoring
+    ended); it also carries ``rollouts_sampled`` (rollouts of every process this epoch, dropped pilot ones included)
+    and ``sampling_metrics`` (``perf/*``). ``rollout_fn`` samples (None: :func:`rollout`; Pilot-Commit's is its own).
+    """
+    cfg, accelerator, policy = run.cfg, run.accelerator, run.policy
+    s, rank, world = cfg.sampling, accelerator.process_index, accelerator.num_processes
+    key = cfg.data.balance_by  # equal shares of each batch per metadata value (checked in load_prompt_splits)
+    strata = [m[key] for m in run.train_prompts.metadata] if key else None
+    if s.pilot.candidates:
+        return pilot_sample_and_score(run, scorer, epoch, plan=plan, noise_level=noise_level, kind=kind,
+                                      strata=strata, store_x0_preds=store_x0_preds, store_means=store_means,
+                                      batch_windows=batch_windows)
+    roots_per_group = s.group_size // plan.leaves_per_root
+    # Self-guidance only where configured for rollouts (recipe grpo's config refuses it: see its validate).
+    guide = SelfGuidance.maybe(**s.self_guidance.settings()) if s.self_guidance.in_rollouts else None
+    parts, futures = [], []
+    for b in range(cfg.train.batches_per_epoch):
+        batch_index = epoch * cfg.train.batches_per_epoch + b
+        index = epoch_prompt_indices(len(run.train_prompts), s.prompts_per_batch, seed=cfg.seed, epoch=batch_index,
+                                     rank=rank, world_size=world, strata=strata)
+        batch = run.train_prompts.subset(index)
+        first_root = (batch_index * world + rank) * s.prompts_per_batch * roots_per_group
+        first_group = (batch_index * world + rank) * s.prompts_per_batch  # this batch's groups' run-wide ids
+        cond = preference_cond(run, batch, torch.arange(first_group, first_group + len(batch)))
+        with policy.local_forward():
+            part = chunked_rollout(policy, batch.prompts, group_size=s.group_size, chunk=s.rollout_chunk, cond=cond,
+                                   num_steps=s.num_steps, guidance_scale=run.guidance, noise_level=noise_level,
+                                   kind=kind, plan=batch_plan(plan, s, batch_windows, seed=cfg.seed, epoch=epoch,
+                                                              batch=b, rank=rank),
+                                   same_noise_in_group=same_noise_in_group, same_noise_in_pairs=same_noise_in_pairs,
+                                   metadata=batch.metadata, store_x0_preds=store_x0_preds, ode_solver=s.ode_solver,
+                                   store_means=store_means,
+                                   seeds=root_seeds(cfg.seed, first_root, len(batch) * roots_per_group),
+                                   rollout_fn=rollout_fn, **({"self_guidance": guide} if guide else {}))
+        part.group_ids = part.group_ids + first_group
+        check_whole_groups(scorer.rewards, part.group_ids, s.group_size)  # a group-wise reward sees whole groups
+        futures.append(scorer.submit(part.images, part.row_prompts, part.row_metadata, part.group_ids))
+        parts.append(part)
+    sample_done = time.perf_counter()
+    for part, future in zip(parts, futures):
+        part.rewards = future.result()
+    traj = concat_trajectories(parts)
+    traj.rollouts_sampled, traj.sampling_metrics = traj.num_rows * world, {}
+    return traj, sample_done, time.perf_counter()
+
+
+def preference_cond(run: Run, batch: PromptSet, group_ids: torch.Tensor):
+    """ParetoSlider: the batch's conditioning with each prompt group's w (``TextCond.preference`` ``[P, K]``, drawn
+    from the run seed and the group's run-wide id); None without ``model.preference`` (the rollout encodes)."""
+    names = run.cfg.model.preference.rewards
+    if not names:
+        return None
+    cond = run.policy.encode(list(batch.prompts), metadata=batch.metadata)
+    cond.preference = draw_preferences(run.cfg.seed, group_ids, len(names)).to(cond.prompt_embeds.device)
+    return cond
+
+
+def run_weights(run: Run, group_ids: torch.Tensor) -> dict:
+    """The reward weights of rows in groups ``group_ids`` ``[N]``: the configured ones, or with ``model.preference``
+    each group's w in place of the slider's rewards' weights (per row, for train.combine=preference)."""
+    names = run.cfg.model.preference.rewards
+    if not names:
+        return run.weights
+    unique, inverse = torch.unique(group_ids, return_inverse=True)
+    return row_weights(draw_preferences(run.cfg.seed, unique, len(names))[inverse], names, run.weights)
+
+
+def pilot_sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_level: float, kind: str,
+                           strata: list | None, store_x0_preds: bool = False, store_means: bool = False,
+                           batch_windows: bool = False):
+    """Pilot-Commit (``flowrl.sampling.pilot``): every batch pilots ``pilot.candidates`` prompts with
+    ``pilot.group_size`` rollouts each, commits the ``prompts_per_batch`` whose pilot rewards vary most
+    and rolls out the rest of their groups; uncommitted pilot rollouts are dropped.
+
+    Each process pilots its own shard of candidates (the same balanced sampler) and commits locally,
+    so every process keeps ``prompts_per_batch`` groups of ``group_size`` rows (N processes draw the
+    candidates and seeds of one with N times the candidates, but choose among their own). All pilots are sampled
+    first, so pilot b+1 samples while pilot b is scored and each commit waits only for its own pilot.
+    Same return value as :func:`sample_and_score`; ``sampling_metrics`` holds, summed over processes
+    and batches, ``perf/rollouts_saved`` (skipped candidates x the commit rollouts each would have
+    had), ``perf/pilot_dropped`` (pilot rollouts not trained on) and ``perf/pilot_zero_std`` (the
+    fraction of candidates whose pilot rewards did not vary).
+    """
+    cfg, accelerator, policy = run.cfg, run.accelerator, run.policy
+    s, rank, world = cfg.sampling, accelerator.process_index, accelerator.num_processes
+    candidates, pilot_size, commit_size = s.pilot.candidates, s.pilot.group_size, s.group_size - s.pilot.group_size
+    steps = dict(num_steps=s.num_steps, guidance_scale=run.guidance, noise_level=noise_level, kind=kind,
+                 store_x0_preds=store_x0_preds, ode_solver=s.ode_solver, store_means=store_means)
+    plans = [batch_plan(plan, s, batch_windows, seed=cfg.seed, epoch=epoch, batch=b, rank=rank)
+             for b in range(cfg.train.batches_per_epoch)]  # a batch's pilot and commit share its window
+
+    # 1. Pilot: a few rollouts per candidate; candidate c owns root rows first_root + c * group_size + [0, G).
+    pilots = []
+    for b in range(cfg.train.batches_per_epoch):
+        batch_index = epoch * cfg.train.batches_per_epoch + b
+        slot = batch_index * world + rank  # this process's batch among all processes' batches of the run
+        index = epoch_prompt_indices(len(run.train_prompts), candidates, seed=cfg.seed, epoch=batch_index, rank=rank,
+                                     world_size=world, strata=strata)
+        batch = run.train_prompts.subset(index)
+        first_root = slot * candidates * s.group_size
+        with policy.local_forward():
+            pilot = rollout(policy, batch.prompts, group_size=pilot_size, metadata=batch.metadata, **steps,
+                            plan=plans[b],
+                            seeds=slot_seeds(cfg.seed, first_root, range(len(batch)), s.group_size, 0, pilot_size))
+        pilots.append((slot, first_root, pilot, scorer.submit(pilot.images, pilot.row_prompts, pilot.row_metadata),
+                       plans[b]))
+
+    # 2. Commit the candidates whose combined pilot reward varies most; roll out the rest of their groups.
+    commits, skipped, flat = [], 0, 0
+    for slot, first_root, pilot, future, pilot_plan in pilots:
+        pilot.rewards = future.result()
+        n = pilot.num_rows
+        signal = {k: pilot.rewards.get(k, torch.full((n,), math.nan)) for k in run.weights}  # a failed reward: NaN
+        _, combined = COMBINERS[cfg.train.combine](signal, run.weights, pilot.prompt_ids.cpu(), lambda r, g: r)
+        variances = group_variances(combined, pilot.prompt_ids, len(pilot.prompts))  # [C]: a candidate is a group
+        committed = commit_candidates(variances, s.prompts_per_batch)  # [P]
+        skipped += len(pilot.prompts) - len(committed)
+        flat += int((variances == 0).sum())
+        chosen = committed.tolist()
+        with policy.local_forward():
+            commit = rollout(policy, [pilot.prompts[c] for c in chosen], group_size=commit_size, plan=pilot_plan,
+                             **steps,
+                             metadata=[pilot.metadata[c] for c in chosen] if pilot.metadata else None,
+                             cond=pilot.cond.select(committed),
+                             seeds=slot_seeds(cfg.seed, first_root, chosen, s.group_size, pilot_size, s.group_size))
+        group_ids = slot * s.prompts_per_batch + torch.arange(len(chosen))  # [P] globally unique
+        commits.append((pilot, committed, group_ids, commit,
+                        scorer.submit(commit.images, commit.row_prompts, commit.row_metadata)))
+    sample_done = time.perf_counter()
+
+    # 3. Each committed group: its pilot rows (already scored) then its commit rows.
+    parts = []
+    for pilot, committed, group_ids, commit, future in commits:
+        commit.rewards = future.result()
+        parts.append(join_committed(pilot, commit, committed, group_ids))
+    traj = concat_trajectories(parts)
+    batches = cfg.train.batches_per_epoch
+    counts = accelerator.reduce(torch.tensor([skipped, flat], dtype=torch.float64, device=accelerator.device),
+                                "sum").cpu()
+    traj.rollouts_sampled = (candidates * pilot_size + s.prompts_per_batch * commit_size) * batches * world
+    traj.sampling_metrics = {"perf/rollouts_saved": float(counts[0]) * commit_size,
+                             "perf/pilot_dropped": float(counts[0]) * pilot_size,
+                             "perf/pilot_zero_std": float(counts[1]) / (candidates * batches * world)}
+    return traj, sample_done, time.perf_counter()
+
+
+class GroupAdvantages(NamedTuple):
+    """One epoch's advantages over whole groups, every process's rows gathered."""
+
+    gathered: dict[str, torch.Tensor]  # {reward: [N_all]}
+    advantages: torch.Tensor  # [N_all] combined, normalised per group (NaN where unscored)
+    combined: torch.Tensor  # [N_all] the combined reward
+    local: slice  # this process's rows of N_all
+    all_groups: torch.Tensor  # [N_all] group ids
+
+
+def group_advantages(run: Run, traj, estimator) -> GroupAdvantages:
+    """Advantages over whole groups: gather every process's rewards, combine them, normalise per group."""
+    accelerator, t = run.accelerator, run.cfg.train
+    gathered = {k: accelerator.gather(v.to(accelerator.device)).cpu() for k, v in traj.rewards.items()}
+    all_groups = accelerator.gather(traj.group_ids.to(accelerator.device)).cpu()
+    advantages, combined = COMBINERS[t.combine]({key: gathered[key] for key in run.weights}, run_weights(run, all_groups),
+                                                all_groups, lambda r, g: estimator(r, g, std_scope=t.std_scope))
+    rank = accelerator.process_index
+    return GroupAdvantages(gathered, advantages, combined, slice(rank * traj.num_rows, (rank + 1) * traj.num_rows),
+                           all_groups)
