@@ -30,7 +30,7 @@ from flowrl.algorithms.ratio_norm import (
     batch_sensitivity_log_ratio, grpo_guard_log_ratio, grpo_guard_loss_scale, step_sensitivities,
 )
 from flowrl.algorithms.tmpo import softmax_tb_advantages, softmax_tb_gradient
-from flowrl.config.forward import NFTSection
+from flowrl.config.nft import NFTSection
 from flowrl.config.schema import TrainConfig
 from flowrl.sampling import sde_step
 from flowrl.training.ema import decay_schedule

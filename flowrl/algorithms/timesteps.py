@@ -22,7 +22,7 @@ import torch
 from flowrl.algorithms.awm import stratified_timesteps
 
 if TYPE_CHECKING:
-    from flowrl.config.forward import NFTSection
+    from flowrl.config.nft import NFTSection
 
 
 def schedule_timesteps(schedule: torch.Tensor, num_rows: int, *, seed: list[int]) -> torch.Tensor:

@@ -11,7 +11,7 @@ from flowrl.config.schema import (  # noqa: E402
     Config, DataConfig, LogConfig, LoraConfig, ModelConfig, RewardSpec, SamplingConfig, TrainConfig, TreeConfig, WindowConfig,
 )
 from flowrl.config.grpo import GardoConfig, GRPOConfig, GRPOTrainConfig  # noqa: E402  (registers recipe grpo)
-from flowrl.config.forward import NFTConfig, NFTSection  # noqa: E402  (registers recipe nft)
+from flowrl.config.nft import NFTConfig, NFTSection  # noqa: E402  (registers recipe nft)
 
 __all__ += ["Config", "DataConfig", "LogConfig", "TrainConfig", "LoraConfig", "ModelConfig", "RewardSpec", "SamplingConfig", "TreeConfig",
             "WindowConfig"]

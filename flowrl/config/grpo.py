@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from flowrl.config.loader import check
+from flowrl.config.loader import Requires, check, check_requirements
 from flowrl.config.schema import Config, TrainConfig
 
 
@@ -106,23 +106,12 @@ class GRPOTrainConfig(TrainConfig):
         check(self.ema_every >= 1, "ema_every", "must be >= 1 optimizer step")
         check(0 < self.timestep_fraction <= 1, "timestep_fraction", "must be in (0, 1]")
         check(self.tmpo_beta > 0, "tmpo_beta", "must be > 0")
-        check(self.combine != "marble" or (self.credit == "terminal" and self.loss == "grpo-clip"), "combine",
-              f"marble balances one gradient per reward of the row advantages; it cannot combine with "
-              f"train.credit={self.credit} or train.loss={self.loss}: use credit terminal and loss grpo-clip, or "
-              "train.combine=gdpo")
-        check(self.credit == "terminal" or self.loss != "tmpo", "credit",
-              f"{self.credit} gives per-step advantages, but train.loss=tmpo trains on per-trajectory targets; "
-              "use train.loss=grpo-clip or train.credit=terminal")
         check(0 < self.tmpo_clip_range < 1, "tmpo_clip_range", "must be in (0, 1)")
         check(0 <= self.sdpo_gamma <= 1, "sdpo_gamma", "must be in [0, 1]")
         check(0 < self.sdpo_lam <= 1, "sdpo_lam", "must be in (0, 1]")
         check(self.sdpo_log_scale > 0, "sdpo_log_scale", "must be > 0")
         check(self.sdpo_queries >= 2, "sdpo_queries", "must be >= 2 (the first and the last step are always scored)")
         check(self.tmpo_ref_weight >= 0, "tmpo_ref_weight", "must be >= 0")
-        check(not self.drop_zero_advantage or self.loss not in ("tmpo", "sdpo") and self.combine != "marble",
-              "drop_zero_advantage", f"drops rows of zero advantage from the per-transition loss; not with "
-              f"train.loss={self.loss} / train.combine={self.combine}, which train on other targets: use "
-              "train.loss=grpo-clip and a combine other than marble, or remove it")
         if self.dense_lookahead is not None:
             check(self.dense_lookahead >= 1, "dense_lookahead", "must be >= 1 model call, or null for the full ODE")
             check(self.credit == "dense_ode", "dense_lookahead",
@@ -179,64 +168,12 @@ class GRPOConfig(Config, recipe="grpo"):
 
     def validate(self):
         super().validate()
-        t, tree, window = self.train, self.sampling.tree, self.sampling.window
-        check(t.credit != "dense_ode" or not self.model.preference.rewards, "train.credit",
-              "dense_ode scores its look-ahead states by the configured weights, not each group's w: not with "
-              "model.preference (use terminal or dense_cosine)")
-        # TMPO's path loss (algorithms.tmpo.PATH_LOSSES) trains over whole paths: no KL, no per-step normalisation,
-        # pruning or row weights.
-        if t.loss == "tmpo":
-            check(t.beta == 0, "train.beta", "train.loss=tmpo regularises with train.tmpo_ref_weight, not the KL; "
-                  "set train.beta=0")
-            check(t.ratio_norm == "none", "train.ratio_norm", "train.loss=tmpo has its own RatioNorm weights; "
-                  "set train.ratio_norm=none")
-            check(not (tree.prune_width or tree.prune_depth), "sampling.tree.prune_width",
-                  "train.loss=tmpo trains whole paths; BranchGRPO's pruning does not apply: set it to 0")
-            check(not self.gardo.diversity, "gardo.diversity",
-                  "train.loss=tmpo has no per-row advantage to weight; set gardo.diversity=false")
-            check(not (window.size is not None and window.mode == "random"), "sampling.window.mode",
-                  "train.loss=tmpo scores each stored column at one step, but mode random draws a window per rollout "
-                  "batch: use sampling.window.mode=random_per_epoch")
-        self.validate_sdpo()
-        check(t.credit == "terminal" or not tree.branch_steps, "train.credit", f"{t.credit} is not defined on tree "
-              "rollouts (sampling.tree.branch_steps), whose edges take their advantage from the leaves below them; use "
-              "train.credit=terminal")
+        check_requirements(self, GRPO_REQUIREMENTS)
         self.validate_gardo()
         guide = self.sampling.self_guidance
         check(not (guide.scale > 0 and guide.in_rollouts), "sampling.self_guidance.in_rollouts",
               "recipe grpo recomputes each row's log-prob alone, but self-guidance makes a row's velocity depend on "
               "its group's other rows: set it to false (recipe nft accepts it)")
-        check(t.ratio_norm != "grpo_guard" or self.sampling.kind == "sde", "train.ratio_norm",
-              f"grpo_guard's |dt| reweighting is defined for SDE steps, not sampling.kind={self.sampling.kind}: use "
-              "sampling.kind=sde, or train.ratio_norm=batch_sensitivity")
-        batch_windows = window.size is not None and window.mode == "random"  # rows of an epoch: different windows
-        check(not (batch_windows and t.ratio_norm == "batch_sensitivity"), "train.ratio_norm",
-              "batch_sensitivity scales each stored column by its step's sensitivity, but sampling.window.mode=random "
-              "draws a window per rollout batch, so a column holds different steps: use "
-              "sampling.window.mode=random_per_epoch")
-
-    def validate_sdpo(self):
-        """SDPO pairs the rows of a group on one shared noise and trains every step of a full-SDE rollout, with no
-        KL or per-step ratio normalisation (its reference has neither)."""
-        t, s = self.train, self.sampling
-        if t.loss == "sdpo":
-            check(s.group_size % 2 == 0, "sampling.group_size", f"train.loss=sdpo pairs the rows of a group on one "
-                  f"initial noise: use an even group size (got {s.group_size})")
-            check(not s.rollout_chunk or min(s.rollout_chunk, s.group_size) % 2 == 0, "sampling.rollout_chunk",
-                  "train.loss=sdpo needs whole pairs per rollout chunk: use an even chunk")
-            check(t.beta == 0, "train.beta", "train.loss=sdpo has no KL term (as its reference): set train.beta=0")
-            check(t.ratio_norm == "none", "train.ratio_norm", "train.loss=sdpo matches plain log-ratio differences: "
-                  "set train.ratio_norm=none")
-            check(not self.gardo.diversity, "gardo.diversity", "train.loss=sdpo trains per-step advantage "
-                  "differences, not row advantages: set gardo.diversity=false")
-            check(not s.pilot.candidates, "sampling.pilot.candidates", "train.loss=sdpo pairs rows that share initial "
-                  "noise, and Pilot-Commit draws a group in two passes: set it to 0")
-        if "sdpo" in (t.loss, t.credit):
-            what = f"train.{'loss' if t.loss == 'sdpo' else 'credit'}=sdpo"
-            check(not s.tree.branch_steps, "sampling.tree.branch_steps", f"{what} trains the steps of flat groups, "
-                  "not tree rollouts: remove the branch steps")
-            check(s.window.size is None, "sampling.window.size", f"{what} rewards and trains every step of a "
-                  "full-SDE rollout (few-step schedules): set the window to null")
 
     def validate_gardo(self):
         g, gated = self.gardo, self.gardo.kl_fraction < 1
@@ -251,3 +188,85 @@ class GRPOConfig(Config, recipe="grpo"):
         check(not gated or bool(auxiliary), "gardo.kl_fraction",
               "the gate ranks samples by how far the trained reward outruns auxiliary rewards, and there are none: "
               "add a reward with weight 0 (or name one in gardo.auxiliary)")
+
+
+def _random_windows(cfg: GRPOConfig) -> bool:
+    """Whether every rollout batch draws its own window (``sampling.window.mode: random``)."""
+    return cfg.sampling.window.size is not None and cfg.sampling.window.mode == "random"
+
+
+_TREE_CREDIT = ("dense_cosine", "dense_ode", "sdpo")  # train.credit values that give per-step advantages
+
+# What each value of recipe grpo's options needs of the others, checked in this order by GRPOConfig.validate. A new
+# per-transition loss needs no row: only the losses that train other targets (TMPO's paths, SDPO's pairs) refuse
+# options here.
+GRPO_REQUIREMENTS = (
+    # Checked first, as the train section: what each value of train.loss, combine and drop_zero_advantage refuses.
+    Requires("train.combine", ("marble",), "train.combine",
+             lambda c: c.train.credit == "terminal" and c.train.loss == "grpo-clip",
+             "marble balances one gradient per reward of the row advantages; it cannot combine with "
+             "train.credit={cfg.train.credit} or train.loss={cfg.train.loss}: use credit terminal and loss grpo-clip, "
+             "or train.combine=gdpo"),
+    Requires("train.loss", ("tmpo",), "train.credit", lambda c: c.train.credit == "terminal",
+             "{cfg.train.credit} gives per-step advantages, but train.loss=tmpo trains on per-trajectory targets; "
+             "use train.loss=grpo-clip or train.credit=terminal"),
+    Requires("train.drop_zero_advantage", (True,), "train.drop_zero_advantage",
+             lambda c: c.train.loss not in ("tmpo", "sdpo") and c.train.combine != "marble",
+             "drops rows of zero advantage from the per-transition loss; not with train.loss={cfg.train.loss} / "
+             "train.combine={cfg.train.combine}, which train on other targets: use train.loss=grpo-clip and a "
+             "combine other than marble, or remove it"),    Requires("train.credit", ("dense_ode",), "train.credit", lambda c: not c.model.preference.rewards,
+             "dense_ode scores its look-ahead states by the configured weights, not each group's w: not with "
+             "model.preference (use terminal or dense_cosine)"),
+    # TMPO's path loss (algorithms.tmpo.PATH_LOSSES) trains over whole paths: no KL, no per-step normalisation,
+    # pruning or row weights.
+    Requires("train.loss", ("tmpo",), "train.beta", lambda c: c.train.beta == 0,
+             "train.loss=tmpo regularises with train.tmpo_ref_weight, not the KL; set train.beta=0"),
+    Requires("train.loss", ("tmpo",), "train.ratio_norm", lambda c: c.train.ratio_norm == "none",
+             "train.loss=tmpo has its own RatioNorm weights; set train.ratio_norm=none"),
+    Requires("train.loss", ("tmpo",), "sampling.tree.prune_width",
+             lambda c: not (c.sampling.tree.prune_width or c.sampling.tree.prune_depth),
+             "train.loss=tmpo trains whole paths; BranchGRPO's pruning does not apply: set it to 0"),
+    Requires("train.loss", ("tmpo",), "gardo.diversity", lambda c: not c.gardo.diversity,
+             "train.loss=tmpo has no per-row advantage to weight; set gardo.diversity=false"),
+    Requires("train.loss", ("tmpo",), "sampling.window.mode", lambda c: not _random_windows(c),
+             "train.loss=tmpo scores each stored column at one step, but mode random draws a window per rollout "
+             "batch: use sampling.window.mode=random_per_epoch"),
+    # SDPO pairs the rows of a group on one shared noise and trains every step of a full-SDE rollout, with no KL or
+    # per-step ratio normalisation (its reference has neither).
+    Requires("train.loss", ("sdpo",), "sampling.group_size", lambda c: c.sampling.group_size % 2 == 0,
+             "train.loss=sdpo pairs the rows of a group on one initial noise: use an even group size (got "
+             "{cfg.sampling.group_size})"),
+    Requires("train.loss", ("sdpo",), "sampling.rollout_chunk",
+             lambda c: not c.sampling.rollout_chunk or min(c.sampling.rollout_chunk, c.sampling.group_size) % 2 == 0,
+             "train.loss=sdpo needs whole pairs per rollout chunk: use an even chunk"),
+    Requires("train.loss", ("sdpo",), "train.beta", lambda c: c.train.beta == 0,
+             "train.loss=sdpo has no KL term (as its reference): set train.beta=0"),
+    Requires("train.loss", ("sdpo",), "train.ratio_norm", lambda c: c.train.ratio_norm == "none",
+             "train.loss=sdpo matches plain log-ratio differences: set train.ratio_norm=none"),
+    Requires("train.loss", ("sdpo",), "gardo.diversity", lambda c: not c.gardo.diversity,
+             "train.loss=sdpo trains per-step advantage differences, not row advantages: set gardo.diversity=false"),
+    Requires("train.loss", ("sdpo",), "sampling.pilot.candidates", lambda c: not c.sampling.pilot.candidates,
+             "train.loss=sdpo pairs rows that share initial noise, and Pilot-Commit draws a group in two passes: set "
+             "it to 0"),
+    Requires("train.loss", ("sdpo",), "sampling.tree.branch_steps", lambda c: not c.sampling.tree.branch_steps,
+             "train.loss=sdpo trains the steps of flat groups, not tree rollouts: remove the branch steps"),
+    Requires("train.loss", ("sdpo",), "sampling.window.size", lambda c: c.sampling.window.size is None,
+             "train.loss=sdpo rewards and trains every step of a full-SDE rollout (few-step schedules): set the "
+             "window to null"),
+    Requires("train.credit", ("sdpo",), "sampling.tree.branch_steps", lambda c: not c.sampling.tree.branch_steps,
+             "train.credit=sdpo trains the steps of flat groups, not tree rollouts: remove the branch steps"),
+    Requires("train.credit", ("sdpo",), "sampling.window.size", lambda c: c.sampling.window.size is None,
+             "train.credit=sdpo rewards and trains every step of a full-SDE rollout (few-step schedules): set the "
+             "window to null"),
+    Requires("train.credit", _TREE_CREDIT, "train.credit", lambda c: not c.sampling.tree.branch_steps,
+             "{cfg.train.credit} is not defined on tree rollouts (sampling.tree.branch_steps), whose edges take their "
+             "advantage from the leaves below them; use train.credit=terminal"),
+    Requires("train.ratio_norm", ("grpo_guard",), "train.ratio_norm", lambda c: c.sampling.kind == "sde",
+             "grpo_guard's |dt| reweighting is defined for SDE steps, not sampling.kind={cfg.sampling.kind}: use "
+             "sampling.kind=sde, or train.ratio_norm=batch_sensitivity"),
+    Requires("train.ratio_norm", ("batch_sensitivity",), "train.ratio_norm", lambda c: not _random_windows(c),
+             "batch_sensitivity scales each stored column by its step's sensitivity, but sampling.window.mode=random "
+             "draws a window per rollout batch, so a column holds different steps: use "
+             "sampling.window.mode=random_per_epoch"),
+
+)

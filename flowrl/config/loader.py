@@ -13,7 +13,8 @@ import math
 import os
 import re
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -34,6 +35,33 @@ def check(condition: bool, key: str, message: str) -> None:
     ``validate()`` calls it; the loader prefixes it with that dataclass's dotted path."""
     if not condition:
         raise ConfigError(f"config key '{key}': {message}", key=key, detail=message)
+
+
+@dataclass(frozen=True)
+class Requires:
+    """A compatibility rule, declared beside the option it belongs to: where the dotted key ``option`` holds one of
+    ``values``, ``holds(cfg)`` must be true, else a one-line error on ``key``: ``message``, formatted with the
+    config as ``cfg`` (``{cfg.train.credit}``). :func:`check_requirements` checks a table of them in order."""
+
+    option: str
+    values: tuple[Any, ...]
+    key: str
+    holds: Callable[[Any], bool]
+    message: str
+
+
+def dotted(cfg: Any, key: str) -> Any:
+    """The value of dotted ``key`` (``train.loss``) in a config."""
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def check_requirements(cfg: Any, rules: Sequence[Requires]) -> None:
+    """Every rule of ``rules`` whose option holds one of its values must hold (:class:`Requires`)."""
+    for rule in rules:
+        if dotted(cfg, rule.option) in rule.values:
+            check(rule.holds(cfg), rule.key, rule.message.format(cfg=cfg))
 
 
 def _join(prefix: str, name: str) -> str:

@@ -2,11 +2,12 @@
 
 Every field carries a one-line doc (the string below it). Unknown keys, wrong types and
 impossible combinations are rejected at load time with a one-line :class:`ConfigError` that names
-the dotted key. Components never receive this object: recipes unpack it into flat arguments.
+the dotted key. Components never receive this object: recipes unpack it into arguments, and a registered loss
+receives its own section (``train``) at most.
 This module holds the sections every recipe reads and their :class:`Config`; each recipe's config class adds its
-own sections on top (:mod:`flowrl.config.grpo`, :mod:`flowrl.config.forward`, whose ``nft.*`` section is recipe nft's).
-The sampling sections live in :mod:`flowrl.config.sampling` and the logging, eval and guard sections in
-:mod:`flowrl.config.reporting`; those are re-exported here.
+own sections on top (:mod:`flowrl.config.grpo`, :mod:`flowrl.config.nft`, whose ``nft.*`` section is recipe nft's).
+The sampling sections live in :mod:`flowrl.config.sampling`, the logging and eval sections in
+:mod:`flowrl.config.reporting` and the guards' in :mod:`flowrl.config.guards`; those are re-exported here.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from flowrl.config.loader import check
-from flowrl.config.reporting import EvalConfig, GuardConfig, HeldOutGuardConfig, LogConfig  # noqa: F401
+from flowrl.config.guards import GuardConfig, HeldOutGuardConfig  # noqa: F401
+from flowrl.config.reporting import EvalConfig, LogConfig  # noqa: F401
 from flowrl.config.sampling import (  # noqa: F401
     BetaScheduleConfig, PilotConfig, SamplingConfig, SelfGuidanceConfig, TreeConfig, WindowConfig,
 )
@@ -338,7 +340,7 @@ class HrfConfig:
 @dataclass
 class Config:
     """The sections every recipe reads. A run's config is its recipe's subclass (:class:`flowrl.config.grpo.GRPOConfig`,
-    :class:`flowrl.config.forward.NFTConfig`), which adds the recipe's own sections and checks; the loader builds the
+    :class:`flowrl.config.nft.NFTConfig`), which adds the recipe's own sections and checks; the loader builds the
     one that ``recipe:`` names (``load_config(Config, ...)``), so a key of another recipe is an unknown key.
 
     ``validate`` only reads: the same file gives the same config on any machine. What depends on the machine (is

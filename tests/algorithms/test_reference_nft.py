@@ -16,7 +16,7 @@ import torch
 
 from flowrl.algorithms.crd import crd_weights, implicit_reward
 from flowrl.config import Config, load_config
-from flowrl.config.forward import NFTSection
+from flowrl.config.nft import NFTSection
 from flowrl.training.stats import StatsAccumulator
 from flowrl.algorithms.forward_losses import CrdLoss, forward_process_loss, implicit_log_ratio, noised_sample
 from flowrl.recipes.nft import train

@@ -9,7 +9,7 @@ import pytest
 
 from flowrl.algorithms.ratio_norm import RATIO_NORMS
 from flowrl.algorithms.timesteps import TIMESTEP_SCHEDULES
-from flowrl.config.forward import NFTSection
+from flowrl.config.nft import NFTSection
 from flowrl.config.grpo import GRPOTrainConfig
 
 

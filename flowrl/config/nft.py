@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from flowrl.config.loader import check
+from flowrl.config.loader import Requires, check, check_requirements
 from flowrl.config.schema import Config
 
 
@@ -121,7 +121,7 @@ class NFTSection:
                                     and value[2] >= 0), key,
                   "must be a DiffusionNFT decay type (0, 1 or 2), [start_step >= 0, start_value in [0, 1], slope >= 0, "
                   "end_value in [0, 1]] or null")
-        check(self.sampler_decay is None or self.loss == "crd", "sampler_decay",
+        check(self.sampler_decay is None or self.sampler_schedule() is not None, "sampler_decay",
               f"only loss crd keeps a sampler apart from the old adapter (loss {self.loss}): remove it")
         check(0 < self.stratified_fraction <= 1, "stratified_fraction", "must be in (0, 1]")
         check(self.awm_ghuber_power > 0, "awm_ghuber_power", "must be > 0")
@@ -167,14 +167,7 @@ class NFTConfig(Config, recipe="nft"):
     def validate(self):
         super().validate()
         n, t, s = self.nft, self.train, self.sampling
-        check(not (n.loss == "crd" and t.combine == "marble"), "train.combine",
-              "marble balances advantage-weighted gradients, and nft.loss=crd weights each sample by its reward-"
-              "matching residual instead: use train.combine=weighted or gdpo with crd")
-        check(not (n.loss == "dpo" and t.combine == "marble"), "train.combine",
-              "marble balances advantage-weighted gradients, and nft.loss=dpo trains on preference pairs instead: use "
-              "train.combine=weighted or gdpo with dpo")
-        check(n.loss != "dpo" or s.group_size >= 2, "sampling.group_size",
-              f"is {s.group_size}: nft.loss=dpo pairs rollouts of one prompt, so a group needs at least 2")
+        check_requirements(self, NFT_REQUIREMENTS)
         check(t.ema, "train.ema", "recipe nft keeps its old adapter as train.ema: set train.ema=true")
         check(n.choice("timestep_schedule") != "sampling" or n.timesteps_per_sample <= s.num_steps,
               "nft.timesteps_per_sample", f"exceeds the {s.num_steps} sigmas of the sampling schedule; lower it or "
@@ -186,3 +179,16 @@ class NFTConfig(Config, recipe="nft"):
               "SA-Solver rollouts need at least 2 steps (nft.sampler=sa_solver)")
         check(n.choice("sampler") != "sa_solver" or not s.pilot.candidates, "sampling.pilot.candidates",
               "Pilot-Commit rolls out with the Euler/SDE loop, not SA-Solver: set it to 0 or nft.sampler=ode")
+
+
+# What each forward loss needs of the other options, checked by NFTConfig.validate.
+NFT_REQUIREMENTS = (
+    Requires("nft.loss", ("crd",), "train.combine", lambda c: c.train.combine != "marble",
+             "marble balances advantage-weighted gradients, and nft.loss=crd weights each sample by its reward-"
+             "matching residual instead: use train.combine=weighted or gdpo with crd"),
+    Requires("nft.loss", ("dpo",), "train.combine", lambda c: c.train.combine != "marble",
+             "marble balances advantage-weighted gradients, and nft.loss=dpo trains on preference pairs instead: use "
+             "train.combine=weighted or gdpo with dpo"),
+    Requires("nft.loss", ("dpo",), "sampling.group_size", lambda c: c.sampling.group_size >= 2,
+             "is {cfg.sampling.group_size}: nft.loss=dpo pairs rollouts of one prompt, so a group needs at least 2"),
+)
