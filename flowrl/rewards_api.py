@@ -500,8 +500,9 @@ class AsyncScorer:
 
 
 def nan_summary(rewards: Mapping[str, torch.Tensor]) -> dict[str, float]:
-    """NaN count per reward main key -> {"reward/<name>_nan": count} for logging.
+    """Count of images each reward could not score -> {"reward/<name>_nan": count} for logging: NaN and infinite
+    values alike, as training drops both.
 
     Sub-scores ("<name>/<sub>") are skipped: some are legitimately NaN (not applicable).
     """
-    return {f"reward/{k}_nan": float(torch.isnan(v).sum()) for k, v in rewards.items() if "/" not in k}
+    return {f"reward/{k}_nan": float((~torch.isfinite(v)).sum()) for k, v in rewards.items() if "/" not in k}

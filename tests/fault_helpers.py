@@ -42,6 +42,15 @@ class AllNan:
         return {self.name: torch.full((images.shape[0],), math.nan)}
 
 
+class AllInf:
+    """Scores every image +inf: as unusable as NaN."""
+
+    name = "all_inf"
+
+    def __call__(self, images, prompts, metadata):
+        return {self.name: torch.full((images.shape[0],), math.inf)}
+
+
 class Raising:
     name = "raising"
 

@@ -62,8 +62,9 @@ def reward_advantages(rewards: dict[str, torch.Tensor], weights: dict[str, float
 
 
 def combined_reward(rewards: dict[str, torch.Tensor], weights: dict[str, float]) -> torch.Tensor:
-    """[N] sum_k w_k r_k over every reward, NaN where any reward is NaN."""
-    return sum(weights[name] * rewards[name].float() for name in weights)
+    """[N] sum_k w_k r_k over the trained rewards, NaN where any of them is NaN. A logged-only reward (weight 0) is
+    left out, not added as 0 * r: a row it could not score (NaN, inf) must not lose the rewards that train."""
+    return sum(weights[name] * rewards[name].float() for name in weights if weights[name] != 0)
 
 
 def gdpo(rewards: dict[str, torch.Tensor], weights: dict[str, float], group_ids: torch.Tensor,

@@ -39,5 +39,6 @@ def preference_sum(rewards: dict[str, torch.Tensor], weights: dict[str, torch.Te
     """ParetoSlider's scalarisation: ``combined[i] = sum_k w_ik r_ik`` with per-row weights (:func:`row_weights`;
     floats broadcast), then one advantage per group. w is constant within a group, so the group's baseline is
     taken at its own trade-off. NaN in any reward -> NaN."""
-    combined = sum(torch.as_tensor(weights[name], dtype=torch.float32) * rewards[name].float() for name in weights)
+    trained = [name for name in weights if torch.is_tensor(weights[name]) or weights[name] != 0]  # not logged-only
+    combined = sum(torch.as_tensor(weights[name], dtype=torch.float32) * rewards[name].float() for name in trained)
     return estimator(combined, group_ids), combined

@@ -100,6 +100,27 @@ def test_every_reward_nan_stops_after_max_nan_epochs(tmp_path, capsys):
     assert not (tmp_path / "lora").exists()  # and exported nothing as if it had succeeded
 
 
+def test_a_logged_only_reward_that_fails_never_reaches_the_training_signal(tmp_path, capsys):
+    """A weight-0 reward scoring every image NaN leaves the trained reward's advantages as they are: the run trains
+    (a nonzero gradient), warns of nothing, and logs the failures as the logged reward's NaN count."""
+    code, errors = train(tmp_path, "train.epochs=2",
+                         "rewards=[{name: 'tests.reward_fixtures:RedMinusBlue'}, "
+                         "{name: 'tests.fault_helpers:AllNan', weight: 0.0}]", capsys=capsys)
+    assert code == 0 and not errors
+    assert "warning:" not in OUT[0]
+    rows = metrics(tmp_path)
+    assert all(row["optim/grad_norm"] > 0 and row["reward/all_nan_nan"] == 2 for row in rows)
+    assert all(row["reward/combined_mean"] == row["reward/redness_mean"] for row in rows)
+
+
+def test_an_infinite_reward_counts_as_unscored(tmp_path, capsys):
+    """+inf is dropped as NaN is, and counted as such: logged in reward/<name>_nan and toward train.max_nan_epochs."""
+    code, errors = train(tmp_path, "train.epochs=3", "train.max_nan_epochs=2",
+                         "rewards=[{name: 'tests.fault_helpers:AllInf'}]", capsys=capsys)
+    assert code == 2 and len(errors) == 1 and "reward 'all_inf' scored every image NaN" in errors[0], errors
+    assert [r["reward/all_inf_nan"] for r in metrics(tmp_path)] == [2, 2]
+
+
 def test_one_nan_epoch_warns_in_one_line_and_the_run_goes_on(tmp_path, capsys):
     code, errors = train(tmp_path, "train.epochs=1", "train.max_nan_epochs=2",
                          "rewards=[{name: 'tests.fault_helpers:AllNan'}]", capsys=capsys)
