@@ -51,6 +51,15 @@ class AllInf:
         return {self.name: torch.full((images.shape[0],), math.inf)}
 
 
+class Constant:
+    """Scores every image 0.5: every group ties."""
+
+    name = "constant"
+
+    def __call__(self, images, prompts, metadata):
+        return {self.name: torch.full((images.shape[0],), 0.5)}
+
+
 class Raising:
     name = "raising"
 

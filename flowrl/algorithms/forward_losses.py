@@ -75,6 +75,10 @@ class ForwardLoss:
         log-ratios), in place of the clipped advantages; None: the clipped advantages (MARBLE-balanced where on)."""
         return None
 
+    def idle(self) -> str | None:
+        """Why this epoch's update had nothing to train on, where it had not (None: it had)."""
+        return None
+
     def metrics(self, clipped: torch.Tensor) -> dict[str, float]:
         """The epoch's size of the update weights ``clipped`` [N]."""
         return {f"{self.name}/advantage_abs": float(clipped.abs().mean())}
@@ -201,6 +205,12 @@ class DpoLoss(ForwardLoss):
 
     def metrics(self, clipped: torch.Tensor) -> dict[str, float]:
         return {"dpo/pairs": self.pairs}
+
+    def idle(self) -> str | None:
+        if self.pairs:
+            return None
+        return ("nft.loss=dpo found no preference pair (every group's rewards tied); give the reward more resolution, "
+                "raise sampling.group_size, or use nft.loss=nft")
 
 
 FORWARD_LOSSES: dict[str, type[ForwardLoss]] = {"nft": NftLoss, "awm": AwmLoss, "crd": CrdLoss, "dpo": DpoLoss}

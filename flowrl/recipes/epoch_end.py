@@ -73,11 +73,12 @@ def optimizer_step(run: Run, stats: StatsAccumulator) -> None:
 
 def end_epoch(run: Run, epoch: int, *, gathered: dict[str, torch.Tensor], combined: torch.Tensor,
               group_ids: torch.Tensor, stats: StatsAccumulator, extra: dict[str, float], rollouts: int,
-              times: tuple[float, float, float, float], bar) -> dict[str, float]:
+              times: tuple[float, float, float, float], bar, idle: str | None = None) -> dict[str, float]:
     """Collect the epoch's metrics (rewards, training stats, the recipe's ``extra``, stage times), count,
     score the held-out prompts, render the eval grid, log, checkpoint, update the progress bar.
 
-    ``times``: when the epoch started, sampling ended, scoring ended and training ended.
+    ``times``: when the epoch started, sampling ended, scoring ended and training ended. ``idle``: why the update
+    had nothing to train on, where it had not (a warning, and toward ``train.max_nan_epochs``).
     """
     cfg, accelerator, t = run.cfg, run.accelerator, run.cfg.train
     epoch_start, sample_done, reward_done, train_done = times
@@ -88,7 +89,7 @@ def end_epoch(run: Run, epoch: int, *, gathered: dict[str, torch.Tensor], combin
     metrics.update(extra)
     aborted = None
     try:  # every trained reward NaN: nothing trained this epoch (a dead reward server under reward_errors=nan)
-        warning = run.faults.epoch(gathered, [k for k, w in run.weights.items() if w != 0], epoch=epoch)
+        warning = run.faults.epoch(gathered, [k for k, w in run.weights.items() if w != 0], epoch=epoch, idle=idle)
     except TrainingAborted as error:
         warning, aborted = None, error
     if warning and accelerator.is_main_process:

@@ -161,7 +161,7 @@ def train(cfg: NFTConfig, *, accelerator: Accelerator | None = None) -> dict[str
                             extra={**forward_loss.metrics(clipped), **phase_metrics, **scoring_metrics, **update_metrics,
                                    **traj.sampling_metrics},
                             rollouts=traj.rollouts_sampled, times=(epoch_start, sample_done, reward_done, train_done),
-                            bar=bar)
+                            bar=bar, idle=forward_loss.idle())
         if out_of_time(run) or run.stopped:
             break
 

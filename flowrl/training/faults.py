@@ -57,14 +57,24 @@ class FaultCounter:
                 "resume with train.resume=latest")
         return True
 
-    def epoch(self, rewards: Mapping[str, torch.Tensor], trained: Iterable[str], *, epoch: int) -> str | None:
-        """Record one epoch's gathered rewards; returns a warning line when every trained reward is NaN."""
+    def epoch(self, rewards: Mapping[str, torch.Tensor], trained: Iterable[str], *, epoch: int,
+              idle: str | None = None) -> str | None:
+        """Record one epoch's gathered rewards; returns a warning line when every trained reward is NaN, or when the
+        update had nothing to train on (``idle``: why, e.g. online DPO found no preference pair). Either counts
+        toward ``train.max_nan_epochs`` in a row."""
         trained = [k for k in trained if k in rewards]
         dead = [k for k in trained if not bool(torch.isfinite(rewards[k]).any())]
-        if not trained or len(dead) < len(trained):
+        if (not trained or len(dead) < len(trained)) and idle is None:
             self.nan_epochs_in_a_row = 0
             return None
         self.nan_epochs_in_a_row += 1
+        if not trained or len(dead) < len(trained):  # the rewards scored, but the update had nothing to train on
+            if self.nan_epochs_in_a_row >= self.max_nan_epochs:
+                raise TrainingAborted(
+                    f"{idle} for {self.nan_epochs_in_a_row} epochs in a row through epoch {epoch} "
+                    f"(train.max_nan_epochs={self.max_nan_epochs}), so nothing trained; the last checkpoint is intact")
+            return (f"flowrl train: warning: epoch {epoch}: {idle}, so this epoch trains on nothing; the run stops "
+                    f"after {self.max_nan_epochs} such epochs in a row")
         names = ", ".join(repr(k) for k in dead)
         if self.nan_epochs_in_a_row >= self.max_nan_epochs:
             raise TrainingAborted(

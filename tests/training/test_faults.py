@@ -121,6 +121,17 @@ def test_an_infinite_reward_counts_as_unscored(tmp_path, capsys):
     assert [r["reward/all_inf_nan"] for r in metrics(tmp_path)] == [2, 2]
 
 
+def test_online_dpo_with_no_pair_warns_each_epoch_and_stops_after_max_nan_epochs(tmp_path, capsys):
+    """Every group tied: online DPO has no (winner, loser) pair and trains nothing. The run says so each epoch and
+    stops after train.max_nan_epochs such epochs, as it does when every reward is NaN, instead of exiting 0."""
+    code, errors = train(tmp_path, "recipe=nft", "nft.loss=dpo", "train.epochs=4", "train.checkpoint_every=1",
+                         "train.max_nan_epochs=2", "rewards=[{name: 'tests.fault_helpers:Constant'}]", capsys=capsys)
+    assert code == 2 and len(errors) == 1, errors
+    assert "nft.loss=dpo found no preference pair" in errors[0] and "2 epochs in a row" in errors[0]
+    assert OUT[0].count("warning: epoch 0: nft.loss=dpo found no preference pair") == 1
+    assert [r["dpo/pairs"] for r in metrics(tmp_path)] == [0, 0]
+
+
 def test_one_nan_epoch_warns_in_one_line_and_the_run_goes_on(tmp_path, capsys):
     code, errors = train(tmp_path, "train.epochs=1", "train.max_nan_epochs=2",
                          "rewards=[{name: 'tests.fault_helpers:AllNan'}]", capsys=capsys)
