@@ -68,6 +68,8 @@ def check_checkpoint(path: str | Path) -> dict:
 # What must be the same for a checkpoint to continue a run: (dotted config key, what it is called in the message).
 RESUME_IDENTITY = (("model.family", "model family"), ("model.path", "base model"), ("lora.rank", "LoRA rank"),
                    ("lora.alpha", "LoRA alpha"), ("lora.target_modules", "LoRA target modules"))
+# Keys whose state the checkpoint holds in a form only the same setting can load (the optimizer's moments).
+RESUME_STATE = (("train.optimizer", "optimizer"),)
 
 
 def check_checkpoint_matches(path: str | Path, config: dict) -> None:
@@ -90,6 +92,11 @@ def check_checkpoint_matches(path: str | Path, config: dict) -> None:
     if differ:
         raise ValueError(f"checkpoint {path} belongs to another run: {'; '.join(differ)}; resume with the config it "
                          "was trained with, or start a fresh run in another run_dir")
+    for key, label in RESUME_STATE:
+        if _dotted(saved, key) is not None and _dotted(saved, key) != _dotted(config, key):
+            raise ValueError(f"checkpoint {path} holds the state of {label} {_dotted(saved, key)!r}, and this run asks "
+                             f"for {_dotted(config, key)!r} ({key}): resume with {key}={_dotted(saved, key)}, or start "
+                             "a fresh run in another run_dir")
 
 
 def check_checkpoint_shapes(path: str | Path, shapes: dict[str, tuple[int, ...]], trained: str = "lora") -> None:

@@ -153,6 +153,8 @@ CASES = [
      False),
     ("resume_other_family", "resume-with", ["model.family=flux"], ["belongs to another run", "model family 'sd3'"],
      False),
+    ("resume_other_optimizer", "resume-with", ["train.optimizer=adamw8bit"],
+     ["holds the state of optimizer 'adamw'", "train.optimizer=adamw"], False),
     ("resume_other_shapes", "resume-relabelled", ["lora.rank=4"], ["does not fit this run's model", "[2, 32] there"],
      False),
     # the run directory
