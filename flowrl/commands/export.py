@@ -51,7 +51,12 @@ def export_lora(checkpoint: str | Path, out: str | Path, *, format: str = "all",
         raise FileNotFoundError(f"{checkpoint} holds no adapter to export: no checkpoint with lora.safetensors "
                                 "or weights.safetensors (give a run dir with checkpoints/ or a checkpoint dir)") from None
     run_config, config_text = _run_config(path)
+    if svd_rank is not None and svd_rank < 1:
+        raise ValueError(f"--svd-rank must be >= 1, got {svd_rank}")
     if is_full_checkpoint(path):
+        if format != "all" and svd_rank is None:
+            raise ValueError(f"{path} holds fully fine-tuned weights, which export as a transformer folder; --format "
+                             f"{format} writes a LoRA file: add --svd-rank R to extract one, or leave out --format")
         return export_full(path, out, run_config, config_text, format=format, ema=ema, force=force, svd_rank=svd_rank)
     if svd_rank is not None:
         raise ValueError(f"--svd-rank extracts a LoRA from full weights, and {path} holds a LoRA already: "
@@ -108,12 +113,13 @@ def export_full(path: Path, out: str | Path, run_config: dict, config_text: str,
     model = from_dict(ModelConfig, run_config.get("model", {}), prefix="model")
     policy = build_policy(model.family, model.path, dtype=model.dtype, seed=int(run_config.get("seed", 0)))
     paths = []
+    if svd_rank is not None:  # before anything is written: a rank it refuses leaves no files
+        from flowrl.models.svd_lora import extract_lora
+
+        state, lora_config, report = extract_lora(policy.transformer, trained, svd_rank)
     try:
         out.mkdir(parents=True, exist_ok=True)
         if svd_rank is not None:
-            from flowrl.models.svd_lora import extract_lora
-
-            state, lora_config, report = extract_lora(policy.transformer, trained, svd_rank)
             paths += write_lora_files(out, state, lora_config, family=model.family, base_model=model.path,
                                       config_text=config_text, format=format, force=force)
             print(f"flowrl export-lora: {report.summary()}")

@@ -74,6 +74,10 @@ def extract_lora(base: torch.nn.Module, trained: dict[str, torch.Tensor], rank: 
     if unknown:
         raise ValueError(f"the trained weights do not fit the base model: no parameter {unknown[0]!r} there")
     linear = {f"{name}.weight": name for name, module in base.named_modules() if isinstance(module, torch.nn.Linear)}
+    full_rank = max((min(params[key].shape) for key in trained if key in linear), default=0)
+    if full_rank and rank > full_rank:  # every layer's factors would be zero-padded past its exact rank
+        raise ValueError(f"--svd-rank {rank} is above the full rank of every trained layer (at most {full_rank}); "
+                         f"use --svd-rank {full_rank} or less ({full_rank} is exact)")
     state = {}
     for key, value in trained.items():
         reference = params[key].detach().float().cpu()

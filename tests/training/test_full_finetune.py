@@ -262,3 +262,18 @@ def test_eval_of_a_full_checkpoint_is_one_line(grpo_run, tmp_path, capsys, monke
     monkeypatch.delenv("FLOWRL_DEBUG", raising=False)
     code = main(["eval", "configs/smoke/sd3_tiny.yaml", "--checkpoint", str(grpo_run), "--out", str(tmp_path / "e")])
     _one_line(code, capsys.readouterr().err, ["full fine-tuning weights", "--svd-rank"])
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--format", "kohya"], ["fully fine-tuned weights", "--format kohya", "--svd-rank"]),
+    (["--svd-rank", "0"], ["--svd-rank must be >= 1"]),
+    (["--svd-rank", "4096"], ["--svd-rank 4096 is above the full rank", "use --svd-rank"]),
+])
+def test_an_export_of_full_weights_it_cannot_write_as_asked_is_one_line_and_writes_nothing(grpo_run, tmp_path, capsys,
+                                                                                          monkeypatch, args, words):
+    """--format kohya names a LoRA file, which full weights have only through --svd-rank; a rank of 0, or above every
+    layer's full rank (all zero padding), is refused. None of them leaves a file or folder behind."""
+    monkeypatch.delenv("FLOWRL_DEBUG", raising=False)
+    out = tmp_path / "out"
+    code = main(["export-lora", str(grpo_run), str(out), *args])
+    _one_line(code, capsys.readouterr().err, words, out)
