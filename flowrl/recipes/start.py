@@ -84,10 +84,12 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, extras: di
     if t.resume:
         check_resumable(cfg, policy)  # before the run directory is touched
     if accelerator.is_main_process:  # only now: a bad model path, reward or prompt file leaves no run directory
-        moved = claim_run_dir(run_dir, overwrite=t.overwrite)
+        moved = claim_run_dir(run_dir, overwrite=t.overwrite, resume=bool(t.resume))
         save_config(cfg, run_dir / "config.yaml")
+        before = "an attempt that stopped before its first checkpoint; its log" if moved and not t.overwrite else \
+            "the run that was there"
         tqdm.write(f"flowrl train: {'resuming the run in' if t.resume else 'this run goes to'} {run_dir}"
-                   + (f" (the run that was there is now {moved})" if moved else ""))
+                   + (f" ({before} is now {moved})" if moved else ""))
     if cfg.model.text_cache == "disk":  # every prompt the run encodes, once; the encoders may go after
         attach_configured_cache(policy, cfg.model, run_dir, [*train_prompts.prompts, *test_prompts.prompts,
                                                              *eval_prompt_set(cfg, test_prompts).prompts],

@@ -3,8 +3,11 @@
 A run directory holds one run's config, metrics, checkpoints, grids, adapter and report. Starting a second run in
 it without ``train.resume`` used to truncate the first run's ``metrics.jsonl`` and mix both runs' checkpoints under
 one ``latest``. Here a fresh start into a directory that already holds a run is refused in one line; with
-``train.overwrite=true`` the old run is moved aside whole (``RUN.old-<timestamp>``), never deleted. A directory that
-cannot be created or written to is one line naming the path and the reason, checked before any model loads.
+``train.overwrite=true`` the old run is moved aside whole (``RUN.old-<timestamp>``), never deleted. A run that
+stopped before its first checkpoint (a reward that raised, a dead server) is not a run to protect: the same command
+run again starts afresh, and the failed attempt's config and log move aside to ``RUN.failed-<timestamp>`` for
+diagnosis. A directory that cannot be created or written to is one line naming the path and the reason, checked
+before any model loads.
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ def held_run(run_dir: str | Path) -> list[str]:
     return found
 
 
+def has_checkpoint(run_dir: str | Path) -> bool:
+    """Whether the run in ``run_dir`` wrote a complete checkpoint (``checkpoints/latest`` names one)."""
+    return (Path(run_dir) / "checkpoints" / "latest").is_file()
+
+
 def check_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool) -> None:
     """Refuse, before anything loads, a run directory that cannot be written or that holds another run.
 
@@ -43,27 +51,30 @@ def check_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool) -> None
     run_dir = Path(run_dir)
     check_writable(run_dir)
     marks = held_run(run_dir)
-    if marks and not resume and not overwrite:
+    if marks and not resume and not overwrite and has_checkpoint(run_dir):
         raise RunDirError(
             f"run_dir {run_dir} already holds a run ({', '.join(marks)}); continue it with train.resume=latest, "
             f"start a fresh one with run_dir=<another directory>, or move the old one aside with "
             f"train.overwrite=true")
 
 
-def claim_run_dir(run_dir: str | Path, *, overwrite: bool) -> Path | None:
+def claim_run_dir(run_dir: str | Path, *, overwrite: bool, resume: bool = False) -> Path | None:
     """Make ``run_dir`` this run's (call on the main process when the run starts, after everything loaded).
 
-    With ``overwrite`` an old run there is renamed to ``RUN.old-<YYYYmmdd-HHMMSS>`` (a numbered suffix if taken);
-    returns where it went, or None when there was nothing to move."""
+    With ``overwrite`` an old run there is renamed to ``RUN.old-<YYYYmmdd-HHMMSS>`` (a numbered suffix if taken); a
+    fresh start over an attempt that never checkpointed renames it to ``RUN.failed-<YYYYmmdd-HHMMSS>``. Returns where
+    it went, or None when there was nothing to move."""
     run_dir = Path(run_dir)
     moved = None
-    if overwrite and held_run(run_dir):
+    failed = not resume and not overwrite and not has_checkpoint(run_dir)
+    if (overwrite or failed) and held_run(run_dir):
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        moved = run_dir.with_name(f"{run_dir.name}.old-{stamp}")
+        kind = "failed" if failed else "old"
+        moved = run_dir.with_name(f"{run_dir.name}.{kind}-{stamp}")
         n = 1
         while moved.exists():
             n += 1
-            moved = run_dir.with_name(f"{run_dir.name}.old-{stamp}-{n}")
+            moved = run_dir.with_name(f"{run_dir.name}.{kind}-{stamp}-{n}")
         try:
             os.replace(run_dir, moved)
         except OSError as error:

@@ -317,6 +317,23 @@ def test_overwrite_moves_the_old_run_aside_whole(files, tmp_path, capsys):
     assert (first / "metrics.jsonl").read_text().count("\n") == 1, "the new run starts its own metrics"
 
 
+def test_a_run_that_failed_before_its_first_checkpoint_is_retried_by_the_same_command(tmp_path, capsys):
+    """A reward that raises stops the run in one line before any checkpoint. The same command, run again once the
+    reward is fixed, starts afresh; the failed attempt's config and log move aside, kept for diagnosis."""
+    run = tmp_path / "run"
+    command = ["train", *TINY_TRAIN, f"run_dir={run}", "train.epochs=1"]
+    code, err = run_cli([*command, "rewards=[{name: 'tests.fault_helpers:Raising'}]"], capsys)
+    check(code, err, ["raising"], run, False, "train")
+    failed_config = (run / "config.yaml").read_text()
+    assert not (run / "checkpoints" / "latest").exists()
+    code, out = main(command), capsys.readouterr().out
+    assert code == 0
+    moved = [p for p in tmp_path.iterdir() if p.name.startswith("run.failed-")]
+    assert len(moved) == 1 and (moved[0] / "config.yaml").read_text() == failed_config
+    assert f"an attempt that stopped before its first checkpoint; its log is now {moved[0]}" in out
+    assert (run / "checkpoints" / "latest").is_file()
+
+
 def test_a_read_only_run_directory_is_one_line(tmp_path, capsys):
     """A real read-only file system where the machine allows mounting one (root), else a directory without write
     permission."""
