@@ -10,10 +10,15 @@ import torch
 
 
 def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
-    """'auto' -> cuda when available, else cpu."""
+    """'auto' -> cuda when available, else cpu. A CUDA device asked for where none is visible is a one-line
+    ValueError, not torch's traceback at the first tensor moved there."""
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r}: no CUDA GPU is visible here; use cpu, or auto to take a GPU "
+                         "where there is one")
+    return resolved
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:

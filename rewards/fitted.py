@@ -243,6 +243,11 @@ class FittedReward:
         parts = {"fit": ([], []), "held_out": ([], [])}  # split -> (features [n, F] per class, labels)
         for label in CLASSES:
             x = file_features(network, files[label], device)  # [n, F]
+            bad = (~torch.isfinite(x).all(dim=1)).nonzero()[:, 0].tolist()
+            if bad:  # a head fitted on them would hold non-finite weights and score every image NaN
+                raise ValueError(f"feature network {features!r} gave non-finite features for {len(bad)} of the "
+                                 f"{len(x)} {label} images (first: {files[label][bad[0]]}); check --feature-kwargs and "
+                                 "the images")
             fit_index, held_index = _held_out_split(len(x), held_out, generator)
             for split, index in (("fit", fit_index), ("held_out", held_index)):
                 parts[split][0].append(x[index])
@@ -265,6 +270,9 @@ class FittedReward:
                     "held_out_correct": str(summary["held_out_correct"]),
                     "held_out_total": str(summary["held_out_total"]), "counts": counts, "l2": repr(float(l2)),
                     "seed": str(seed)}
+        if not all(bool(torch.isfinite(t).all()) for t in (weight, bias, mean, std)):
+            raise ValueError(f"the fitted head on {features!r} features is not finite (features too large or "
+                             "degenerate); try other --features or --feature-kwargs, or a larger --l2")
         summary["path"] = save_head(out, {"weight": weight, "bias": bias.reshape(1), "mean": mean, "std": std},
                                     metadata)
         return summary

@@ -88,3 +88,29 @@ def test_bad_input_is_one_line_and_leaves_no_file(folders, tmp_path, capsys, cas
     assert err.count("\n") == 1 and err.startswith("flowrl fit-reward: error: ") and "Traceback" not in err, err
     assert all(word in err for word in words), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken"]  # no reward file, no temporary file
+
+
+def test_non_finite_features_and_a_missing_gpu_are_one_line_and_leave_no_file(folders, tmp_path, capsys,
+                                                                             monkeypatch):
+    """Features a network gives as NaN or inf would fit a head of non-finite weights that scores every image NaN;
+    --device cuda where no GPU is visible would be torch's traceback. Each is one line, and no file is written."""
+    import rewards.fitted as fitted
+
+    real = fitted.file_features
+
+    def some_nan(network, files, device):
+        x = real(network, files, device)
+        x[1] = float("nan")
+        return x
+
+    monkeypatch.setattr(fitted, "file_features", some_nan)
+    assert fit(folders, tmp_path / "fitted.safetensors") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "non-finite features for 1 of the 24 clean images" in err, err
+    monkeypatch.setattr(fitted, "file_features", real)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["fit-reward", str(folders / "clean"), str(folders / "artifact"), "--out",
+                 str(tmp_path / "fitted.safetensors"), "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no CUDA GPU is visible" in err and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []
