@@ -14,6 +14,17 @@ import sys
 DEFAULT_CONFIG = "configs/toy/nft.yaml"
 
 
+def seed(text: str) -> int:
+    """A ``--seed``: a whole number >= 0 (numpy's generators take no other); argparse names the option."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _debug_arg(parser: argparse.ArgumentParser, default=False) -> None:
     parser.add_argument("--debug", action="store_true", default=default,
                         help="show the full traceback of an error (sets FLOWRL_DEBUG=1)")
@@ -89,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--feature-kwargs", default="{}", help="JSON object of the feature network's arguments, e.g. "
                      "'{\"model\": \"ViT-L-14\", \"pretrained\": \"/path/open_clip.bin\"}'")
     fit.add_argument("--held-out", type=float, default=0.2, help="share of each folder held out to measure accuracy")
-    fit.add_argument("--seed", type=int, default=0, help="seed of the held-out split")
+    fit.add_argument("--seed", type=seed, default=0, help="seed of the held-out split")
     fit.add_argument("--l2", type=float, default=1e-3, help="L2 penalty of the logistic head")
     fit.add_argument("--device", default="auto", help="where the feature network runs (auto: cuda when available)")
     fit.add_argument("--force", action="store_true", help="overwrite an existing --out")
@@ -104,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "pickscore (Pick-a-Pic v1 captions) or ocr (Flow-GRPO's OCR prompts): OUT/train.txt, "
                          "OUT/eval.txt")
     prepare.add_argument("out", metavar="OUT", help="output directory")
-    prepare.add_argument("--seed", type=int, default=0, help="seed of the generated or shuffled split (geneval's "
+    prepare.add_argument("--seed", type=seed, default=0, help="seed of the generated or shuffled split (geneval's "
                          "seed 0 is GenEval's published benchmark)")
     prepare.add_argument("--force", action="store_true", help="overwrite prompt files already in OUT")
 

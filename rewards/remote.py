@@ -104,6 +104,16 @@ def _jsonable(obj: Any) -> Any:
     raise TypeError(f"metadata value of type {type(obj).__name__} is not JSON-serialisable")
 
 
+def _number(name: str, value: Any, kind: type) -> Any:
+    """``value`` as a ``kind`` (int or float): a setting written as text that is not a number (``deadline:
+    forever``) is a one-line error naming the setting, not Python's bare conversion message."""
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        what = "a whole number" if kind is int else "a number (seconds where it is a time)"
+        raise ValueError(f"{name} must be {what}, got {value!r}") from None
+
+
 # ------------------------------------------------------------------------------------ the deadline
 
 class _Deadline:
@@ -254,6 +264,13 @@ class RemoteReward:
                  num_workers: int = 4, use_env_proxy: bool = False,
                  max_response_bytes: int = MAX_RESPONSE_BYTES, deadline: float = DEADLINE, groups: bool = False,
                  check_health: bool = True) -> None:
+        jpeg_quality, max_retries, batch_size, max_response_bytes, num_workers = (
+            _number(name, value, int) for name, value in (
+                ("jpeg_quality", jpeg_quality), ("max_retries", max_retries), ("batch_size", batch_size),
+                ("max_response_bytes", max_response_bytes), ("num_workers", num_workers)))
+        timeout, backoff, max_backoff, deadline = (
+            _number(name, value, float) for name, value in (
+                ("timeout", timeout), ("backoff", backoff), ("max_backoff", max_backoff), ("deadline", deadline)))
         parsed = urllib.parse.urlparse(str(url))
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
             raise ValueError(f"url must look like http://host:port, got {url!r}")

@@ -63,3 +63,17 @@ def test_debug_keeps_the_loading_bars(tmp_path):
                      "--out", str(tmp_path / "grid.png"))
     assert result.returncode == 0, result.stderr[-2000:]
     assert LOADING_BARS[0] in result.stderr
+
+
+@pytest.mark.parametrize("argv", [["data", "prepare", "geneval", "{tmp}/out", "--seed", "-1"],
+                                  ["data", "prepare", "geneval", "{tmp}/out", "--seed", "one"]])
+def test_a_bad_seed_names_the_option(tmp_path, capsys, argv):
+    """numpy's "expected non-negative integer" named nothing; argparse names --seed, and nothing is written."""
+    from flowrl.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main([a.format(tmp=tmp_path) for a in argv])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --seed: must be" in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()

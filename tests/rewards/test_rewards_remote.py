@@ -287,6 +287,10 @@ def test_bad_constructor_arguments():
         with pytest.raises(ValueError, match=r"^deadline must be finite and > 0 seconds .*got") as info:
             RemoteReward("http://h:1", deadline=deadline)
         assert "\n" not in str(info.value)
+    for key, text in (("deadline", "forever"), ("timeout", "ten"), ("batch_size", "many"), ("max_retries", None)):
+        with pytest.raises(ValueError, match=rf"^{key} must be a (whole )?number.*got {text!r}") as info:
+            RemoteReward("http://h:1", check_health=False, **{key: text})
+        assert "\n" not in str(info.value)
 
 
 def test_deadline_reaches_the_client_through_build_reward():
