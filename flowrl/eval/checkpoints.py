@@ -47,7 +47,12 @@ def parse_checkpoint(spec: str) -> EvalCheckpoint:
     if path.is_dir() and not is_checkpoint(path):
         if ema or not _is_adapter_dir(path):
             final = path / "lora"
-            path = final if not ema and _is_adapter_dir(final) else resolve_checkpoint(path)
+            try:
+                path = final if not ema and _is_adapter_dir(final) else resolve_checkpoint(path)
+            except FileNotFoundError:
+                raise FileNotFoundError(f"{what} holds no adapter to evaluate: no LoRA file, no lora/ export and no "
+                                        "checkpoint; give a run directory, a checkpoint or export directory, a LoRA "
+                                        ".safetensors file, or base") from None
     if ema and not (path.is_dir() and (path / "ema.safetensors").is_file()):
         raise ValueError(f"{what} has no EMA weights (trained with train.ema=false): drop :ema")
     if path.name == "lora":  # RUN_DIR/lora: the run's final export

@@ -22,6 +22,7 @@ For every checkpoint (the base model is always added, as the column deltas are t
 from __future__ import annotations
 
 import json
+import shutil
 import math
 import warnings
 from dataclasses import dataclass
@@ -66,15 +67,24 @@ def run_eval(config: str, overrides: list[str], checkpoints: list[str], out: str
             check_same_model(checkpoint, cfg.model.family, cfg.model.path)
     slider = check_slider(preference, specs)
     reference = load_reference(cfg.eval.reference, cfg) if cfg.eval.reference else None
+    for checkpoint in specs:  # full weights, an unreadable file: refused before the output directory exists
+        if not checkpoint.is_base:
+            read_adapter(checkpoint)
     out_dir = Path(out or Path(cfg.run_dir) / "eval")
+    created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
 
     from accelerate import PartialState
 
     state = PartialState()  # under `accelerate launch` each process renders a share of the suite's batches
     device = state.device if state.num_processes > 1 else resolve_device(cfg.device)
-    images = generate_all(cfg, suite, specs, out_dir, device, preference=slider,
-                          shard=Shard(state.process_index, state.num_processes, state.wait_for_everyone))
+    try:
+        images = generate_all(cfg, suite, specs, out_dir, device, preference=slider,
+                              shard=Shard(state.process_index, state.num_processes, state.wait_for_everyone))
+    except (ValueError, FileNotFoundError):  # a refusal (a size the model cannot sample): leave no empty directory
+        if created and state.is_main_process and not any(out_dir.rglob("*.png")):
+            shutil.rmtree(out_dir, ignore_errors=True)
+        raise
     if not state.is_main_process:  # the main process scores the files every process wrote
         return out_dir / "report.html"
     results = score_all(cfg, suite, specs, images, reference, device)

@@ -556,8 +556,19 @@ def test_eval_size_renders_larger_images_and_is_part_of_the_settings(world, tmp_
 
 
 def test_an_eval_size_the_model_cannot_sample_is_one_line(world):
+    shutil.rmtree(world.root / "cli_out", ignore_errors=True)
     line = _one_line_error(world, "base", **{"eval.height": 34})  # the toy VAE halves, then 2x2 patches: 4
     assert "multiples of 4" in line and "34x32" in line, line
+    assert not (world.root / "cli_out").exists()  # refused: no output directory left behind
+
+
+def test_a_directory_that_is_not_a_run_is_one_line_in_evals_own_words(world, tmp_path):
+    """Not train's "no checkpoint to resume ... (start without resume=...)": eval says what it looks for."""
+    (tmp_path / "notes").mkdir()
+    shutil.rmtree(world.root / "cli_out", ignore_errors=True)
+    line = _one_line_error(world, str(tmp_path / "notes"))
+    assert "holds no adapter to evaluate" in line and "resume" not in line, line
+    assert not (world.root / "cli_out").exists()
 
 
 def test_eval_reads_the_text_cache_with_freed_encoders(world, tmp_path):

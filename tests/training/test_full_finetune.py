@@ -261,7 +261,7 @@ def test_a_lora_fused_into_the_base_continues_as_full_training(tmp_path):
 def test_eval_of_a_full_checkpoint_is_one_line(grpo_run, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("FLOWRL_DEBUG", raising=False)
     code = main(["eval", "configs/smoke/sd3_tiny.yaml", "--checkpoint", str(grpo_run), "--out", str(tmp_path / "e")])
-    _one_line(code, capsys.readouterr().err, ["full fine-tuning weights", "--svd-rank"])
+    _one_line(code, capsys.readouterr().err, ["full fine-tuning weights", "--svd-rank"], tmp_path / "e")
 
 
 @pytest.mark.parametrize("args, words", [
