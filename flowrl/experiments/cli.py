@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from flowrl.experiments.runs import parse_seeds
 from flowrl.experiments.spec import ExperimentError, check_methods, load_experiment
-from flowrl.experiments.tables import TABLES
+from flowrl.experiments.tables import TABLES, check_keys
 
 ANY = ("seeds", "methods", "parallel", "out", "results", "section")
 """Parameters every experiment has; any other flag must name a key its file sets."""
@@ -81,6 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if experiment.table not in TABLES:
             raise ExperimentError(f"{args.experiment}: unknown table {experiment.table!r} "
                                   f"(one of {', '.join(TABLES)})")
+        check_keys(experiment)
         experiment.overrides = checked_overrides(args.overrides)
         experiment.dry_run, experiment.table_only = args.dry_run, args.table_only
         experiment.command = "python -m flowrl.experiments " + shlex.join(argv)

@@ -178,6 +178,9 @@ def load_experiment(path: Path | str) -> Experiment:
         overrides = run.get("overrides") or []
         if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
             raise ExperimentError(f"{path}: run {name!r}: overrides must be a list of strings")
+        if "${" not in run["config"] and not Path(run["config"]).is_file():  # not "training exited with status 2"
+            raise ExperimentError(f"{path}: run {name!r}: config file {run['config']} not found (paths are from the "
+                                  "repository root)")
         parsed[str(name)] = Run(run["config"], tuple(overrides))
     if "out" not in data:
         raise ExperimentError(f"{path}: 'out' must name the directory of its runs")

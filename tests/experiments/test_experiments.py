@@ -162,6 +162,30 @@ def test_bad_flags_and_files_say_why_in_one_line(tmp_path, monkeypatch, capsys):
     assert "'1' is not an override" in err and "--seeds 0,1,2" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("extra, words", [
+    ("sedes: [0, 1]\n", ["unknown key 'sedes'", "did you mean 'seeds'"]),
+    ("colums: []\n", ["unknown key 'colums'", "did you mean 'columns'"]),
+])
+def test_an_unknown_key_of_an_experiment_file_is_one_line(tmp_path, monkeypatch, capsys, extra, words):
+    monkeypatch.chdir(REPO)
+    path = tmp_path / "exp.yaml"
+    path.write_text("table: metrics\nout: " + str(tmp_path / "runs") + "\ncolumns: []\n"
+                    "runs: {a: {config: configs/smoke/sd3_tiny.yaml}}\n" + extra)
+    assert main([str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and all(word in err for word in words), err
+
+
+def test_a_run_whose_config_is_missing_names_the_path(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    path = tmp_path / "exp.yaml"
+    path.write_text(f"table: metrics\nout: {tmp_path / 'runs'}\ncolumns: []\n"
+                    "runs: {a: {config: configs/nope.yaml}}\n")
+    assert main([str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "run 'a': config file configs/nope.yaml not found" in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_tiny_experiment_runs_resumes_and_writes_its_table(tmp_path, monkeypatch, capsys):
     """One run of the tiny SD3 smoke config for one epoch: trained, tabulated, skipped on rerun; with its
     ``done.json`` gone (an interruption) a rerun would start it again."""

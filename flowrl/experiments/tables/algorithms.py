@@ -36,6 +36,11 @@ TASKS = ("single_object", "counting", "two_object", "position")
 VALIDATION = "the first training prompts of each task (round-robin, at the held-out ODE seeds)"
 
 
+# The experiment-file keys this table reads, besides every table's (flowrl.experiments.tables.COMMON_KEYS).
+FILE_KEYS = frozenset({"budget_s", "claims", "gain", "images", "lr_factors", "reference", "test_prompts", "top",
+                       "top_seeds", "tune_budget_s", "validation_config"})
+
+
 def curve(run_dir: Path) -> list[dict]:
     """The held-out points of a run: epoch, rollouts, train wall-clock, task mean, per task, diversity."""
     points = []

@@ -25,6 +25,10 @@ SECTION = "Preference mode collapse"
 KEYS = ("proxy", "toyeval", "diversity", "background")
 
 
+# The experiment-file keys this table reads, besides every table's (flowrl.experiments.tables.COMMON_KEYS).
+FILE_KEYS = frozenset({"plot", "proxy"})
+
+
 def summary(run_dir: Path, proxy_reward: str = "toy_clip") -> dict:
     tests = [r for r in read_metrics(run_dir) if "test/toyeval/task_mean" in r]
     raw = f"test/{proxy_reward}_d2/raw/task_mean"  # D²-Align trains the corrected score; the table reports the raw one

@@ -31,6 +31,10 @@ from flowrl.experiments.spec import Experiment, ExperimentError
 SECTION = "ParetoSlider: one slider model against fixed-weight models"
 
 
+# The experiment-file keys this table reads, besides every table's (flowrl.experiments.tables.COMMON_KEYS).
+FILE_KEYS = frozenset({"compute", "eval_config", "eval_images", "eval_suite", "points", "rewards", "slider"})
+
+
 def trained_w1(run_dir: Path, rewards: list[str]) -> float:
     """The first reward's share of the two weights a fixed-weight run trained with (its saved config)."""
     config = yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {}

@@ -26,6 +26,10 @@ SECTION = "Diversity guard"
 HELD_OUT = ("test/diversity/gt_mean", "test/diversity/background", "test/toy_proxy", "test/toyeval")
 
 
+# The experiment-file keys this table reads, besides every table's (flowrl.experiments.tables.COMMON_KEYS).
+FILE_KEYS = frozenset({"guarded", "max_drop", "test_every", "unguarded"})
+
+
 def first_firing(records: list[dict]) -> dict | None:
     return next((r for r in records if r.get("diversity/guard_fired") == 1.0), None)
 

@@ -20,6 +20,10 @@ from flowrl.training.metrics import read_metrics
 AT = ("first", "last", "change")
 
 
+# The experiment-file keys this table reads, besides every table's (flowrl.experiments.tables.COMMON_KEYS).
+FILE_KEYS = frozenset({"columns", "title"})
+
+
 def values(run_dir: Path) -> dict[str, tuple[float, float]]:
     """{metric: (first value, last value)} over the run's metrics log, plus ``report/<before|after>/<key>`` from
     its ``report.json`` (one value: first = last)."""

@@ -19,6 +19,10 @@ from flowrl.training.metrics import read_metrics
 SECTION = "Multi-reward balancing"
 
 
+# The experiment-file keys this table reads, besides every table's (flowrl.experiments.tables.COMMON_KEYS).
+FILE_KEYS: frozenset[str] = frozenset()
+
+
 def summary(run_dir: Path) -> dict:
     records = read_metrics(run_dir)
     tests = [r for r in records if "test/toyeval/task_mean" in r]
