@@ -206,6 +206,8 @@ def build_reward(name: str, /, **kwargs: Any) -> Reward:
         reward = cls(**kwargs)
     except (TypeError, ValueError) as err:  # a bad kwarg value, or a signature we could not inspect
         raise ValueError(f"reward '{name}': {type(err).__name__}: {_one_line(err)}") from err
+    except OSError as err:  # its model files: not downloaded (offline), not found, not readable
+        raise ValueError(f"reward '{name}': {_one_line(err)}") from err
     except ImportError as err:  # a reward that imports its model package when built (open_clip)
         if not missing_extra(err):
             raise

@@ -272,9 +272,10 @@ def load_hf_clip(model_id: str, processor_id: str | None = None, *, device: Any 
                                     "CLIP folder or a hub id")
         try:
             return loader(os.path.expanduser(ident))  # trust_remote_code stays False
-        except Exception as err:
-            raise OSError(f"cannot load {kwarg}={ident!r} ({type(err).__name__}: {_one_line(err, 200)}); "
-                          f"set {kwarg}= to a local folder") from None
+        except Exception as err:  # offline, a missing repo, files of another format
+            raise FileNotFoundError(f"cannot load {kwarg}={ident!r} ({type(err).__name__}: {_one_line(err, 200)}); "
+                                    f"download it (huggingface-cli download {ident} --local-dir DIR) and set "
+                                    f"{kwarg}=DIR") from None
 
     processor = _load(CLIPProcessor.from_pretrained, processor_id or model_id,
                       processor_kwarg if processor_id else model_kwarg)

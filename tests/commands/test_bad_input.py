@@ -139,6 +139,8 @@ CASES = [
                                                                                "judge model crashed"], False),
     ("reward_wrong_shape", T, ["rewards=[{name: 'tests.fault_helpers:WrongShape'}]"], ["has shape (3,)",
                                                                                       "expected (2,)"], False),
+    ("reward_hub_offline", T, ["rewards=[{name: pickscore_rank}]"], ["reward 'pickscore_rank'", "cannot load",
+                                                                    "huggingface-cli download"], True),
     ("reward_not_a_dict", T, ["rewards=[{name: 'tests.fault_helpers:NotADict'}]"], ["returned list"], False),
     # checkpoints and resume
     ("resume_missing_path", T, ["train.resume={tmp}/no_checkpoint"], ["checkpoint not found"], True),
