@@ -135,3 +135,16 @@ def _dotted(tree: dict, key: str):
     for part in key.split("."):
         tree = tree.get(part) if isinstance(tree, dict) else None
     return tree
+
+
+def shared_mode(*paths: str | Path) -> None:
+    """Give exported files (and every file in an exported folder) the mode the umask allows, as ``open`` would:
+    safetensors writes through a private temporary file, so its files are 0600 whatever the umask, and a ComfyUI or
+    diffusers server running as another user could not read an exported LoRA."""
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in map(Path, paths):
+        for file in ([path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]):
+            file.chmod(0o666 & ~umask)

@@ -176,6 +176,7 @@ def save_transformer(policy, out_dir, *, write: bool = True):
 
     from huggingface_hub import save_torch_state_dict
 
+    from flowrl.safe_io import shared_mode
     from flowrl.sharded import full
 
     dtype = policy.full_weights.dtype if policy.full_weights is not None else policy.dtype
@@ -190,4 +191,5 @@ def save_transformer(policy, out_dir, *, write: bool = True):
         policy.transformer.save_config(out_dir)
         save_torch_state_dict(state, out_dir, filename_pattern="diffusion_pytorch_model{suffix}.safetensors",
                               max_shard_size="10GB")
+        shared_mode(out_dir)
     return out_dir

@@ -30,6 +30,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from flowrl.safe_io import shared_mode
+
 DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 COMFYUI_WEIGHT_NAME = "pytorch_lora_weights_comfyui.safetensors"
 KOHYA_WEIGHT_NAME = "pytorch_lora_weights_kohya.safetensors"
@@ -394,4 +396,5 @@ def write_lora_files(out_dir: str | Path, state: dict[str, torch.Tensor], config
             written.append(save_preference(out_dir, embedding, preference))
         else:
             written.append(save_diffusers_lora(None, out_dir, state, config, metadata=metadata, weight_name=name))
+    shared_mode(*written)
     return written

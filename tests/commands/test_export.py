@@ -85,6 +85,18 @@ def test_default_export_is_one_file_per_target_with_a_readme(run, tmp_path):
     assert "ComfyUI" in (tmp_path / "README.md").read_text()
 
 
+def test_exported_files_take_the_umasks_mode_so_another_user_can_read_them(run, tmp_path):
+    """safetensors writes 0600 files; an export is for a ComfyUI or diffusers server that may run as another user."""
+    import os
+
+    old = os.umask(0o022)
+    try:
+        paths = export_lora(run["dir"], tmp_path / "out")
+    finally:
+        os.umask(old)
+    assert {oct(p.stat().st_mode & 0o777) for p in paths} == {oct(0o644)}
+
+
 def test_comfyui_export_is_the_folded_file_and_loads_in_diffusers(run, tmp_path):
     """It used to add .alpha tensors, which SD3's diffusers loader refuses; now lora_B carries alpha / r."""
     (file,) = export_lora(run["ckpt"], tmp_path, format="comfyui")
