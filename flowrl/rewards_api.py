@@ -144,7 +144,7 @@ def _unknown(name: str) -> ValueError:
                       "(or give a dotted path package.module:Class)")
 
 
-def _check_kwargs(label: str, cls: Any, kwargs: Mapping[str, Any]) -> None:
+def check_reward_kwargs(label: str, cls: Any, kwargs: Mapping[str, Any]) -> None:
     """Reject bad constructor kwargs before calling, naming the reward and the kwarg."""
     try:
         sig = inspect.signature(cls)
@@ -201,7 +201,7 @@ def build_reward(name: str, /, **kwargs: Any) -> Reward:
     Every failure is a one-line ValueError naming the reward (and module or kwarg).
     """
     cls = resolve_reward_class(name)
-    _check_kwargs(name, cls, kwargs)
+    check_reward_kwargs(name, cls, kwargs)
     try:
         reward = cls(**kwargs)
     except (TypeError, ValueError) as err:  # a bad kwarg value, or a signature we could not inspect

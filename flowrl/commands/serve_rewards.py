@@ -15,13 +15,14 @@ import time
 def run_serve_rewards(args) -> None:
     """Serve the config's rewards until interrupted."""
     from flowrl.reward_service.config import load_service_config
-    from flowrl.reward_service.launch import (check_resources, check_rewards, connect, import_serve, start_service,
-                                              stop_service)
+    from flowrl.reward_service.launch import (check_port, check_resources, check_rewards, connect, import_serve,
+                                              start_service, stop_service)
 
     cfg = load_service_config(args.config, list(args.overrides))
     if args.address:
         cfg.address = args.address
-    check_rewards(cfg)  # an unknown reward is one line before Ray starts
+    check_rewards(cfg)  # an unknown reward or kwarg is one line before Ray starts
+    check_port(cfg)
     import_serve()
     import ray
 

@@ -13,7 +13,7 @@ import socket
 from typing import Any
 
 from flowrl.reward_service.config import ServiceConfig
-from flowrl.rewards_api import resolve_reward_class
+from flowrl.rewards_api import check_reward_kwargs, resolve_reward_class
 
 APP_NAME = "flowrl_rewards"
 INGRESS = "ingress"
@@ -35,10 +35,24 @@ def import_serve() -> Any:
 
 
 def check_rewards(cfg: ServiceConfig) -> None:
-    """Every configured reward resolves to a class (unknown names and missing modules are one line), before Ray
-    starts."""
+    """Every configured reward resolves to a class that takes its kwargs (unknown names, missing modules and
+    misnamed kwargs are one line), before Ray starts: a reward that fails in the replicas prints their tracebacks."""
     for spec in cfg.rewards:
-        resolve_reward_class(spec.name)
+        check_reward_kwargs(spec.name, resolve_reward_class(spec.name), spec.kwargs)
+
+
+def check_port(cfg: ServiceConfig) -> None:
+    """The HTTP port is free on this machine (a service started here binds it), checked before Ray starts, so a port
+    in use is one line rather than Serve's "Failed to bind to address" traceback. A cluster joined at an address
+    binds on its head node: not checked from here."""
+    if cfg.address:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((cfg.host, cfg.port))
+        except OSError as err:
+            raise ServiceError(f"port {cfg.port} on {cfg.host} is not free ({err.strerror or err}): another service "
+                               f"holds it; stop it, or choose another port (port=...)") from None
 
 
 def connect(address: str | None) -> bool:

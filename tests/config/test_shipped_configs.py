@@ -142,11 +142,11 @@ def test_deepspeed_clipping_matches_the_gpu_configs():
 @pytest.mark.parametrize("path", GPU_CONFIGS, ids=ids)
 def test_reward_kwargs_match_the_reward_constructors(path):
     """Names resolve and kwargs bind to each reward's signature, without loading any reward model."""
-    from flowrl.rewards_api import REWARD_REGISTRY, _check_kwargs, _split_path
+    from flowrl.rewards_api import REWARD_REGISTRY, _split_path, check_reward_kwargs
 
     for spec in load_config(Config, path).rewards:
         module, attr = _split_path(REWARD_REGISTRY.get(spec.name, spec.name))
-        _check_kwargs(spec.name, getattr(importlib.import_module(module), attr), spec.kwargs)
+        check_reward_kwargs(spec.name, getattr(importlib.import_module(module), attr), spec.kwargs)
 
 
 def _prepared(name: str) -> bool:

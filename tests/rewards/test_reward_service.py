@@ -179,6 +179,24 @@ def test_an_unknown_reward_is_one_line_before_ray_starts(monkeypatch, capsys):
     assert line.startswith("flowrl serve-rewards: error: unknown reward 'toyevall'; did you mean 'toyeval'?")
 
 
+def test_a_misnamed_reward_kwarg_and_a_port_in_use_are_one_line_before_ray_starts(monkeypatch, capsys):
+    """Both were Ray tracebacks: the replicas' (printed before the error line) and Serve's "Failed to bind"."""
+    import socket
+
+    import flowrl.reward_service.launch as launch
+
+    monkeypatch.setattr(launch, "connect", lambda address: pytest.fail("Ray was started"))
+    config = str(REPO / "configs/serve/toy_cpu.yaml")
+    line = run_cli(["serve-rewards", config, "rewards=[{name: toyeval, kwargs: {strickt: true}}]"], capsys)
+    assert "reward 'toyeval' got unexpected keyword argument 'strickt'" in line, line
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        line = run_cli(["serve-rewards", config, f"port={port}"], capsys)
+    assert line.startswith(f"flowrl serve-rewards: error: port {port} on 127.0.0.1 is not free"), line
+
+
 @pytest.mark.parametrize("rewards, message", [
     ("[{name: brightness, replicas: 2, num_gpus: 1}]",
      "deployment 'brightness' asks for 2 GPUs (2 replica(s) x num_gpus 1) and the Ray cluster has 0; set its "
