@@ -29,7 +29,8 @@ def progress_bar(run: Run, name: str) -> tqdm:
     """The run's epochs, from the one it starts at, behind a progress bar on the main process (``log.progress``)."""
     cfg = run.cfg
     return tqdm(range(run.start_epoch, cfg.train.epochs), desc=name, dynamic_ncols=True,
-                disable=not (cfg.log.progress and run.accelerator.is_main_process))
+                disable=not (cfg.log.progress and run.accelerator.is_main_process) or
+                run.start_epoch >= cfg.train.epochs)  # nothing left to train: no empty bar
 
 
 def optimizer_step(run: Run, stats: StatsAccumulator) -> None:

@@ -16,8 +16,20 @@ from flowrl.training.ema import ema_weights
 
 
 def finish_run(run: Run, metrics: dict) -> dict[str, float]:
-    """Export the final adapter (EMA weights when kept) and report before/after on held-out prompts."""
+    """Export the final adapter (EMA weights when kept) and report before/after on held-out prompts. A finished run
+    resumed again (nothing left to train, its export and report written) says so and rebuilds nothing."""
     cfg, accelerator = run.cfg, run.accelerator
+    exported = run.run_dir / ("transformer/config.json" if run.policy.full_weights is not None else
+                              "lora/pytorch_lora_weights.safetensors")
+    if not metrics and run.start_epoch >= cfg.train.epochs and (not cfg.train.export_lora or exported.is_file()) and (
+            not cfg.log.report_prompts or (run.run_dir / "report.json").is_file()):
+        if accelerator.is_main_process:
+            report = f"; its report: {run.run_dir / 'report.html'}" if cfg.log.report_prompts else ""
+            tqdm.write(f"flowrl train: the run in {run.run_dir} is complete ({run.start_epoch} epochs){report}; "
+                       "raise train.epochs to train it further")
+        accelerator.wait_for_everyone()
+        accelerator.end_training()
+        return metrics
     for finish in run.hook("finish"):  # the diversity guard: export and report the best reward-diversity weights
         finish(run)
     if cfg.train.export_lora and run.policy.full_weights is not None:  # full weights: a diffusers transformer folder
@@ -27,6 +39,9 @@ def finish_run(run: Run, metrics: dict) -> dict[str, float]:
         export_final_lora(run.policy, run.exported_ema, run.run_dir / "lora", write=accelerator.is_main_process)
     if cfg.log.report_prompts:
         prompts = stratified_prefix(run.test_prompts, cfg.log.report_prompts)  # equal share per task
+        if accelerator.is_main_process:  # the report samples both models: minutes on a CPU, not a silence
+            tqdm.write(f"flowrl train: writing the report: {len(prompts)} held-out prompts x "
+                       f"{cfg.log.eval_images_per_prompt} images, before and after training")
         with eval_size(run.policy, cfg):
             report = write_report(run.run_dir, policy=run.policy, ema=run.exported_ema, rewards=run.rewards,
                                   prompts=prompts, images_per_prompt=cfg.log.eval_images_per_prompt,

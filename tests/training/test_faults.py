@@ -132,6 +132,20 @@ def test_online_dpo_with_no_pair_warns_each_epoch_and_stops_after_max_nan_epochs
     assert [r["dpo/pairs"] for r in metrics(tmp_path)] == [0, 0]
 
 
+def test_resuming_a_finished_run_says_it_is_complete_and_rebuilds_nothing(tmp_path, capsys):
+    """No empty progress bar, no report rendered again, no "0 epochs": one line pointing at the report."""
+    run = ["train", *TINY_TRAIN[:1], *[a for a in TINY_TRAIN[1:] if not a.startswith("log.report_prompts")],
+           f"run_dir={tmp_path}", "train.epochs=1", "log.report_prompts=2", "log.eval_images_per_prompt=1"]
+    assert main(run) == 0
+    first = capsys.readouterr().out
+    assert "writing the report: 2 held-out prompts x 1 images" in first
+    report = (tmp_path / "report.json").stat().st_mtime_ns
+    assert main([*run, "train.resume=latest"]) == 0
+    out = capsys.readouterr().out
+    assert f"the run in {tmp_path} is complete (1 epochs); its report: {tmp_path / 'report.html'}" in out, out
+    assert "writing the report" not in out and (tmp_path / "report.json").stat().st_mtime_ns == report
+
+
 def test_one_nan_epoch_warns_in_one_line_and_the_run_goes_on(tmp_path, capsys):
     code, errors = train(tmp_path, "train.epochs=1", "train.max_nan_epochs=2",
                          "rewards=[{name: 'tests.fault_helpers:AllNan'}]", capsys=capsys)
