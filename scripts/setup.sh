@@ -6,6 +6,12 @@
 # of constraints.txt (pyproject.toml only declares a range), so pip can take them from a local wheel
 # directory when the machine has one (uv/poetry would ignore it) and from PyPI (a CUDA build on Linux)
 # otherwise. The same constraints hold them there while flowrl's own dependencies install.
+#
+# PyPI's Linux torch is the CUDA build: with its nvidia-* wheels the venv is about 7 GB (3.2 GB of them CUDA
+# libraries), GPU or not. On a machine without a GPU, take the CPU build from PyTorch's own index instead:
+#     FLOWRL_TORCH_INDEX=https://download.pytorch.org/whl/cpu ./scripts/setup.sh
+# (a venv of roughly 3 GB: torch without the CUDA libraries). It is a switch, not automatic, because a machine
+# without a GPU may still install from a local wheel directory or reach PyPI only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,6 +25,10 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 
 .venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet -c constraints.txt torch torchvision
+torch_index=()
+if [ -n "${FLOWRL_TORCH_INDEX:-}" ]; then
+    torch_index=(--index-url "$FLOWRL_TORCH_INDEX")
+fi
+.venv/bin/python -m pip install --quiet -c constraints.txt "${torch_index[@]}" torch torchvision
 .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test,rewards]"
 echo "$want" > "$stamp"
