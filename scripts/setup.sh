@@ -10,7 +10,7 @@
 # PyPI's Linux torch is the CUDA build: with its nvidia-* wheels the venv is about 7 GB (3.2 GB of them CUDA
 # libraries), GPU or not. On a machine without a GPU, take the CPU build from PyTorch's own index instead:
 #     FLOWRL_TORCH_INDEX=https://download.pytorch.org/whl/cpu ./scripts/setup.sh
-# (a venv of roughly 3 GB: torch without the CUDA libraries). It is a switch, not automatic, because a machine
+# (an estimated 3 GB venv: torch without the CUDA libraries). It is a switch, not automatic, because a machine
 # without a GPU may still install from a local wheel directory or reach PyPI only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
