@@ -93,6 +93,31 @@ def png(figure, **savefig) -> bytes:
     return data
 
 
+def labelled_grid(images: torch.Tensor, prompts: Sequence[str], per_prompt: int, title: str,
+                  min_tile: int = 96) -> bytes:
+    """PNG bytes of ``images`` [P * per_prompt, 3, H, W] in [0, 1] (videos as film strips), one row per prompt with
+    the prompt written on its left and ``title`` above: a mosaic of 32 px tiles says nothing to a reader. Tiles
+    smaller than ``min_tile`` px are enlarged by whole factors with nearest-neighbour sampling, so pixels stay
+    pixels."""
+    strips = stills(images).clamp(0, 1)  # [N, 3, H, W]
+    rows = len(strips) // per_prompt
+    height, width = strips.shape[-2:]
+    scale = max(1, math.ceil(min_tile / min(height, width)))
+    plt = pyplot()
+    figure, axes = plt.subplots(rows, per_prompt, squeeze=False,
+                                figsize=(1.6 + per_prompt * scale * width / 100, 0.4 + rows * scale * height / 100))
+    for row in range(rows):
+        for k in range(per_prompt):
+            axis = axes[row][k]
+            tile = strips[row * per_prompt + k].permute(1, 2, 0).float().numpy()
+            axis.imshow(tile, interpolation="nearest")
+            axis.set_xticks([])
+            axis.set_yticks([])
+        axes[row][0].set_ylabel(prompts[row], rotation=0, ha="right", va="center", fontsize=8)
+    figure.suptitle(title, fontsize=10)
+    return png(figure)
+
+
 # --- flowrl eval -------------------------------------------------------------------------------------------
 HEADLINE = ("diversity/cosine", "diversity/vendi", "diversity/latent_gmd", "diversity/zero_std_prompts", "toy/gt_mean",
             "toy/background", "toy/position", "toy/size", "fid/fid", "fid/kid")
@@ -275,12 +300,14 @@ def plot_reward_curve(run_dir: Path, trained: list[str] | None = None) -> Path |
     top.legend(fontsize=8, loc="best", framealpha=0.8)
     top.set_title("trained reward", fontsize=10)
     top.tick_params(labelbottom=False)
-    for key in others:
+    colours = pyplot().get_cmap("tab20")  # 20 colours, then a second line style: no two legend lines alike
+    for index, key in enumerate(others):
         line = series(key)
         if line:
             bottom.plot([p[0] for p in line], moving_average([p[1] for p in line], window), linewidth=1.2,
+                        color=colours(index % 20), linestyle="-" if index < 20 else "--",
                         label=key.removeprefix("reward/").removesuffix("_mean"))
-    bottom.set_xlabel("epoch (held-out points: after that many epochs)")
+    bottom.set_xlabel("epoch (held-out points: after that many epochs)" if held_out is not None else "epoch")
     bottom.set_ylabel("moving average")
     bottom.set_title("other rewards and sub-scores", fontsize=10)
     bottom.grid(alpha=0.3)
@@ -445,16 +472,15 @@ def write_report(run_dir: str | Path, *, policy, ema, rewards, prompts: PromptSe
     """The end-of-run report: render before/after, score them, plot the curve; every rank renders, ``save`` writes.
 
     ``trained``: the reward keys training optimised (nonzero weight), the curve's and summary's main score."""
-    from torchvision.utils import save_image
-
     run_dir, trained = Path(run_dir), list(trained or [])
     results, before, after = before_after(policy, ema, rewards, prompts, images_per_prompt=images_per_prompt,
                                           num_steps=num_steps, guidance=guidance, seed=seed, diversity=diversity)
     results["summary"] = summary_line(results, trained, run_dir / "report.html")
     if save:
-        grid_rows = min(len(prompts), 8) * images_per_prompt
-        save_image(stills(before[:grid_rows]), run_dir / "before.png", nrow=images_per_prompt, padding=2)
-        save_image(stills(after[:grid_rows]), run_dir / "after.png", nrow=images_per_prompt, padding=2)
+        rows = min(len(prompts), 8)
+        for name, images, when in (("before.png", before, "before training"), ("after.png", after, "after training")):
+            (run_dir / name).write_bytes(labelled_grid(images[:rows * images_per_prompt], prompts.prompts[:rows],
+                                                       images_per_prompt, f"{when}: one row per held-out prompt"))
         curve = plot_reward_curve(run_dir, trained)
         html_report(run_dir, results, prompts, before, after, images_per_prompt, curve, trained=trained)
         (run_dir / "report.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -221,3 +221,21 @@ def test_html_report_opens_with_the_headline_table_and_folds_the_rest(tmp_path):
                                             "eval/toyeval/position/task/position", "eval/toyeval/position/task_mean",
                                             "diversity/coverage_mean"]
     assert page.index("toyeval, held-out") < page.index("Samples")
+
+
+def test_before_and_after_grids_label_each_row_and_enlarge_small_tiles():
+    """32 px tiles enlarged by whole factors (to at least 96 px), one row per prompt, the prompt written beside it:
+    the grid is wider than its tiles' columns alone and taller than its rows."""
+    import io
+
+    from PIL import Image
+
+    from flowrl.eval.report import labelled_grid
+
+    images = torch.rand(2 * 4, 3, 32, 32)
+    picture = Image.open(io.BytesIO(labelled_grid(images, ["a green triangle", "two purple circles"], 4, "after")))
+    assert picture.width >= 4 * 96 + 60 and picture.height >= 2 * 96
+    flat = torch.zeros(2 * 4, 3, 32, 32)  # an all-black tile leaves the prompt's text as the only ink left of it
+    left = Image.open(io.BytesIO(labelled_grid(flat, ["a green triangle", "two purple circles"], 4, "after")))
+    strip = torch.tensor(list(left.convert("L").crop((0, 0, 60, left.height)).getdata()))
+    assert (strip < 128).any(), "no label left of the rows"
