@@ -110,8 +110,10 @@ def delta(value: float | None, base: float | None, higher_is_better: bool | None
 
 
 def metric_table(metrics: dict[str, dict[str, float]], keys: Sequence[str], *, base: str | None,
-                 directions: dict[str, bool | None] | None = None, caption: str = "") -> str:
-    """Rows are metric keys, columns the models (``metrics[label][key]``), each beside its change from ``base``."""
+                 directions: dict[str, bool | None] | None = None, caption: str = "",
+                 errors: dict[str, dict[str, dict[str, float]]] | None = None) -> str:
+    """Rows are metric keys, columns the models (``metrics[label][key]``), each beside its change from ``base``;
+    ``errors[label][key]``, where given, adds the change's paired standard error and how many it spans."""
     labels = list(metrics)
     directions = directions or {}
     head = "<tr><th>metric</th>" + "".join(
@@ -124,7 +126,10 @@ def metric_table(metrics: dict[str, dict[str, float]], keys: Sequence[str], *, b
             value = metrics[label].get(key)
             cells.append(f"<td>{number(value)}</td>")
             if base is not None and label != base:
-                cells.append(f"<td>{delta(value, metrics[base].get(key), directions.get(key, True))}</td>")
+                pair = (errors or {}).get(label, {}).get(key)
+                spread = "" if not pair or not math.isfinite(pair["standard_errors"]) else \
+                    f" ± {number(pair['standard_error'])} ({pair['standard_errors']:.1f} s.e.)"
+                cells.append(f"<td>{delta(value, metrics[base].get(key), directions.get(key, True))}{spread}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
     title = f"<caption class='note'>{escape(caption)}</caption>" if caption else ""
     return f"<table>{title}{head}{''.join(body)}</table>"

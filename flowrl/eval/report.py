@@ -51,10 +51,12 @@ def higher_is_better(key: str) -> bool | None:
     return (key not in LOWER_IS_BETTER) if not key.startswith("fid/n_") else None
 
 
-def table(columns: dict[str, dict[str, float]], keys: Sequence[str], base: str, caption: str = "") -> str:
-    """Rows ``keys``, one column per model (``columns[label][key]``) beside its change from ``base``."""
+def table(columns: dict[str, dict[str, float]], keys: Sequence[str], base: str, caption: str = "",
+          errors: dict | None = None) -> str:
+    """Rows ``keys``, one column per model (``columns[label][key]``) beside its change from ``base`` (and, from
+    ``errors[label][key]``, that change's paired standard error)."""
     return html.metric_table(columns, keys, base=base, directions={k: higher_is_better(k) for k in keys},
-                             caption=caption)
+                             caption=caption, errors=errors)
 
 
 def all_metrics(content: str, count: int, heading: str = "All metrics") -> tuple[str, str]:
@@ -143,8 +145,10 @@ def main_reward(results: dict) -> str | None:
     return next((k for k in keys if k.startswith(("reward/", "held_out/")) and "/task" not in k), None)
 
 
-def tradeoff_plot(metrics: dict[str, dict[str, float]], x_key: str, y_key: str) -> bytes:
-    """One labelled point per checkpoint: ``y_key`` against ``x_key``."""
+def tradeoff_plot(metrics: dict[str, dict[str, float]], x_key: str, y_key: str,
+                  errors: dict[str, dict[str, dict[str, float]]] | None = None) -> bytes:
+    """One labelled point per checkpoint: ``y_key`` against ``x_key``, with a bar of +-1 paired standard error of
+    ``y_key``'s change from the base where ``errors[label][y_key]`` gives one."""
     plt = pyplot()
     from matplotlib.ticker import MaxNLocator
 
@@ -154,6 +158,9 @@ def tradeoff_plot(metrics: dict[str, dict[str, float]], x_key: str, y_key: str) 
         if x is None or y is None:
             continue
         axis.scatter([x], [y], s=40)
+        pair = (errors or {}).get(label, {}).get(y_key)
+        if pair and math.isfinite(pair["standard_error"]):
+            axis.errorbar([x], [y], yerr=[pair["standard_error"]], fmt="none", capsize=3, linewidth=1)
         # alternate label offsets, so checkpoints that land close together stay readable
         axis.annotate(label, (x, y), textcoords="offset points", xytext=(6, 8 - 14 * (k % 2)), fontsize=8)
     axis.xaxis.set_major_locator(MaxNLocator(4))
@@ -193,10 +200,12 @@ def write_eval_report(out_dir: Path, results: dict, suite: PromptSet, images: di
     keys = list(dict.fromkeys(k for values in metrics.values() for k in values))
     flat = [k for k in keys if "/task" not in k]
     headline = [k for k in flat if is_main_score(k) or k in HEADLINE or k.startswith("axis/")]
-    sections = [("Summary", table(metrics, headline, base))]
+    paired = results.get("paired", {})
+    sections = [("Summary", table(metrics, headline, base, errors=paired))]
     y_key = main_reward(results)
     if y_key is not None and "diversity/cosine" in flat:
-        sections.append(("Trade-off", html.img(tradeoff_plot(metrics, "diversity/cosine", y_key), "trade-off plot")))
+        sections.append(("Trade-off", html.img(tradeoff_plot(metrics, "diversity/cosine", y_key, paired),
+                                               "trade-off plot")))
     sections.append(samples(suite, results["tasks"], grid_prompts,
                             lambda i: [(label, pictures[i * n:(i + 1) * n]) for label, pictures in images.items()],
                             "prompts, same seeds in every row"))
@@ -218,7 +227,9 @@ def write_eval_report(out_dir: Path, results: dict, suite: PromptSet, images: di
     intro = (f"Suite {html.escape(results['suite'])}: {len(suite)} prompts × {n} images, ODE, "
              f"{results['num_steps']} steps, guidance {results['guidance_scale']}, seed {results['seed']}; "
              f"model {html.escape(results['model']['path'])}. Δ columns: change from {html.escape(base)}; green "
-             "for higher reward or diversity and lower FID/KID, red for the opposite.")
+             "for higher reward or diversity and lower FID/KID, red for the opposite; a reward's change carries its "
+             "paired standard error (every checkpoint renders each prompt on the same seeds), and the trade-off "
+             "plot's bars are +-1 of it.")
     return write_page(Path(out_dir) / "report.html", "flowrl eval", sections, intro)
 
 

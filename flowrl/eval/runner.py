@@ -370,10 +370,12 @@ def score_all(cfg, suite, specs: list[EvalCheckpoint], images: dict[str, tuple],
         identity = build_feature_network(e.identity_features, **e.identity_feature_kwargs)
     group_ids = torch.arange(len(suite)).repeat_interleave(n)  # [P*n] one group per prompt
     group_axes = {i: prompt_axes(m) for i, m in enumerate(suite.metadata)}
-    metrics, not_measured, unreliable = {}, set(), set()
+    metrics, not_measured, unreliable, per_image = {}, set(), set(), {}
     for checkpoint in tqdm(specs, desc="scoring", unit="checkpoint"):
         rendered, latents = images[checkpoint.label]
-        values = reward_metrics(rewards, trained, rendered, suite, n, group_ids)  # rewards see whole clips
+        per_image[checkpoint.label] = {}
+        values = reward_metrics(rewards, trained, rendered, suite, n, group_ids,  # rewards see whole clips
+                                per_image=per_image[checkpoint.label])
         pictures = rendered[:, rendered.shape[1] // 2] if rendered.ndim == 5 else rendered  # a clip's middle frame
         values.update(diversity_metrics(features, pictures, latents, group_ids))
         axes, missing = axis_scores(pictures, group_ids, group_axes, style_probe=style_probe, identity_network=identity)
@@ -401,12 +403,35 @@ def score_all(cfg, suite, specs: list[EvalCheckpoint], images: dict[str, tuple],
         "deltas": {label: {k: v - metrics[base][k] for k, v in values.items()
                            if k in metrics[base] and not math.isnan(v) and not math.isnan(metrics[base][k])}
                    for label, values in metrics.items() if label != base},
+        "paired": {label: paired_reward_changes(per_image[base], scores, trained, [task_of(m) for m in suite.metadata
+                                                                                   for _ in range(n)])
+                   for label, scores in per_image.items() if label != base},
         "not_measured": sorted(not_measured), "unreliable": sorted(unreliable),
     }
 
 
-def reward_metrics(rewards, trained: set[str], images, suite, n: int, group_ids) -> dict[str, float]:
-    """Reward means (``reward/*`` trained, ``held_out/*`` not), per task, and the zero-std prompt share."""
+def paired_reward_changes(base: dict[str, torch.Tensor], other: dict[str, torch.Tensor], trained: set[str],
+                          row_task: list[str | None]) -> dict[str, dict[str, float]]:
+    """Each reward's change from the base with its paired standard error: both render every prompt on the same seeds,
+    so the per-image differences carry no prompt or seed variance. ``{metric key: {gain, standard_error,
+    standard_errors}}`` for the mean (``reward/<k>``, ``held_out/<k>``) and, with tasks, the mean over tasks."""
+    from flowrl.eval_tasks import paired_task_mean_gain
+
+    out = {}
+    for key in base.keys() & other.keys():
+        if "/" in key:  # sub-scores: their means are in the metrics, their errors are not needed for the verdict
+            continue
+        name = f"{'reward' if key in trained else 'held_out'}/{key}"
+        out[name] = paired_task_mean_gain(base[key], other[key], ["all"] * len(row_task))
+        if any(t is not None for t in row_task):
+            out[f"{name}/task_mean"] = paired_task_mean_gain(base[key], other[key], row_task)
+    return out
+
+
+def reward_metrics(rewards, trained: set[str], images, suite, n: int, group_ids,
+                   per_image: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
+    """Reward means (``reward/*`` trained, ``held_out/*`` not), per task, and the zero-std prompt share;
+    ``per_image``, when given, receives every score key's per-image values ``{key: [P * n]}`` (for paired errors)."""
     from flowrl.algorithms.advantages import zero_std_fraction
     from flowrl.eval.metrics import reward_means
     from flowrl.eval_tasks import by_task, row_tasks
@@ -426,6 +451,8 @@ def reward_metrics(rewards, trained: set[str], images, suite, n: int, group_ids)
         for key, value in chunk.items():
             scores.setdefault(key, []).append(value)
     scores = {k: torch.cat(v) for k, v in scores.items() if sum(len(x) for x in v) == len(images)}
+    if per_image is not None:
+        per_image.update(scores)
     out = reward_means(scores, trained)
     tasks = row_tasks(rows_metadata)
     if tasks is not None:

@@ -123,6 +123,20 @@ def test_results_have_every_checkpoint_and_metric(world):
     assert r["trained_rewards"] == ["toyeval"]
 
 
+def test_reward_changes_carry_their_paired_standard_error(world):
+    """Every checkpoint renders each prompt on the same seeds as the base: a reward's change gets the s.e. of the
+    per-image differences, equal to the change of the means, and the report shows it beside the change."""
+    r = world.results1
+    assert set(r["paired"]) == {"trained", "ema", "trained-2"}
+    for label, pairs in r["paired"].items():
+        for key in ("reward/toyeval", "held_out/toy_proxy", "reward/toyeval/task_mean"):
+            pair = pairs[key]
+            assert pair["gain"] == pytest.approx(r["deltas"][label][key], abs=1e-9), (label, key)
+            assert pair["standard_error"] >= 0 and "standard_errors" in pair
+    html = (world.eval1 / "report.html").read_text()
+    assert " s.e.)" in html and "+-1 of it" in html
+
+
 def test_deltas_are_metric_minus_base(world):
     r = world.results1
     base = r["metrics"]["base"]
