@@ -23,7 +23,7 @@ from flowrl.config import Config, load_config
 from flowrl.data import load_prompts
 from flowrl.eval_tasks import stratified_prefix
 from flowrl.recipes.build import build_training_policy
-from flowrl.sampling import StepPlan, rollout, root_seeds, sde_step
+from flowrl.sampling import RolloutSettings, StepPlan, rollout, root_seeds, sde_step
 from rewards.toyeval import ToyEval
 
 
@@ -54,13 +54,13 @@ def main() -> None:
     policy = build_training_policy(cfg, torch.device("cpu"))
     prompts = stratified_prefix(load_prompts(cfg.data.prompts), args.prompts)
     s, reward = cfg.sampling, ToyEval()
+    settings = RolloutSettings(num_steps=s.num_steps, guidance_scale=s.guidance_scale, noise_level=s.noise_level,
+                               plan=StepPlan(s.num_steps))
     batches = []
     for b in range(2):
         seeds = root_seeds(cfg.seed + 1000 * (b + 1), 0, len(prompts) * args.group)
         with torch.no_grad():
-            traj = rollout(policy, prompts.prompts, group_size=args.group, num_steps=s.num_steps,
-                           guidance_scale=s.guidance_scale, noise_level=s.noise_level, plan=StepPlan(s.num_steps),
-                           seeds=seeds)
+            traj = rollout(policy, prompts.prompts, settings, group_size=args.group, seeds=seeds)
         rows = traj.prompt_ids.tolist()
         scores = reward(traj.images, [prompts.prompts[i] for i in rows], [prompts.metadata[i] for i in rows])
         advantages = ADVANTAGE_ESTIMATORS["grpo"](scores[args.key].float(), traj.group_ids, std_scope="global")

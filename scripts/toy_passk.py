@@ -27,7 +27,7 @@ import torch
 from flowrl.data import load_prompts
 from flowrl.eval_tasks import pass_at_k, stratified_prefix
 from flowrl.models import build_policy
-from flowrl.sampling import StepPlan, rollout, root_seeds
+from flowrl.sampling import RolloutSettings, StepPlan, rollout, root_seeds
 
 PROMPT_FILES = {"heldout": "assets/prompts/toy/heldout.jsonl", "train": "assets/prompts/toy/train.jsonl"}
 
@@ -38,13 +38,14 @@ def sample_groups(policy, prompts, *, k: int, num_steps: int, guidance: float, n
     """[P * k, 3, H, W], prompt-major; prompt p's j-th image starts from seed j (common seeds)."""
     # ODE: one stored step with no noise (nothing else stored); SDE: every step stochastic, as in training.
     plan = StepPlan(num_steps) if noise_level > 0 else StepPlan(num_steps, sde_start=num_steps - 1, sde_size=1)
+    settings = RolloutSettings(num_steps=num_steps, guidance_scale=guidance, noise_level=noise_level, plan=plan)
     seeds = root_seeds(seed, 0, k)
     images = []
     for start in range(0, len(prompts), batch_prompts):
         chunk = prompts.subset(range(start, min(start + batch_prompts, len(prompts))))
         torch.manual_seed(seed + start)
-        traj = rollout(policy, chunk.prompts, group_size=k, num_steps=num_steps, guidance_scale=guidance,
-                       noise_level=noise_level, plan=plan, seeds=seeds * len(chunk), metadata=chunk.metadata)
+        traj = rollout(policy, chunk.prompts, settings, group_size=k, seeds=seeds * len(chunk),
+                       metadata=chunk.metadata)
         images.append(traj.images.cpu())
     return torch.cat(images)
 

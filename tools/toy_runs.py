@@ -10,7 +10,7 @@ import torch
 
 from flowrl.commands.train import recipe_train
 from flowrl.config import Config, load_config
-from flowrl.sampling import rollout
+from flowrl.sampling import RolloutSettings, rollout
 from flowrl.toy.prompts import train_prompts
 from tools.policy_capture import capture_training_policy
 
@@ -41,8 +41,8 @@ def train_on_prompts(config: str, prompts, tmp_path, monkeypatch, epochs: int, o
 @torch.no_grad()
 def ode_images(policy, cfg, prompts, seeds) -> torch.Tensor:
     """[len(prompts) * len(seeds), 3, H, W]: each prompt sampled on the same seeds, prompt-major."""
-    traj = rollout(policy, list(prompts), group_size=len(seeds), num_steps=cfg.sampling.num_steps,
-                   guidance_scale=cfg.sampling.guidance_scale, noise_level=0.0, seeds=list(seeds) * len(prompts))
+    ode = RolloutSettings(num_steps=cfg.sampling.num_steps, guidance_scale=cfg.sampling.guidance_scale, noise_level=0.0)
+    traj = rollout(policy, list(prompts), ode, group_size=len(seeds), seeds=list(seeds) * len(prompts))
     return traj.images
 
 

@@ -4,7 +4,7 @@ Plain GRPO gives every trained step of a row the row's one advantage ``A_n``. Tw
 steps apart (``train.credit``, recipe grpo):
 
 - ``dense_cosine`` (cheap: no extra reward call; no extra model call either when the rollout stored
-  its predictions, ``rollout(..., store_x0_preds=True)``, else one batched no-grad pass over the stored
+  its predictions, ``RolloutSettings(..., store_x0_preds=True)``, else one batched no-grad pass over the stored
   states recomputes them, :func:`predict_x0`). The prediction of the clean latent at stored state ``k`` is
   ``x0_hat_k = x_k - sigma_k v_k``; step ``k`` (``x_k -> x_{k+1}``) gains
   ``g_k = cos(x0_hat_{k+1}, x0) - cos(x0_hat_k, x0)`` toward the final latent ``x0``. The gains are
@@ -91,7 +91,7 @@ def predict_x0(policy, latents: torch.Tensor, sigmas: torch.Tensor, cond, guidan
     """Clean-latent predictions ``x - sigma v`` [N, K+1, ...] float32 at stored states [N, K+1, ...]
     with noise levels ``sigmas`` ([N, K+1] per row, or [K+1] shared; a clean state, sigma 0, is its own
     prediction); ``cond`` holds the N rows' conditioning. The recomputing twin of
-    ``rollout(..., store_x0_preds=True)``."""
+    ``RolloutSettings(..., store_x0_preds=True)``."""
     out = torch.empty(latents.shape, dtype=torch.float32, device=latents.device)
     sigmas = sigmas.expand(latents.shape[0], -1)  # [N, K+1]
     for k in range(latents.shape[1]):

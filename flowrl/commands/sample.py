@@ -23,7 +23,7 @@ def run_sample(args) -> Path:
     from flowrl.models.lora_io import load_lora_into
     from flowrl.models.preference import load_preference, preference_file, set_preference
     from flowrl.media import stills
-    from flowrl.sampling import StepPlan, rollout, root_seeds
+    from flowrl.sampling import RolloutSettings, StepPlan, rollout, root_seeds
     from flowrl.sampling.self_guidance import ONE_IMAGE_ERROR, SelfGuidance
 
     cfg = load_config(Config, args.config, args.overrides)
@@ -58,9 +58,10 @@ def run_sample(args) -> Path:
     steps = cfg.sampling.num_steps
     plan = StepPlan(steps) if args.sde else StepPlan(steps, sde_start=steps - 1, sde_size=1)
     noise = cfg.sampling.noise_level if args.sde else 0.0
-    traj = rollout(policy, prompts, group_size=n, num_steps=steps, guidance_scale=cfg.sampling.guidance_scale,
-                   noise_level=noise, kind=cfg.sampling.kind, plan=plan, metadata=metadata,
-                   seeds=root_seeds(cfg.seed, 0, len(prompts) * n), self_guidance=guide)
+    settings = RolloutSettings(num_steps=steps, guidance_scale=cfg.sampling.guidance_scale, noise_level=noise,
+                               kind=cfg.sampling.kind, plan=plan, self_guidance=guide)
+    traj = rollout(policy, prompts, settings, group_size=n, metadata=metadata,
+                   seeds=root_seeds(cfg.seed, 0, len(prompts) * n))
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         save_image(stills(traj.images), out, nrow=n, padding=2)

@@ -13,7 +13,7 @@ import torch
 from flowrl.data import PromptSet
 from flowrl.eval_tasks import by_task, paired_task_mean_gain, row_tasks
 from flowrl.rewards_api import score
-from flowrl.sampling import StepPlan, rollout, root_seeds
+from flowrl.sampling import RolloutSettings, StepPlan, rollout, root_seeds
 from flowrl.training.ema import ema_weights
 
 
@@ -25,14 +25,15 @@ def render(policy, prompts: PromptSet, *, images_per_prompt: int, num_steps: int
     Prompt ``i`` takes the seeds of global rows ``(first_prompt + i) * n ...``, so a subset of a suite
     renders the same images as the whole. ``with_latents`` also returns the clean latents ``[P * n, C, h, w]``.
     ``self_guidance`` (:class:`flowrl.sampling.self_guidance.SelfGuidance`) disperses each prompt's images."""
+    settings = RolloutSettings(num_steps=num_steps, guidance_scale=guidance, noise_level=0.0,
+                               plan=StepPlan(num_steps, sde_start=num_steps - 1, sde_size=1),
+                               self_guidance=self_guidance)  # the ODE: one noise-free stored step at the end
     images, latents = [], []
     for start in range(0, len(prompts), batch_prompts):
         chunk = prompts.prompts[start:start + batch_prompts]
         metadata = prompts.metadata[start:start + batch_prompts]
         with policy.local_forward():
-            traj = rollout(policy, chunk, group_size=images_per_prompt, num_steps=num_steps, guidance_scale=guidance,
-                           noise_level=0.0, plan=StepPlan(num_steps, sde_start=num_steps - 1, sde_size=1),
-                           metadata=metadata, self_guidance=self_guidance,
+            traj = rollout(policy, chunk, settings, group_size=images_per_prompt, metadata=metadata,
                            seeds=root_seeds(seed, (first_prompt + start) * images_per_prompt,
                                             len(chunk) * images_per_prompt))
         images.append(traj.images)

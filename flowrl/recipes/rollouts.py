@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -19,6 +20,7 @@ from flowrl.sampling.epoch_plan import batch_plan
 from flowrl.recipes.run import Run
 from flowrl.rewards_api import check_whole_groups
 from flowrl.sampling import (
+    RolloutSettings,
     StepPlan,
     chunked_rollout,
     concat_trajectories,
@@ -57,6 +59,10 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
     roots_per_group = s.group_size // plan.leaves_per_root
     # Self-guidance only where configured for rollouts (recipe grpo's config refuses it: see its validate).
     guide = SelfGuidance.maybe(**s.self_guidance.settings()) if s.self_guidance.in_rollouts else None
+    settings = RolloutSettings(num_steps=s.num_steps, guidance_scale=run.guidance, noise_level=noise_level, kind=kind,
+                               ode_solver=s.ode_solver, same_noise_in_group=same_noise_in_group,
+                               same_noise_in_pairs=same_noise_in_pairs, store_x0_preds=store_x0_preds,
+                               store_means=store_means, self_guidance=guide)  # each batch's plan goes in below
     parts, futures = [], []
     for b in range(cfg.train.batches_per_epoch):
         batch_index = epoch * cfg.train.batches_per_epoch + b
@@ -66,16 +72,13 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
         first_root = (batch_index * world + rank) * s.prompts_per_batch * roots_per_group
         first_group = (batch_index * world + rank) * s.prompts_per_batch  # this batch's groups' run-wide ids
         cond = preference_cond(run, batch, torch.arange(first_group, first_group + len(batch)))
+        batch_settings = replace(settings, plan=batch_plan(plan, s, batch_windows, seed=cfg.seed, epoch=epoch,
+                                                           batch=b, rank=rank))
         with policy.local_forward():
-            part = chunked_rollout(policy, batch.prompts, group_size=s.group_size, chunk=s.rollout_chunk, cond=cond,
-                                   num_steps=s.num_steps, guidance_scale=run.guidance, noise_level=noise_level,
-                                   kind=kind, plan=batch_plan(plan, s, batch_windows, seed=cfg.seed, epoch=epoch,
-                                                              batch=b, rank=rank),
-                                   same_noise_in_group=same_noise_in_group, same_noise_in_pairs=same_noise_in_pairs,
-                                   metadata=batch.metadata, store_x0_preds=store_x0_preds, ode_solver=s.ode_solver,
-                                   store_means=store_means,
+            part = chunked_rollout(policy, batch.prompts, batch_settings, group_size=s.group_size,
+                                   chunk=s.rollout_chunk, cond=cond, metadata=batch.metadata,
                                    seeds=root_seeds(cfg.seed, first_root, len(batch) * roots_per_group),
-                                   rollout_fn=rollout_fn, **({"self_guidance": guide} if guide else {}))
+                                   rollout_fn=rollout_fn)
         part.group_ids = part.group_ids + first_group
         check_whole_groups(scorer.rewards, part.group_ids, s.group_size)  # a group-wise reward sees whole groups
         futures.append(scorer.submit(part.images, part.row_prompts, part.row_metadata, part.group_ids))
@@ -128,10 +131,11 @@ def pilot_sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, nois
     cfg, accelerator, policy = run.cfg, run.accelerator, run.policy
     s, rank, world = cfg.sampling, accelerator.process_index, accelerator.num_processes
     candidates, pilot_size, commit_size = s.pilot.candidates, s.pilot.group_size, s.group_size - s.pilot.group_size
-    steps = dict(num_steps=s.num_steps, guidance_scale=run.guidance, noise_level=noise_level, kind=kind,
-                 store_x0_preds=store_x0_preds, ode_solver=s.ode_solver, store_means=store_means)
-    plans = [batch_plan(plan, s, batch_windows, seed=cfg.seed, epoch=epoch, batch=b, rank=rank)
-             for b in range(cfg.train.batches_per_epoch)]  # a batch's pilot and commit share its window
+    settings = RolloutSettings(num_steps=s.num_steps, guidance_scale=run.guidance, noise_level=noise_level, kind=kind,
+                               ode_solver=s.ode_solver, store_x0_preds=store_x0_preds, store_means=store_means)
+    batch_settings = [replace(settings, plan=batch_plan(plan, s, batch_windows, seed=cfg.seed, epoch=epoch, batch=b,
+                                                        rank=rank))
+                      for b in range(cfg.train.batches_per_epoch)]  # a batch's pilot and commit share its window
 
     # 1. Pilot: a few rollouts per candidate; candidate c owns root rows first_root + c * group_size + [0, G).
     pilots = []
@@ -143,15 +147,14 @@ def pilot_sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, nois
         batch = run.train_prompts.subset(index)
         first_root = slot * candidates * s.group_size
         with policy.local_forward():
-            pilot = rollout(policy, batch.prompts, group_size=pilot_size, metadata=batch.metadata, **steps,
-                            plan=plans[b],
+            pilot = rollout(policy, batch.prompts, batch_settings[b], group_size=pilot_size, metadata=batch.metadata,
                             seeds=slot_seeds(cfg.seed, first_root, range(len(batch)), s.group_size, 0, pilot_size))
         pilots.append((slot, first_root, pilot, scorer.submit(pilot.images, pilot.row_prompts, pilot.row_metadata),
-                       plans[b]))
+                       batch_settings[b]))
 
     # 2. Commit the candidates whose combined pilot reward varies most; roll out the rest of their groups.
     commits, skipped, flat = [], 0, 0
-    for slot, first_root, pilot, future, pilot_plan in pilots:
+    for slot, first_root, pilot, future, pilot_settings in pilots:
         pilot.rewards = future.result()
         n = pilot.num_rows
         signal = {k: pilot.rewards.get(k, torch.full((n,), math.nan)) for k in run.weights}  # a failed reward: NaN
@@ -162,8 +165,7 @@ def pilot_sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, nois
         flat += int((variances == 0).sum())
         chosen = committed.tolist()
         with policy.local_forward():
-            commit = rollout(policy, [pilot.prompts[c] for c in chosen], group_size=commit_size, plan=pilot_plan,
-                             **steps,
+            commit = rollout(policy, [pilot.prompts[c] for c in chosen], pilot_settings, group_size=commit_size,
                              metadata=[pilot.metadata[c] for c in chosen] if pilot.metadata else None,
                              cond=pilot.cond.select(committed),
                              seeds=slot_seeds(cfg.seed, first_root, chosen, s.group_size, pilot_size, s.group_size))

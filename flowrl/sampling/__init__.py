@@ -2,11 +2,12 @@
 
 from flowrl.sampling.plan import StepPlan, window_start
 from flowrl.sampling.rollout import chunked_rollout, rollout, root_seeds
+from flowrl.sampling.settings import RolloutSettings
 from flowrl.sampling.steps import STEP_KINDS, StepOutput, gaussian_log_prob, sde_step, transition
 from flowrl.sampling.trajectory import Trajectory, concat_trajectories
 from flowrl.seeding import derive_seed
 
 __all__ = [
-    "STEP_KINDS", "StepOutput", "StepPlan", "Trajectory", "concat_trajectories", "derive_seed", "gaussian_log_prob",
-    "chunked_rollout", "rollout", "root_seeds", "sde_step", "transition", "window_start",
+    "RolloutSettings", "STEP_KINDS", "StepOutput", "StepPlan", "Trajectory", "concat_trajectories", "derive_seed",
+    "gaussian_log_prob", "chunked_rollout", "rollout", "root_seeds", "sde_step", "transition", "window_start",
 ]

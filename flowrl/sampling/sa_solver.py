@@ -38,7 +38,7 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from flowrl.models.base import Policy, TextCond
-from flowrl.sampling.plan import StepPlan
+from flowrl.sampling.settings import RolloutSettings
 from flowrl.sampling.trajectory import Trajectory
 from flowrl.seeding import derive_seed, generators
 
@@ -141,25 +141,23 @@ def sa_solver_sample(velocity: Callable[[torch.Tensor, float], torch.Tensor], x:
 
 
 @torch.no_grad()
-def sa_solver_rollout(policy: Policy, prompts: Sequence[str], *, group_size: int, num_steps: int,
-                      guidance_scale: float, noise_level: float, seeds: Sequence[int],
-                      noise_window: Sequence[float] = NOISE_WINDOW, plan: StepPlan | None = None,
-                      same_noise_in_group: bool = False, metadata: Sequence[dict] | None = None,
-                      cond: TextCond | None = None, decode: bool = True, decode_batch_size: int = 16,
-                      store_x0_preds: bool = False, **_solver_options) -> Trajectory:
+def sa_solver_rollout(policy: Policy, prompts: Sequence[str], settings: RolloutSettings, *, group_size: int,
+                      seeds: Sequence[int], metadata: Sequence[dict] | None = None, cond: TextCond | None = None,
+                      noise_window: Sequence[float] = NOISE_WINDOW) -> Trajectory:
     """``len(prompts) * group_size`` clean samples by :func:`sa_solver_sample` on ``policy.sigmas(num_steps)``
-    with ``tau = noise_level`` inside ``noise_window``: :func:`flowrl.sampling.rollout.rollout`'s signature
-    (``kind`` and ``ode_solver`` do not apply and are ignored) and seeds (a row's initial noise from its seed,
-    step ``i``'s noise from ``derive_seed(row_seed, i)``).
+    with ``tau = settings.noise_level`` inside ``noise_window``: :func:`flowrl.sampling.rollout.rollout`'s signature
+    (the settings' ``kind``, ``ode_solver`` and ``same_noise_in_pairs`` do not apply and are ignored) and seeds (a
+    row's initial noise from its seed, step ``i``'s noise from ``derive_seed(row_seed, i)``).
 
     The trajectory stores one step, the last (the predicted state -> the clean sample), with log-prob 0,
     as a deterministic rollout's plan does: only ``final_latents`` and ``images`` are meant to be used."""
+    num_steps, plan = settings.num_steps, settings.plan
     if plan is not None and (plan.branch_steps or plan.num_steps != num_steps):
         raise ValueError("SA-Solver rollouts have no tree and take their steps from num_steps")
-    if _solver_options.get("self_guidance") is not None:
+    if settings.self_guidance is not None:
         raise ValueError("self-guidance is not wired into SA-Solver rollouts: set nft.sampler=ode or "
                          "sampling.self_guidance.in_rollouts=false")
-    if store_x0_preds or _solver_options.get("store_means"):
+    if settings.store_x0_preds or settings.store_means:
         raise ValueError("SA-Solver rollouts keep clean samples only (store_x0_preds and store_means do not apply)")
     if cond is None:
         cond = policy.encode(list(prompts), metadata=metadata)
@@ -169,16 +167,16 @@ def sa_solver_rollout(policy: Policy, prompts: Sequence[str], *, group_size: int
     device = policy.device
     prompt_ids = torch.arange(num_prompts).repeat_interleave(group_size)  # [N]
     row_seeds = [int(s) for s in seeds]
-    init_seeds = [row_seeds[(i // group_size) * group_size] for i in range(len(row_seeds))] if same_noise_in_group \
-        else row_seeds
+    init_seeds = [row_seeds[(i // group_size) * group_size] for i in range(len(row_seeds))] \
+        if settings.same_noise_in_group else row_seeds
     x = policy.init_noise(len(row_seeds), generator=generators(init_seeds))  # [N, C, (F,) h, w]
     model_dtype, row_cond = x.dtype, cond.select(prompt_ids)
     grid = sa_solver_grid(policy.sigmas(num_steps).double().tolist())
-    taus = noise_schedule(grid, noise_level, noise_window)
+    taus = noise_schedule(grid, settings.noise_level, noise_window)
 
     def model(state: torch.Tensor, t: float) -> torch.Tensor:
         return policy.velocity(state.to(model_dtype), torch.tensor(t, dtype=torch.float32, device=state.device),
-                               row_cond, guidance_scale)
+                               row_cond, settings.guidance_scale)
 
     def step_noise(step: int) -> torch.Tensor:
         rngs = generators([derive_seed(s, step) for s in row_seeds], device=x.device)
@@ -186,7 +184,8 @@ def sa_solver_rollout(policy: Policy, prompts: Sequence[str], *, group_size: int
 
     clean, before = sa_solver_sample(model, x, grid, taus, step_noise)
     final = clean.to(model_dtype)  # [N, C, (F,) h, w]
-    images = torch.cat([policy.decode(chunk) for chunk in final.split(decode_batch_size)]) if decode else None
+    images = torch.cat([policy.decode(chunk) for chunk in final.split(settings.decode_batch_size)]) \
+        if settings.decode else None
     rows = len(row_seeds)
     last = torch.tensor([[grid[-2], 0.0]]).repeat(rows, 1)  # [N, 2] the stored step's noise levels
     return Trajectory(

@@ -42,9 +42,9 @@ class Trajectory:
     rewards: dict[str, torch.Tensor] = field(default_factory=dict)  # {name: [N]}
     x0_preds: torch.Tensor | None = None  # [N, K+1, C, H, W] float32 x_k - sigma_k v_k at each stored state
     # (the last: x_K itself when clean, else from the next ODE step's velocity); filled only by
-    # ``rollout(..., store_x0_preds=True)`` for dense_cosine credit, None otherwise to save memory.
+    # ``RolloutSettings(..., store_x0_preds=True)`` for dense_cosine credit, None otherwise to save memory.
     means: torch.Tensor | None = None  # [N, K, C, H, W] float32 mean of each stored transition under the sampling
-    # policy; filled only by ``rollout(..., store_means=True)`` for GRPO-Guard's ratio, None otherwise.
+    # policy; filled only by ``RolloutSettings(..., store_means=True)`` for GRPO-Guard's ratio, None otherwise.
     rollouts_sampled: int = 0  # rollouts of every process behind this set, dropped Pilot-Commit pilots included
     sampling_metrics: dict[str, float] = field(default_factory=dict)  # perf/* of the allocation (Pilot-Commit)
 

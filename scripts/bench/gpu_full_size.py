@@ -227,7 +227,7 @@ def random_cond(policy, spec: dict, device):
 def bench_family(family: str, args, accelerator, clock: Clock, memory: Memory) -> list[dict]:
     from flowrl.algorithms.losses import grpo_clip_loss
     from flowrl.algorithms.transition import TransitionSettings, transition_loss
-    from flowrl.sampling import rollout, root_seeds
+    from flowrl.sampling import RolloutSettings, rollout, root_seeds
     from flowrl.training.stats import StatsAccumulator
 
     device, dtype = accelerator.device, args.torch_dtype
@@ -282,8 +282,9 @@ def bench_family(family: str, args, accelerator, clock: Clock, memory: Memory) -
     last = {}
 
     def flowrl_rollout(n: int = steps):
-        last["traj"] = rollout(policy, ["benchmark prompt"], group_size=group, num_steps=n, guidance_scale=guidance,
-                               noise_level=noise_level, seeds=seeds, kind="sde", cond=cond, decode=False)
+        settings = RolloutSettings(num_steps=n, guidance_scale=guidance, noise_level=noise_level, kind="sde",
+                                   decode=False)
+        last["traj"] = rollout(policy, ["benchmark prompt"], settings, group_size=group, seeds=seeds, cond=cond)
 
     result = timed({"flowrl": flowrl_rollout, "bare": lambda: bare.loop(rollout_calls, steps)},
                    args.rollout_repeats, clock, memory,

@@ -29,7 +29,7 @@ import sys
 import torch
 
 from flowrl.models import build_policy
-from flowrl.sampling import rollout, sde_step
+from flowrl.sampling import RolloutSettings, rollout, sde_step
 
 PROMPTS = ["a red circle on a blue background", "a green square"]
 CLIP_RANGE = 1e-4
@@ -76,8 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     guidance, noise_level = 4.5, 0.7
     seeds = list(range(len(PROMPTS) * args.group_size))
     reference = lora_policy("float32", None)
-    traj = rollout(reference, PROMPTS, group_size=args.group_size, num_steps=args.steps, guidance_scale=guidance,
-                   noise_level=noise_level, seeds=seeds)  # float32 latents [N, K + 1, C, h, w]
+    settings = RolloutSettings(num_steps=args.steps, guidance_scale=guidance, noise_level=noise_level)
+    traj = rollout(reference, PROMPTS, settings, group_size=args.group_size, seeds=seeds)  # float32 [N, K + 1, C, h, w]
     prompts = list(PROMPTS)
     results = {}
     for name, (dtype, text_dtype, autocast) in MODES.items():

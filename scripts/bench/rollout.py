@@ -12,7 +12,8 @@ models several times slower and the timings erratic. If other jobs still load th
 
 What is measured, per family, on the same policy object (so both sides share the very same weights):
 
-- flowrl: ``rollout(policy, prompts, group_size=G, num_steps=N, guidance_scale=w, noise_level=0.7, seeds=...)``,
+- flowrl: ``rollout(policy, prompts, RolloutSettings(num_steps=N, guidance_scale=w, noise_level=0.7), group_size=G,
+  seeds=...)``,
   the full SDE rollout (every step stochastic, per-row noise generators, log-probs kept, latents stored),
   including its own prompt encoding and the VAE decode of the final latents.
 - diffusers: ``policy.pipeline_images(...)``, the family's own pipeline ``__call__`` (for SD3:
@@ -39,7 +40,7 @@ import time
 import torch
 
 from flowrl.models import FAMILIES, build_policy
-from flowrl.sampling import rollout
+from flowrl.sampling import RolloutSettings, rollout
 
 PROMPTS = [
     "a red circle on a white table",
@@ -107,10 +108,10 @@ def bench_family(family: str, args: argparse.Namespace) -> dict:
     seeds = list(range(1000, 1000 + args.batch))  # one per row; the pipeline gets the same per-row generators
     guidance = policy.default_guidance if args.guidance is None else args.guidance
     metadata = policy.example_metadata(num_prompts)  # an editing family's source images; None for the others
+    settings = RolloutSettings(num_steps=args.steps, guidance_scale=guidance, noise_level=args.noise_level)
 
     def flowrl_call():
-        traj = rollout(policy, prompts, group_size=group, num_steps=args.steps, guidance_scale=guidance,
-                       noise_level=args.noise_level, seeds=seeds, metadata=metadata)
+        traj = rollout(policy, prompts, settings, group_size=group, seeds=seeds, metadata=metadata)
         assert traj.images.shape[0] == args.batch
         return traj
 

@@ -29,7 +29,7 @@ from flowrl.training.stats import StatsAccumulator
 from flowrl.recipes.build import make_accelerator
 from flowrl.algorithms.transition import TransitionSettings, transition_loss
 from flowrl.recipes.grpo import train
-from flowrl.sampling import rollout, root_seeds
+from flowrl.sampling import RolloutSettings, rollout, root_seeds
 from flowrl.training.metrics import read_metrics
 
 
@@ -64,8 +64,8 @@ def overhead(cfg: GRPOConfig, repeats: int) -> tuple[float, float, float]:
     policy = build_training_policy(cfg, accelerator.device)
     s, t = cfg.sampling, cfg.train
     n = min(t.micro_batch_size, s.group_size)
-    traj = rollout(policy, ["a photo of a cat"], group_size=n, num_steps=s.num_steps, guidance_scale=s.guidance_scale,
-                   noise_level=s.noise_level, seeds=root_seeds(cfg.seed, 0, n))
+    settings = RolloutSettings(num_steps=s.num_steps, guidance_scale=s.guidance_scale, noise_level=s.noise_level)
+    traj = rollout(policy, ["a photo of a cat"], settings, group_size=n, seeds=root_seeds(cfg.seed, 0, n))
     advantages = torch.randn(traj.num_rows, traj.num_stored_steps)  # [N, K]
     rows, k = torch.arange(n), 0
     mask = torch.ones(n, traj.num_stored_steps, dtype=torch.bool)

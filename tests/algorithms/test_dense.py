@@ -22,7 +22,7 @@ from flowrl.config import Config, ConfigError, load_config
 from flowrl.models import build_policy
 from flowrl.algorithms.credit import cosine_credit, ode_credit
 from flowrl.recipes.grpo import train
-from flowrl.sampling import StepPlan, rollout
+from flowrl.sampling import RolloutSettings, StepPlan, rollout
 from tools.policy_capture import capture_training_policy, lora_and_base
 
 PROMPTS = ["a red circle", "two blue squares"]
@@ -146,8 +146,9 @@ def test_top_step_share_by_hand():
 
 def window_rollout(policy, store):
     # Stored steps 0 and 1 of 4; steps 2 and 3 are ODE.
-    return rollout(policy, PROMPTS, group_size=2, num_steps=4, guidance_scale=4.5, noise_level=0.7,
-                   seeds=[1, 2, 3, 4], plan=StepPlan(4, sde_start=0, sde_size=2), store_x0_preds=store)
+    settings = RolloutSettings(num_steps=4, guidance_scale=4.5, noise_level=0.7,
+                               plan=StepPlan(4, sde_start=0, sde_size=2), store_x0_preds=store)
+    return rollout(policy, PROMPTS, settings, group_size=2, seeds=[1, 2, 3, 4])
 
 
 def test_lookahead_from_the_last_stored_state_reproduces_the_rollout(sd3):
@@ -173,11 +174,13 @@ def test_stored_x0_predictions_equal_recomputed_ones(sd3):
     torch.testing.assert_close(again, traj.x0_preds, rtol=1e-5, atol=1e-5)
     assert window_rollout(sd3, store=False).x0_preds is None
     # Full SDE: the last stored state is the clean latent, its own prediction.
-    full = rollout(sd3, PROMPTS, group_size=2, num_steps=4, guidance_scale=4.5, noise_level=0.7, seeds=[1, 2, 3, 4],
-                   store_x0_preds=True)
+    full = rollout(sd3, PROMPTS, RolloutSettings(num_steps=4, guidance_scale=4.5, noise_level=0.7, store_x0_preds=True),
+                   group_size=2, seeds=[1, 2, 3, 4])
     assert torch.equal(full.x0_preds[:, -1], full.final_latents.float())
-    tree = rollout(sd3, PROMPTS, group_size=2, num_steps=4, guidance_scale=4.5, noise_level=0.7, seeds=[1, 2],
-                   plan=StepPlan(4, branch_steps=(2,), branch_factor=2), store_x0_preds=True)
+    tree = rollout(sd3, PROMPTS, RolloutSettings(num_steps=4, guidance_scale=4.5, noise_level=0.7,
+                                                 plan=StepPlan(4, branch_steps=(2,), branch_factor=2),
+                                                 store_x0_preds=True),
+                   group_size=2, seeds=[1, 2])
     assert tree.x0_preds.shape == tree.latents.shape  # children inherit their parent's predictions
     assert torch.equal(tree.x0_preds[0, :3], tree.x0_preds[1, :3])
     # The recipe's credit is the same from stored and from recomputed predictions.
@@ -204,7 +207,8 @@ class BrightnessScorer:
 
 
 def test_ode_credit_scores_each_state_once_and_normalises_its_gains(sd3):
-    traj = rollout(sd3, PROMPTS, group_size=2, num_steps=4, guidance_scale=4.5, noise_level=0.7, seeds=[5, 6, 7, 8])
+    traj = rollout(sd3, PROMPTS, RolloutSettings(num_steps=4, guidance_scale=4.5, noise_level=0.7), group_size=2,
+                   seeds=[5, 6, 7, 8])
     traj.rewards = {"brightness": traj.images.mean(dim=(1, 2, 3))}
     scorer, schedule = BrightnessScorer(), sd3.sigmas(4)
     advantages, gains = ode_credit(sd3, traj, scorer, [0, 1, 2], traj.group_ids, slice(0, 4),

@@ -222,21 +222,22 @@ def test_sa_solver_converges_to_the_flow_and_keeps_its_marginals():
 
 def test_sa_solver_rollout_is_row_seeded_and_keeps_the_clean_samples():
     from flowrl.models import build_policy
-    from flowrl.sampling import chunked_rollout
+    from flowrl.sampling import RolloutSettings, chunked_rollout
     from flowrl.sampling.sa_solver import sa_solver_rollout
 
     policy = build_policy("sd3", "tiny", seed=0)
-    args = dict(group_size=4, num_steps=4, guidance_scale=1.0, noise_level=0.4, seeds=list(range(8)))
-    whole = sa_solver_rollout(policy, ["a red circle", "two blue squares"], **args)
-    chunked = chunked_rollout(policy, ["a red circle", "two blue squares"], chunk=2, rollout_fn=sa_solver_rollout,
-                              **args)
+    prompts = ["a red circle", "two blue squares"]
+    settings = RolloutSettings(num_steps=4, guidance_scale=1.0, noise_level=0.4)
+    rows = dict(group_size=4, seeds=list(range(8)))
+    whole = sa_solver_rollout(policy, prompts, settings, **rows)
+    chunked = chunked_rollout(policy, prompts, settings, chunk=2, rollout_fn=sa_solver_rollout, **rows)
     assert whole.final_latents.shape[0] == 8 and whole.images.shape[0] == 8 and whole.log_probs.abs().sum() == 0
     assert torch.equal(whole.latents[:, 1], whole.final_latents) and torch.equal(whole.group_ids, chunked.group_ids)
     # Chunks of 2 and one batch of 8 pick different GEMM kernels (by shape and CPU), so rounding differs
     # through the 4 steps: 1e-4 on latents of |x| <= ~5; a wrong row's noise moves them by ~1.
     torch.testing.assert_close(chunked.final_latents, whole.final_latents, rtol=1e-4, atol=1e-4)
     # Its noise matters (tau 0.4 on the 4-step grid's points in [0.3, 0.9]) and comes from the row seeds.
-    quiet = sa_solver_rollout(policy, ["a red circle", "two blue squares"], **{**args, "noise_level": 0.0})
+    quiet = sa_solver_rollout(policy, prompts, dataclasses.replace(settings, noise_level=0.0), **rows)
     assert not torch.allclose(quiet.final_latents, whole.final_latents)
 
 
@@ -259,10 +260,10 @@ def test_awm_rolls_out_the_trained_adapter_with_sa_solver_and_exports_the_eval_e
         restored.append({"ema": runs[-1].eval_ema.state_tensors(), "old": runs[-1].ema.state_tensors()})
         return runs[-1]
 
-    def spy_rollout(policy, prompts, **kwargs):
+    def spy_rollout(policy, prompts, settings, **kwargs):
         # The old adapter's EMA swaps its weights in through diffusers' store(); None: the live weights sample.
-        rollouts.append((runs[0].ema.model.temp_stored_params is None, kwargs["noise_level"]))
-        return real_rollout(policy, prompts, **kwargs)
+        rollouts.append((runs[0].ema.model.temp_stored_params is None, settings.noise_level))
+        return real_rollout(policy, prompts, settings, **kwargs)
 
     def spy_loss(velocity, old_velocity, target, advantages, sigma, **kwargs):
         sigmas.append(sigma.detach().cpu())

@@ -17,7 +17,7 @@ from flowrl.algorithms.advantages import edge_advantages, grpo_advantages
 from flowrl.algorithms.branch import branch_advantages, depth_standardised_advantages, tree_roots
 from flowrl.config import Config, ConfigError, load_config
 from flowrl.models import build_policy
-from flowrl.sampling import StepPlan, rollout, sde_step, transition
+from flowrl.sampling import RolloutSettings, StepPlan, rollout, sde_step, transition
 from flowrl.sampling.steps import ScheduleSteps, gaussian_log_prob
 
 SMOKE = "configs/smoke/sd3_tiny.yaml"
@@ -30,9 +30,10 @@ def policy():
 
 def two_trees(policy, split_noise_scale=1.0, kind="sde", noise_level=0.7):
     """Two prompts, one root each, split x2 before steps 1 and 2: 2 trees of 4 leaves, 4 stored steps."""
-    return rollout(policy, ["a red circle", "two blue squares"], group_size=4, num_steps=4, guidance_scale=4.5,
-                   noise_level=noise_level, kind=kind, seeds=[11, 12],
-                   plan=StepPlan(4, branch_steps=(1, 2), branch_factor=2, split_noise_scale=split_noise_scale))
+    settings = RolloutSettings(num_steps=4, guidance_scale=4.5, noise_level=noise_level, kind=kind,
+                               plan=StepPlan(4, branch_steps=(1, 2), branch_factor=2,
+                                             split_noise_scale=split_noise_scale))
+    return rollout(policy, ["a red circle", "two blue squares"], settings, group_size=4, seeds=[11, 12])
 
 
 # --- advantages ----------------------------------------------------------------------------------------------
@@ -218,9 +219,9 @@ def test_the_recipe_uses_the_reference_tree_by_default(tmp_path, monkeypatch, ex
     sampling = sys.modules["flowrl.sampling.rollout"]
     real_rollout, real_backup = sampling.rollout, credit.branch_advantages
 
-    def recording_rollout(*args, plan=None, **kwargs):
-        plans.append(plan)
-        return real_rollout(*args, plan=plan, **kwargs)
+    def recording_rollout(policy, prompts, settings, **kwargs):
+        plans.append(settings.plan)
+        return real_rollout(policy, prompts, settings, **kwargs)
 
     def recording_backup(*args, **kwargs):
         calls.append(real_backup(*args, **kwargs))

@@ -32,7 +32,7 @@ from flowrl.models import build_policy
 from flowrl.training.stats import StatsAccumulator
 from flowrl.recipes.build import make_accelerator
 from flowrl.algorithms.transition import TransitionSettings, transition_loss
-from flowrl.sampling import rollout, sde_step
+from flowrl.sampling import RolloutSettings, rollout, sde_step
 
 A = 0.7  # noise_level
 SIGMAS = [1.0, 0.8, 0.5]  # two steps; the first sits at sigma = 1, where the reference's guard applies
@@ -159,8 +159,9 @@ def moved_policy_and_rollout():
     """The tiny SD3 policy, a 3-row rollout that kept its means, then the LoRA moved off the sampling policy."""
     policy = build_policy("sd3", "tiny", seed=0)
     policy.add_lora(rank=4, alpha=8, init_seed=0)
-    traj = rollout(policy, ["a red circle"], group_size=3, num_steps=3, guidance_scale=4.5, noise_level=A,
-                   seeds=[1, 2, 3], store_means=True)
+    traj = rollout(policy, ["a red circle"],
+                   RolloutSettings(num_steps=3, guidance_scale=4.5, noise_level=A, store_means=True), group_size=3,
+                   seeds=[1, 2, 3])
     on_policy = []
     for k in range(traj.num_stored_steps):  # before the move: the stored means are the policy's own
         x, x_next = traj.latents[:, k], traj.latents[:, k + 1]

@@ -9,6 +9,7 @@ References (each formula below is written out from them, not taken from flowrl):
 """
 
 import contextlib
+from dataclasses import replace
 from functools import partial
 
 import pytest
@@ -187,22 +188,22 @@ def reference_dpm2(velocity, x, sigmas):
 
 def test_nft_rollout_with_dpmpp_2m_is_the_reference_dpm2_sampler():
     from flowrl.models import build_policy
-    from flowrl.sampling import StepPlan, rollout
+    from flowrl.sampling import RolloutSettings, StepPlan, rollout
     from flowrl.seeding import generators
 
     policy = build_policy("sd3", "tiny", seed=0)
     steps, seeds = 6, [3, 4]
     # The nft recipe's rollout: noise 0, only the last step stored (it is the plan's one 'SDE' step, at noise 0).
-    traj = rollout(policy, ["a red circle"], group_size=2, num_steps=steps, guidance_scale=1.0, noise_level=0.0,
-                   seeds=seeds, plan=StepPlan(steps, sde_start=steps - 1), ode_solver="dpmpp_2m", decode=False)
+    ode = RolloutSettings(num_steps=steps, guidance_scale=1.0, noise_level=0.0,
+                          plan=StepPlan(steps, sde_start=steps - 1), decode=False)
+    traj = rollout(policy, ["a red circle"], replace(ode, ode_solver="dpmpp_2m"), group_size=2, seeds=seeds)
     cond = policy.encode(["a red circle"]).select(torch.tensor([0, 0]))
     x = policy.init_noise(2, generator=generators(seeds)).double()
     sigmas = policy.sigmas(steps).double()
     with torch.no_grad():
         expected = reference_dpm2(lambda z, s: policy.velocity(z.float(), s.float(), cond, 1.0).double(), x, sigmas)
     torch.testing.assert_close(traj.final_latents.double(), expected, rtol=0, atol=2e-5)
-    euler = rollout(policy, ["a red circle"], group_size=2, num_steps=steps, guidance_scale=1.0, noise_level=0.0,
-                    seeds=seeds, plan=StepPlan(steps, sde_start=steps - 1), decode=False)
+    euler = rollout(policy, ["a red circle"], ode, group_size=2, seeds=seeds)
     assert (euler.final_latents.double() - expected).abs().max() > 1e-3  # the test tells the solvers apart
 
 

@@ -265,13 +265,13 @@ def test_split_noise_levels_make_the_sde_run_at_the_splits_only():
 
 def test_rollout_uses_each_steps_noise_level_and_zero_is_an_ode_step():
     from flowrl.models import build_policy
-    from flowrl.sampling import StepPlan, rollout, sde_step
+    from flowrl.sampling import RolloutSettings, StepPlan, rollout, sde_step
 
     policy = build_policy("sd3", "tiny", seed=0)
     plan = StepPlan(4, sde_start=1, sde_size=3, branch_steps=(1, 3), branch_factor=2,
                     noise_levels=((1, 0.4), (2, 0.0), (3, 1.0)))
-    traj = rollout(policy, ["a red cube"], group_size=4, num_steps=4, guidance_scale=1.0, noise_level=0.7, seeds=[3],
-                   kind="cps", plan=plan, decode=False)
+    settings = RolloutSettings(num_steps=4, guidance_scale=1.0, noise_level=0.7, kind="cps", plan=plan, decode=False)
+    traj = rollout(policy, ["a red cube"], settings, group_size=4, seeds=[3])
     assert traj.log_probs[:, 1].abs().max() == 0  # the level-0 step has no density
     cond = policy.encode(["a red cube"]).select(torch.zeros(4, dtype=torch.long))
     for column, level in ((0, 0.4), (1, 0.0), (2, 1.0)):  # each stored step rescored at its own level
@@ -304,10 +304,11 @@ def run_plans(tmp_path, monkeypatch, overrides):
     sampling = sys.modules["flowrl.sampling.rollout"]
     real_rollout = sampling.rollout
 
-    def recording_rollout(*args, plan=None, **kwargs):
+    def recording_rollout(policy, prompts, settings, **kwargs):
+        plan = settings.plan
         if plan is not None and plan.branch_steps:  # training rollouts (held-out ones have no tree)
             seen.append((plan.branch_steps, plan.noise_levels))
-        return real_rollout(*args, plan=plan, **kwargs)
+        return real_rollout(policy, prompts, settings, **kwargs)
 
     with monkeypatch.context() as patch:  # undone on return, so the next run records into its own list
         patch.setattr(sampling, "rollout", recording_rollout)

@@ -11,14 +11,15 @@ import pytest
 
 from flowrl.models import build_policy
 from flowrl.sampling.rollout import rollout
+from flowrl.sampling.settings import RolloutSettings
 
 
 def test_sized_renders_at_the_eval_size_and_restores_the_training_size():
     policy = build_policy("sd3", "tiny", seed=0)
     train_size = (policy.height, policy.width)
     with policy.sized(2 * policy.height, policy.width):
-        traj = rollout(policy, ["a red circle"], group_size=2, num_steps=2, guidance_scale=1.0, noise_level=0.0,
-                       seeds=[1, 2])
+        traj = rollout(policy, ["a red circle"], RolloutSettings(num_steps=2, guidance_scale=1.0, noise_level=0.0),
+                       group_size=2, seeds=[1, 2])
     assert traj.images.shape[-2:] == (2 * train_size[0], train_size[1])
     assert (policy.height, policy.width) == train_size
     with pytest.raises(ValueError, match="multiples of"), policy.sized(train_size[0] + 4):

@@ -22,7 +22,7 @@ from flowrl.config import Config, load_config
 from flowrl.models import FAMILIES, build_policy, policy_class
 from flowrl.models.lora_io import load_lora_into, lora_config_dict, lora_state_dict, write_lora_files
 from flowrl.recipes.grpo import train
-from flowrl.sampling import rollout, sde_step
+from flowrl.sampling import RolloutSettings, rollout, sde_step
 from tools.policy_capture import capture_training_policy, lora_and_base
 
 PROMPTS = ["a red circle", "two blue squares"]
@@ -42,8 +42,8 @@ def policy(family):
 
 def _ode_images(policy, guidance=None):
     guidance = policy.default_guidance if guidance is None else guidance
-    traj = rollout(policy, PROMPTS, group_size=2, num_steps=STEPS, guidance_scale=guidance, noise_level=0.0,
-                   seeds=SEEDS, metadata=policy.example_metadata(len(PROMPTS)))
+    traj = rollout(policy, PROMPTS, RolloutSettings(num_steps=STEPS, guidance_scale=guidance, noise_level=0.0),
+                   group_size=2, seeds=SEEDS, metadata=policy.example_metadata(len(PROMPTS)))
     return traj.images
 
 
@@ -69,8 +69,8 @@ def test_ode_rollout_reproduces_the_family_pipeline(policy):
 
 def test_recorded_log_prob_equals_the_recomputed_one(policy):
     guidance = policy.default_guidance
-    traj = rollout(policy, PROMPTS, group_size=2, num_steps=STEPS, guidance_scale=guidance, noise_level=0.7,
-                   seeds=SEEDS, metadata=policy.example_metadata(len(PROMPTS)))
+    traj = rollout(policy, PROMPTS, RolloutSettings(num_steps=STEPS, guidance_scale=guidance, noise_level=0.7),
+                   group_size=2, seeds=SEEDS, metadata=policy.example_metadata(len(PROMPTS)))
     assert traj.latents.shape[:2] == (len(SEEDS), STEPS + 1)
     assert traj.latents.shape[2:] == policy.latent_shape(1)[1:]
     cond = traj.cond.select(traj.prompt_ids)

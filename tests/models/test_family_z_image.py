@@ -10,7 +10,7 @@ import torch
 
 from flowrl.models import build_policy
 from flowrl.models.z_image import Z_IMAGE_LORA_TARGETS, ZImagePolicy
-from flowrl.sampling import rollout
+from flowrl.sampling import RolloutSettings, rollout
 
 PROMPTS = ["a red circle", "two blue squares"]
 SEEDS = [11, 12, 13, 14]
@@ -23,8 +23,8 @@ def policy():
 
 
 def _ode(policy, guidance):
-    return rollout(policy, PROMPTS, group_size=2, num_steps=STEPS, guidance_scale=guidance, noise_level=0.0,
-                   seeds=SEEDS).images
+    return rollout(policy, PROMPTS, RolloutSettings(num_steps=STEPS, guidance_scale=guidance, noise_level=0.0),
+                   group_size=2, seeds=SEEDS).images
 
 
 def _pipeline(policy, guidance):

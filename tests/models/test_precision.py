@@ -15,7 +15,7 @@ from flowrl.models import build_policy, policy_from_config
 from flowrl.recipes.build import autocast_precision
 from flowrl.training.stats import StatsAccumulator
 from flowrl.algorithms.transition import TransitionSettings, transition_loss
-from flowrl.sampling import rollout
+from flowrl.sampling import RolloutSettings, rollout
 
 SMOKE = "configs/smoke/sd3_tiny.yaml"
 FLOW_GRPO = [f"{key}={'null' if value is None else value}" for key, value in FLOW_GRPO_PRECISION.items()]
@@ -58,8 +58,8 @@ def test_the_training_log_prob_runs_the_transformer_in_the_autocast_dtype_and_th
     weights, the transformer's matmuls in the autocast dtype, the SDE step and its log-prob in float32."""
     policy = build_policy("sd3", "tiny", dtype="float32", text_encoder_dtype="float16")
     policy.add_lora(rank=4, alpha=8, init_seed=0)
-    traj = rollout(policy, ["a red circle"], group_size=2, num_steps=2, guidance_scale=4.5, noise_level=0.7,
-                   seeds=[1, 2])
+    traj = rollout(policy, ["a red circle"], RolloutSettings(num_steps=2, guidance_scale=4.5, noise_level=0.7),
+                   group_size=2, seeds=[1, 2])
     assert traj.latents.dtype == torch.float32 and traj.log_probs.dtype == torch.float32
     advantages = torch.ones(traj.log_probs.shape)
     seen = []

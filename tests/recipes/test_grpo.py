@@ -18,7 +18,7 @@ from flowrl.models import build_policy
 from flowrl.training.stats import StatsAccumulator
 from flowrl.recipes.build import make_accelerator
 from flowrl.recipes.grpo import train
-from flowrl.sampling import rollout
+from flowrl.sampling import RolloutSettings, rollout
 from flowrl.training.metrics import read_metrics
 from tests.reward_fixtures import RedMinusBlue
 from tools.policy_capture import capture_training_policy, lora_and_base
@@ -64,8 +64,8 @@ def test_async_scoring_gives_the_same_run_as_sync(tmp_path):
 def _hand_setup(guidance=4.5):
     policy = build_policy("sd3", "tiny", seed=0)
     policy.add_lora(rank=4, alpha=8, init_seed=0)
-    traj = rollout(policy, ["a red circle"], group_size=4, num_steps=3, guidance_scale=guidance, noise_level=0.7,
-                   seeds=[1, 2, 3, 4])
+    traj = rollout(policy, ["a red circle"], RolloutSettings(num_steps=3, guidance_scale=guidance, noise_level=0.7),
+                   group_size=4, seeds=[1, 2, 3, 4])
     advantages = torch.tensor([[1.5], [-0.5], [2.0], [-3.0]]).expand(4, traj.num_stored_steps).clone()
     # Move the policy off the sampling policy so ratios leave the clip range on some rows.
     with torch.no_grad():
@@ -143,8 +143,8 @@ def test_reward_rises_where_it_must(tmp_path, monkeypatch):
     policy, reward = captured["policy"], RedMinusBlue()
 
     def redness():
-        traj = rollout(policy, ["a cat"], group_size=32, num_steps=4, guidance_scale=4.5, noise_level=0.7,
-                       seeds=list(range(1000, 1032)))
+        traj = rollout(policy, ["a cat"], RolloutSettings(num_steps=4, guidance_scale=4.5, noise_level=0.7),
+                       group_size=32, seeds=list(range(1000, 1032)))
         return reward(traj.images, None, None)["redness"]  # [32]
 
     after = redness()

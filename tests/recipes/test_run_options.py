@@ -39,17 +39,22 @@ def test_eval_steps_and_guidance_reach_every_eval_render(tmp_path, monkeypatch, 
 
     seen = {"grid": [], "held_out": [], "report": [], "rollout": []}
 
-    def recorder(name, function, steps="num_steps", guidance="guidance"):
+    def recorder(name, function):
         def wrapped(*args, **kwargs):
-            seen[name].append((kwargs[steps], kwargs[guidance]))
+            seen[name].append((kwargs["num_steps"], kwargs["guidance"]))
             return function(*args, **kwargs)
         return wrapped
 
     monkeypatch.setattr(held_out, "render", recorder("grid", held_out.render))  # eval_grid's (and the report's)
     monkeypatch.setattr(epoch_end, "render", recorder("held_out", epoch_end.render))  # held_out_metrics'
     monkeypatch.setattr(finish, "write_report", recorder("report", finish.write_report))
-    monkeypatch.setattr(rollouts, "chunked_rollout", recorder("rollout", rollouts.chunked_rollout,
-                                                            guidance="guidance_scale"))
+    real_chunked_rollout = rollouts.chunked_rollout
+
+    def recording_chunked_rollout(policy, prompts, settings, **kwargs):
+        seen["rollout"].append((settings.num_steps, settings.guidance_scale))
+        return real_chunked_rollout(policy, prompts, settings, **kwargs)
+
+    monkeypatch.setattr(rollouts, "chunked_rollout", recording_chunked_rollout)
     train(smoke(tmp_path, "log.eval_every=1", "log.test_every=1", "log.test_prompts=2", "log.report_prompts=2",
                 "log.eval_images_per_prompt=2", *overrides))
     assert len(seen["held_out"]) == 2  # the base model's point and epoch 0's

@@ -14,7 +14,7 @@ from flowrl.models import build_policy
 from flowrl.recipes.grpo import train
 from flowrl.algorithms.credit import query_states
 from flowrl.recipes.sdpo import group_pairs
-from flowrl.sampling import rollout
+from flowrl.sampling import RolloutSettings, rollout
 from flowrl.sampling.rollout import chunked_rollout
 from flowrl.training.metrics import read_metrics
 from tests.fault_helpers import TINY_TRAIN
@@ -25,19 +25,20 @@ SDPO = ["train.loss=sdpo", "train.credit=sdpo", "train.beta=0"]
 
 def test_pair_members_share_their_initial_noise_and_pairs_do_not():
     policy = build_policy("sd3", "tiny", seed=0)
-    kwargs = dict(group_size=4, num_steps=2, guidance_scale=1.0, noise_level=0.7, seeds=[1, 2, 3, 4, 5, 6, 7, 8],
-                  same_noise_in_pairs=True, decode=False)
-    traj = rollout(policy, ["a", "b"], **kwargs)
+    settings = RolloutSettings(num_steps=2, guidance_scale=1.0, noise_level=0.7, same_noise_in_pairs=True,
+                               decode=False)
+    rows = dict(group_size=4, seeds=[1, 2, 3, 4, 5, 6, 7, 8])
+    traj = rollout(policy, ["a", "b"], settings, **rows)
     start = traj.latents[:, 0]  # [8, C, h, w]
     for first in range(0, 8, 2):
         assert torch.equal(start[first], start[first + 1])
     assert not torch.equal(start[1], start[2]) and not torch.equal(start[3], start[4])
     assert not torch.equal(traj.latents[0, -1], traj.latents[1, -1])  # the SDE steps draw their own noise
-    chunked = chunked_rollout(policy, ["a", "b"], chunk=2, **kwargs)
+    chunked = chunked_rollout(policy, ["a", "b"], settings, chunk=2, **rows)
     torch.testing.assert_close(chunked.latents, traj.latents)
     assert group_pairs(traj.group_ids).tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
     with pytest.raises(ValueError, match="whole pairs"):
-        chunked_rollout(policy, ["a", "b"], chunk=1, **kwargs)
+        chunked_rollout(policy, ["a", "b"], settings, chunk=1, **rows)
 
 
 def test_query_states_are_first_last_and_the_anchors():

@@ -93,8 +93,8 @@ def _record_sampling(monkeypatch, recipe_module):
     calls, trajs = [], []
     real_rollout, real_sample = rollouts.rollout, recipe_module.sample_and_score
 
-    def recording_rollout(policy, prompts, **kwargs):
-        traj = real_rollout(policy, prompts, **kwargs)
+    def recording_rollout(policy, prompts, settings, **kwargs):
+        traj = real_rollout(policy, prompts, settings, **kwargs)
         calls.append((kwargs["group_size"], traj))  # rewards are attached to the same object later
         return traj
 

@@ -17,6 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import math
 import typing
+from dataclasses import replace
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from flowrl.config import Config, ConfigError, SamplingConfig, load_config
 from flowrl.models import build_policy
 from flowrl.models.base import TextCond
-from flowrl.sampling import StepPlan, rollout, sde_step
+from flowrl.sampling import RolloutSettings, StepPlan, rollout, sde_step
 from flowrl.seeding import derive_seed, generators
 from flowrl.sampling.steps import ODE_SOLVERS, dpmpp_2m_ode_step, euler_ode_step
 from tests import REPO
@@ -117,8 +118,9 @@ def test_unknown_solver_is_a_one_line_config_error_naming_the_key():
         load_config(Config, REPO / SMOKE, ["sampling.ode_solver=heun"])
     assert "\n" not in str(error.value) and "mixgrpo_flash" in str(error.value)
     with pytest.raises(ValueError, match="unknown ode_solver 'heun'"):
-        rollout(GaussianFlow(), ["p"], group_size=1, num_steps=2, guidance_scale=1.0, noise_level=0.0, seeds=[0],
-                decode=False, ode_solver="heun")
+        rollout(GaussianFlow(), ["p"],
+                RolloutSettings(num_steps=2, guidance_scale=1.0, noise_level=0.0, ode_solver="heun", decode=False),
+                group_size=1, seeds=[0])
 
 
 # -- the solver on an ODE solved by hand ----------------------------------------------------------------------
@@ -164,8 +166,9 @@ def _ode_error(policy, num_steps, solver, rows=16):
     """Max |x_0 - exact| of a rollout whose steps are all deterministic: the solver's steps, then a last
     noise-free "SDE" step (noise_level 0: the Euler step to sigma 0, which returns the x0 prediction)."""
     seeds = list(range(rows))
-    traj = rollout(policy, ["p"], group_size=rows, num_steps=num_steps, guidance_scale=1.0, noise_level=0.0,
-                   seeds=seeds, plan=StepPlan(num_steps, sde_start=num_steps - 1), decode=False, ode_solver=solver)
+    settings = RolloutSettings(num_steps=num_steps, guidance_scale=1.0, noise_level=0.0,
+                               plan=StepPlan(num_steps, sde_start=num_steps - 1), ode_solver=solver, decode=False)
+    traj = rollout(policy, ["p"], settings, group_size=rows, seeds=seeds)
     x1 = policy.init_noise(rows, generator=generators(seeds))
     return (traj.final_latents - policy.exact_clean(x1)).abs().max().item()
 
@@ -221,9 +224,10 @@ def test_euler_rollout_is_bit_identical_to_the_euler_loop_written_out(sd3):
     """The rollout before ``ode_solver`` existed: Euler outside the window, Flow-GRPO SDE inside it."""
     steps, seeds, prompts = 7, [3, 4, 5, 6], ["a red circle", "two blue squares"]
     plan = StepPlan(steps, sde_start=3, sde_size=2)
-    kwargs = dict(group_size=2, num_steps=steps, guidance_scale=4.5, noise_level=0.7, seeds=seeds, plan=plan)
-    euler = rollout(sd3, prompts, ode_solver="euler", **kwargs)
-    default = rollout(sd3, prompts, **kwargs)
+    settings = RolloutSettings(num_steps=steps, guidance_scale=4.5, noise_level=0.7, plan=plan)
+    rows = dict(group_size=2, seeds=seeds)
+    euler = rollout(sd3, prompts, replace(settings, ode_solver="euler"), **rows)
+    default = rollout(sd3, prompts, settings, **rows)
     cond = sd3.encode(prompts).select([0, 0, 1, 1])
     sigmas = sd3.sigmas(steps)
     x = sd3.init_noise(4, generator=generators(seeds))
@@ -249,9 +253,10 @@ def test_euler_rollout_is_bit_identical_to_the_euler_loop_written_out(sd3):
 def test_dpmpp_2m_rollout_keeps_exact_log_probs_and_restarts_after_the_window(sd3):
     steps, seeds, prompts = 8, [1, 2], ["a red circle"]
     plan = StepPlan(steps, sde_start=4, sde_size=2)
-    kwargs = dict(group_size=2, num_steps=steps, guidance_scale=4.5, noise_level=0.7, seeds=seeds, plan=plan)
-    second = rollout(sd3, prompts, ode_solver="dpmpp_2m", **kwargs)
-    euler = rollout(sd3, prompts, **kwargs)
+    settings = RolloutSettings(num_steps=steps, guidance_scale=4.5, noise_level=0.7, plan=plan)
+    rows = dict(group_size=2, seeds=seeds)
+    second = rollout(sd3, prompts, replace(settings, ode_solver="dpmpp_2m"), **rows)
+    euler = rollout(sd3, prompts, settings, **rows)
     # Before the window steps 2 and 3 are second order: the window starts from another state than Euler's.
     assert not torch.allclose(second.latents[:, 0], euler.latents[:, 0], rtol=0, atol=1e-4)
     # Stored transitions are the SDE's: recomputing each log-prob from the stored latents gives it exactly.
@@ -282,9 +287,9 @@ def test_grpo_smoke_run_with_a_sliding_window_and_the_second_order_solver(tmp_pa
     sampling = sys.modules["flowrl.sampling.rollout"]
     real_rollout = sampling.rollout
 
-    def recording_rollout(*args, **kwargs):
-        solvers.append(kwargs.get("ode_solver", "euler"))
-        return real_rollout(*args, **kwargs)
+    def recording_rollout(policy, prompts, settings, **kwargs):
+        solvers.append(settings.ode_solver)
+        return real_rollout(policy, prompts, settings, **kwargs)
 
     monkeypatch.setattr(sampling, "rollout", recording_rollout)
     # 6 steps, window of 2 starting at step 3 then 4: Euler before it, DPM-Solver++(2M) after it.

@@ -17,6 +17,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -26,7 +27,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from flowrl.config import Config, ConfigError, load_config
 from flowrl.models.base import TextCond
 from flowrl.algorithms.credit import same_step_rows, trained_mask
-from flowrl.sampling import StepPlan, rollout, window_start
+from flowrl.sampling import RolloutSettings, StepPlan, rollout, window_start
 from flowrl.seeding import generators
 from tests import REPO
 
@@ -146,9 +147,9 @@ def test_lookahead_from_rows_of_different_windows_equals_each_window_on_its_own(
     from flowrl.sampling import concat_trajectories
 
     sd3 = build_policy("sd3", "tiny", seed=0)
-    kwargs = dict(group_size=2, num_steps=4, guidance_scale=4.5, noise_level=0.7, decode=False)
-    parts = [rollout(sd3, ["a red circle"], seeds=[1 + start, 2 + start], plan=StepPlan(4, sde_start=start, sde_size=2),
-                     **kwargs) for start in (0, 2)]
+    settings = RolloutSettings(num_steps=4, guidance_scale=4.5, noise_level=0.7, decode=False)
+    parts = [rollout(sd3, ["a red circle"], replace(settings, plan=StepPlan(4, sde_start=start, sde_size=2)),
+                     group_size=2, seeds=[1 + start, 2 + start]) for start in (0, 2)]
     joined = concat_trajectories(parts)
     schedule = sd3.sigmas(4)
     brightness = lambda images: {"b": images.mean(dim=(1, 2, 3))}  # noqa: E731
@@ -226,8 +227,9 @@ def test_flash_is_euler_to_the_window_end_then_dpmpp_2m_seeded_by_the_window(sta
     # 6 steps, a window of 2 at `start`; the post-window steps are second order except the last.
     flow, steps, seeds = LinearFlow(), 6, [5, 6, 7]
     plan = StepPlan(steps, sde_start=start, sde_size=2)
-    traj = rollout(flow, ["p"], group_size=3, num_steps=steps, guidance_scale=1.0, noise_level=0.7, seeds=seeds,
-                   plan=plan, decode=False, ode_solver="mixgrpo_flash")
+    flash = RolloutSettings(num_steps=steps, guidance_scale=1.0, noise_level=0.7, plan=plan,
+                            ode_solver="mixgrpo_flash", decode=False)
+    traj = rollout(flow, ["p"], flash, group_size=3, seeds=seeds)
     sigmas = flow.sigmas(steps)
     # Before the window: Euler, x' = x + (sigma' - sigma) v, from the initial noise.
     x = flow.init_noise(3, generator=generators(seeds))
@@ -245,8 +247,7 @@ def test_flash_is_euler_to_the_window_end_then_dpmpp_2m_seeded_by_the_window(sta
     # elsewhere, and so does Euler.
     restarted = mixgrpo_post_window(traj.latents[:, -1], None, sigmas, last, flow)
     assert (traj.final_latents - restarted).abs().max() > 1e-4
-    euler = rollout(flow, ["p"], group_size=3, num_steps=steps, guidance_scale=1.0, noise_level=0.7, seeds=seeds,
-                    plan=plan, decode=False, ode_solver="euler")
+    euler = rollout(flow, ["p"], replace(flash, ode_solver="euler"), group_size=3, seeds=seeds)
     torch.testing.assert_close(euler.latents, traj.latents, rtol=0, atol=0)  # same Euler prefix, same window
     assert (euler.final_latents - traj.final_latents).abs().max() > 1e-4
 
@@ -272,9 +273,10 @@ def test_flash_numbers_by_hand_on_one_coordinate():
         def sigmas(self, num_steps):
             return torch.linspace(1, 0, num_steps + 1, dtype=torch.float64)
 
-    final = {solver: rollout(One(), ["p"], group_size=1, num_steps=4, guidance_scale=1.0, noise_level=0.0, seeds=[0],
-                             plan=StepPlan(4, sde_start=1, sde_size=1), decode=False,
-                             ode_solver=solver).final_latents.item()
+    one_stored = RolloutSettings(num_steps=4, guidance_scale=1.0, noise_level=0.0,
+                                 plan=StepPlan(4, sde_start=1, sde_size=1), decode=False)
+    final = {solver: rollout(One(), ["p"], replace(one_stored, ode_solver=solver), group_size=1,
+                             seeds=[0]).final_latents.item()
              for solver in ("mixgrpo_flash", "euler", "dpmpp_2m")}
     assert final["mixgrpo_flash"] == pytest.approx(171 / 512, abs=1e-12)
     assert final["euler"] == pytest.approx(81 / 256, abs=1e-12)

@@ -9,7 +9,7 @@ import torch
 
 from flowrl.models import build_policy
 from flowrl.models.tiny import TINY_T5_MAX_LENGTH
-from flowrl.sampling import StepPlan, rollout, sde_step
+from flowrl.sampling import RolloutSettings, StepPlan, rollout, sde_step
 from flowrl.seeding import generators
 
 PROMPTS = ["a red circle", "two blue squares"]
@@ -30,8 +30,8 @@ def test_ode_rollout_reproduces_the_diffusers_pipeline(family, guidance, request
     policy = request.getfixturevalue(family)
     seeds = [11, 12, 13, 14]
     steps = 4
-    traj = rollout(policy, PROMPTS, group_size=2, num_steps=steps, guidance_scale=guidance, noise_level=0.0,
-                   seeds=seeds)
+    traj = rollout(policy, PROMPTS, RolloutSettings(num_steps=steps, guidance_scale=guidance, noise_level=0.0),
+                   group_size=2, seeds=seeds)
     reference = policy.pipeline(
         prompt=[p for p in PROMPTS for _ in range(2)], num_inference_steps=steps, guidance_scale=guidance,
         height=policy.height, width=policy.width, generator=generators(seeds), output_type="pt",
@@ -41,7 +41,7 @@ def test_ode_rollout_reproduces_the_diffusers_pipeline(family, guidance, request
 
 
 def test_rollout_shapes_and_recorded_log_probs(sd3):
-    traj = rollout(sd3, PROMPTS, group_size=3, num_steps=4, guidance_scale=4.5, noise_level=0.7,
+    traj = rollout(sd3, PROMPTS, RolloutSettings(num_steps=4, guidance_scale=4.5, noise_level=0.7), group_size=3,
                    seeds=list(range(6)), metadata=[{"a": 1}, {"b": 2}])
     c, h, w = sd3.latent_shape(1)[1:]
     assert traj.latents.shape == (6, 5, c, h, w)
@@ -59,20 +59,21 @@ def test_rollout_shapes_and_recorded_log_probs(sd3):
 
 
 def test_rollout_is_deterministic_per_row(sd3):
-    kwargs = dict(group_size=2, num_steps=3, guidance_scale=4.5, noise_level=0.7)
-    both = rollout(sd3, PROMPTS, seeds=[5, 6, 7, 8], **kwargs)
-    again = rollout(sd3, PROMPTS, seeds=[5, 6, 7, 8], **kwargs)
+    settings = RolloutSettings(num_steps=3, guidance_scale=4.5, noise_level=0.7)
+    both = rollout(sd3, PROMPTS, settings, group_size=2, seeds=[5, 6, 7, 8])
+    again = rollout(sd3, PROMPTS, settings, group_size=2, seeds=[5, 6, 7, 8])
     assert torch.equal(both.final_latents, again.final_latents)  # bit-identical rerun
     # A row's sample does not depend on its batch-mates. The GEMM kernel, hence the rounding, follows the batch
     # shape and the CPU: latents (|x| <= ~5) agree to 1e-4, while another row's sample differs by ~1.
-    second_only = rollout(sd3, PROMPTS[1:], seeds=[7, 8], **kwargs)
+    second_only = rollout(sd3, PROMPTS[1:], settings, group_size=2, seeds=[7, 8])
     torch.testing.assert_close(both.final_latents[2:], second_only.final_latents, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(both.final_latents[0], both.final_latents[1])
 
 
 def test_same_noise_in_group_shares_initial_noise_only(sd3):
-    traj = rollout(sd3, PROMPTS, group_size=2, num_steps=3, guidance_scale=4.5, noise_level=0.7,
-                   seeds=[1, 2, 3, 4], same_noise_in_group=True)
+    traj = rollout(sd3, PROMPTS,
+                   RolloutSettings(num_steps=3, guidance_scale=4.5, noise_level=0.7, same_noise_in_group=True),
+                   group_size=2, seeds=[1, 2, 3, 4])
     assert torch.equal(traj.latents[0, 0], traj.latents[1, 0])
     assert not torch.equal(traj.latents[0, 0], traj.latents[2, 0])
     assert not torch.equal(traj.latents[0, 1], traj.latents[1, 1])  # SDE noise still differs
@@ -81,8 +82,8 @@ def test_same_noise_in_group_shares_initial_noise_only(sd3):
 def test_window_rollout_is_ode_outside_the_window(sd3):
     steps, seeds = 6, [3, 4]
     plan = StepPlan(steps, sde_start=2, sde_size=2)
-    window = rollout(sd3, PROMPTS[:1], group_size=2, num_steps=steps, guidance_scale=4.5, noise_level=0.7,
-                     seeds=seeds, plan=plan)
+    settings = RolloutSettings(num_steps=steps, guidance_scale=4.5, noise_level=0.7, plan=plan)
+    window = rollout(sd3, PROMPTS[:1], settings, group_size=2, seeds=seeds)
     assert window.latents.shape[1] == 3 and window.log_probs.shape[1] == 2
     assert window.step_indices.tolist() == [2, 3]
     # Replay the ODE prefix by hand: the window's first stored state is bit-identical to it.
@@ -103,8 +104,8 @@ def test_window_rollout_is_ode_outside_the_window(sd3):
 
 def test_tree_leaves_share_their_ancestors_exactly(sd3):
     plan = StepPlan(4, branch_steps=(1, 2), branch_factor=2)
-    traj = rollout(sd3, PROMPTS[:1], group_size=4, num_steps=4, guidance_scale=4.5, noise_level=0.7,
-                   seeds=[9], plan=plan)
+    traj = rollout(sd3, PROMPTS[:1], RolloutSettings(num_steps=4, guidance_scale=4.5, noise_level=0.7, plan=plan),
+                   group_size=4, seeds=[9])
     assert traj.num_rows == 4
     lat = traj.latents  # [4, 5, C, h, w]
     # Before step 1 every leaf carries the root's states; step 0's output is shared by all four.
@@ -125,18 +126,20 @@ def test_tree_leaves_share_their_ancestors_exactly(sd3):
 
 def test_bad_rollout_arguments_are_rejected(sd3):
     with pytest.raises(ValueError, match="root seeds"):
-        rollout(sd3, PROMPTS, group_size=2, num_steps=3, guidance_scale=1.0, noise_level=0.7, seeds=[1])
+        rollout(sd3, PROMPTS, RolloutSettings(num_steps=3, guidance_scale=1.0, noise_level=0.7), group_size=2,
+                seeds=[1])
     with pytest.raises(ValueError, match="multiple"):
-        rollout(sd3, PROMPTS, group_size=3, num_steps=3, guidance_scale=1.0, noise_level=0.7, seeds=[1, 2],
-                plan=StepPlan(3, branch_steps=(0,), branch_factor=2))
+        rollout(sd3, PROMPTS, RolloutSettings(num_steps=3, guidance_scale=1.0, noise_level=0.7,
+                                              plan=StepPlan(3, branch_steps=(0,), branch_factor=2)),
+                group_size=3, seeds=[1, 2])
 
 
 def test_policy_loads_a_local_pipeline_directory_with_the_real_loader(tmp_path, sd3):
     sd3.pipeline.save_pretrained(tmp_path / "pipe")
     loaded = build_policy("sd3", str(tmp_path / "pipe"), dtype="float32", max_sequence_length=TINY_T5_MAX_LENGTH)
     assert loaded.dtype == torch.float32 and loaded.height == sd3.height
-    kwargs = dict(group_size=1, num_steps=2, guidance_scale=4.5, noise_level=0.0, seeds=[3])
-    assert torch.equal(rollout(loaded, PROMPTS[:1], **kwargs).images, rollout(sd3, PROMPTS[:1], **kwargs).images)
+    ode, rows = RolloutSettings(num_steps=2, guidance_scale=4.5, noise_level=0.0), dict(group_size=1, seeds=[3])
+    assert torch.equal(rollout(loaded, PROMPTS[:1], ode, **rows).images, rollout(sd3, PROMPTS[:1], ode, **rows).images)
     with pytest.raises(FileNotFoundError, match="could not load StableDiffusion3Pipeline") as error:
         build_policy("sd3", str(tmp_path / "missing"))
     assert "\n" not in str(error.value)
@@ -151,10 +154,10 @@ def test_policy_loads_a_local_pipeline_directory_with_the_real_loader(tmp_path, 
 def test_chunked_rollout_equals_one_call(sd3, chunk, guidance, plan):
     from flowrl.sampling import chunked_rollout
 
-    args = dict(group_size=4, num_steps=4, guidance_scale=guidance, noise_level=0.7, plan=plan,
-                seeds=list(range(100, 100 + 2 * 4 // plan.leaves_per_root)))
-    whole = rollout(sd3, PROMPTS, **args)
-    chunked = chunked_rollout(sd3, PROMPTS, chunk=chunk, **args)
+    settings = RolloutSettings(num_steps=4, guidance_scale=guidance, noise_level=0.7, plan=plan)
+    rows = dict(group_size=4, seeds=list(range(100, 100 + 2 * 4 // plan.leaves_per_root)))
+    whole = rollout(sd3, PROMPTS, settings, **rows)
+    chunked = chunked_rollout(sd3, PROMPTS, settings, chunk=chunk, **rows)
     for name in ("prompt_ids", "group_ids", "parent", "seeds"):
         assert torch.equal(getattr(chunked, name), getattr(whole, name)), name
     assert chunked.prompts == whole.prompts and chunked.num_rows == 8
@@ -168,4 +171,4 @@ def test_chunked_rollout_equals_one_call(sd3, chunk, guidance, plan):
                              ("images", 1e-4, 1e-4)):
         torch.testing.assert_close(getattr(chunked, name), getattr(whole, name), rtol=rtol, atol=atol, msg=name)
     with pytest.raises(ValueError, match="multiple or a divisor"):
-        chunked_rollout(sd3, PROMPTS, chunk=3, **args)
+        chunked_rollout(sd3, PROMPTS, settings, chunk=3, **rows)

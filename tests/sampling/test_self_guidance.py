@@ -3,6 +3,7 @@ families, the one-image error and the config's one-line errors."""
 
 import math
 import os
+from dataclasses import replace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -12,7 +13,7 @@ import torch
 from flowrl.config import Config, ConfigError, load_config
 from flowrl.eval.metrics import latent_gmd
 from flowrl.models import build_policy
-from flowrl.sampling import rollout
+from flowrl.sampling import RolloutSettings, rollout
 from flowrl.sampling.self_guidance import ONE_IMAGE_ERROR, SelfGuidance, dispersal_energy, disperse, installed
 from tests import REPO
 
@@ -49,13 +50,15 @@ def test_dispersal_step_matches_a_hand_computation_on_two_vectors():
 
 def test_scale_zero_is_the_identity_bit_for_bit(sd3):
     assert SelfGuidance.maybe(0.0, [0], [0, 1], 30, 1.0, 0.4) is None
-    kwargs = dict(group_size=4, num_steps=4, guidance_scale=4.5, noise_level=0.0, seeds=[1, 2, 3, 4])
-    plain = rollout(sd3, ["a red circle"], **kwargs)
-    off = rollout(sd3, ["a red circle"], **kwargs, self_guidance=SelfGuidance.maybe(0.0, [0], [0, 1], 30, 1.0, 0.4))
+    ode = RolloutSettings(num_steps=4, guidance_scale=4.5, noise_level=0.0)
+    rows = dict(group_size=4, seeds=[1, 2, 3, 4])
+    plain = rollout(sd3, ["a red circle"], ode, **rows)
+    off = rollout(sd3, ["a red circle"], replace(ode, self_guidance=SelfGuidance.maybe(0.0, [0], [0, 1], 30, 1.0, 0.4)),
+                  **rows)
     assert torch.equal(plain.final_latents, off.final_latents)
     # A guided rollout removes its hooks: the next unguided one is the plain one again.
-    rollout(sd3, ["a red circle"], **kwargs, self_guidance=SelfGuidance(0.5, blocks=(0,), steps=(0, 1)))
-    again = rollout(sd3, ["a red circle"], **kwargs)
+    rollout(sd3, ["a red circle"], replace(ode, self_guidance=SelfGuidance(0.5, blocks=(0,), steps=(0, 1))), **rows)
+    again = rollout(sd3, ["a red circle"], ode, **rows)
     assert torch.equal(plain.final_latents, again.final_latents)
 
 
@@ -63,10 +66,11 @@ def test_scale_zero_is_the_identity_bit_for_bit(sd3):
                                               ("qwen_image", 4.0), ("z_image", 1.0), ("wan", 5.0)])
 def test_guidance_spreads_the_images_of_one_prompt(family, guidance, sd3):
     policy = sd3 if family == "sd3" else build_policy(family, "tiny", seed=0)
-    kwargs = dict(group_size=4, num_steps=4, guidance_scale=guidance, noise_level=0.0, seeds=[1, 2, 3, 4])
-    plain = rollout(policy, ["a red circle"], **kwargs)
-    guided = rollout(policy, ["a red circle"], **kwargs,
-                     self_guidance=SelfGuidance(0.5, blocks=(0,), steps=(0, 1), manifold_mix=0.4))
+    ode = RolloutSettings(num_steps=4, guidance_scale=guidance, noise_level=0.0)
+    rows = dict(group_size=4, seeds=[1, 2, 3, 4])
+    plain = rollout(policy, ["a red circle"], ode, **rows)
+    guided = rollout(policy, ["a red circle"],
+                     replace(ode, self_guidance=SelfGuidance(0.5, blocks=(0,), steps=(0, 1), manifold_mix=0.4)), **rows)
     assert not torch.equal(plain.images, guided.images)
     assert latent_gmd(guided.final_latents).item() > latent_gmd(plain.final_latents).item()
 
@@ -74,14 +78,16 @@ def test_guidance_spreads_the_images_of_one_prompt(family, guidance, sd3):
 def test_one_image_per_prompt_is_one_line_error(sd3):
     guide = SelfGuidance(0.5, blocks=(0,), steps=(0,))
     with pytest.raises(ValueError, match=ONE_IMAGE_ERROR):
-        rollout(sd3, ["a red circle", "a blue square"], group_size=1, num_steps=2, guidance_scale=1.0,
-                noise_level=0.0, seeds=[1, 2], self_guidance=guide)
+        rollout(sd3, ["a red circle", "a blue square"],
+                RolloutSettings(num_steps=2, guidance_scale=1.0, noise_level=0.0, self_guidance=guide), group_size=1,
+                seeds=[1, 2])
     with pytest.raises(ValueError, match=ONE_IMAGE_ERROR):  # rows of a group split apart
         with installed(guide, sd3.transformer, 0, torch.tensor([0, 0, 1])):
             pass
     with pytest.raises(ValueError, match=r"blocks \[7\] out of range: SD3Transformer2DModel has 2 blocks"):
-        rollout(sd3, ["a red circle"], group_size=2, num_steps=2, guidance_scale=1.0, noise_level=0.0, seeds=[1, 2],
-                self_guidance=SelfGuidance(0.5, blocks=(7,), steps=(0,)))
+        rollout(sd3, ["a red circle"], RolloutSettings(num_steps=2, guidance_scale=1.0, noise_level=0.0,
+                                                       self_guidance=SelfGuidance(0.5, blocks=(7,), steps=(0,))),
+                group_size=2, seeds=[1, 2])
 
 
 @pytest.mark.parametrize("overrides, key", [

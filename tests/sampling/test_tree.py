@@ -16,7 +16,7 @@ from flowrl.algorithms.tree import extreme_leaves, prune_mask
 from flowrl.config import Config, ConfigError, load_config
 from flowrl.models import build_policy
 from flowrl.sampling.epoch_plan import step_plan
-from flowrl.sampling import StepPlan, rollout
+from flowrl.sampling import RolloutSettings, StepPlan, rollout
 from flowrl.sampling.plan import branch_schedule, depth_pruned_steps
 from tools.policy_capture import capture_training_policy, lora_and_base
 
@@ -27,8 +27,9 @@ SMOKE = "configs/smoke/sd3_tiny.yaml"
 def depth_two_tree():
     """One root, split before steps 1 and 2 into 2 x 2 = 4 leaves, every step stochastic and stored."""
     policy = build_policy("sd3", "tiny", seed=0)
-    return rollout(policy, ["a red circle"], group_size=4, num_steps=4, guidance_scale=4.5, noise_level=0.7,
-                   seeds=[11], plan=StepPlan(4, branch_steps=(1, 2), branch_factor=2))
+    settings = RolloutSettings(num_steps=4, guidance_scale=4.5, noise_level=0.7,
+                               plan=StepPlan(4, branch_steps=(1, 2), branch_factor=2))
+    return rollout(policy, ["a red circle"], settings, group_size=4, seeds=[11])
 
 
 # --- the backup --------------------------------------------------------------------------------------------
@@ -226,9 +227,9 @@ def test_grpo_trains_on_a_random_tree_schedule(tmp_path, monkeypatch, extra):
     sampling = sys.modules["flowrl.sampling.rollout"]
     real_rollout = sampling.rollout
 
-    def recording_rollout(*args, plan=None, **kwargs):
-        seen.append(plan.branch_steps)
-        return real_rollout(*args, plan=plan, **kwargs)
+    def recording_rollout(policy, prompts, settings, **kwargs):
+        seen.append(settings.plan.branch_steps)
+        return real_rollout(policy, prompts, settings, **kwargs)
 
     monkeypatch.setattr(sampling, "rollout", recording_rollout)
     captured = capture_training_policy(monkeypatch)

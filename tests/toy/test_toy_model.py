@@ -15,7 +15,7 @@ import torch
 from diffusers import StableDiffusion3Pipeline
 
 from flowrl.models import build_policy
-from flowrl.sampling import rollout
+from flowrl.sampling import RolloutSettings, rollout
 from flowrl.seeding import generators
 from flowrl.toy.prompts import TASKS, heldout_prompts
 from rewards.toyeval import ToyEval
@@ -64,8 +64,8 @@ def test_flowrl_ode_rollout_matches_the_pipeline(pipe):
     policy = build_policy("sd3", str(TOY), max_sequence_length=MAX_SEQ)
     assert (policy.height, policy.width) == (RESOLUTION, RESOLUTION)
     prompts, seeds = ["a green square above a purple diamond", "three yellow triangles"], [3, 4, 5, 6]
-    traj = rollout(policy, prompts, group_size=2, num_steps=STEPS, guidance_scale=GUIDANCE, noise_level=0.0,
-                   seeds=seeds)
+    traj = rollout(policy, prompts, RolloutSettings(num_steps=STEPS, guidance_scale=GUIDANCE, noise_level=0.0),
+                   group_size=2, seeds=seeds)
     reference = pipe([p for p in prompts for _ in range(2)], num_inference_steps=STEPS, guidance_scale=GUIDANCE,
                      max_sequence_length=MAX_SEQ, generator=generators(seeds), output_type="pt").images
     torch.testing.assert_close(traj.images, reference, rtol=0, atol=1e-5)
