@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--out", default=None, help="output PNG (default: RUN_DIR/samples.png)")
     sample.add_argument("--lora", default=None, help="LoRA weights to apply (.safetensors or peft dir)")
     sample.add_argument("--sde", action="store_true", help="sample with the configured SDE instead of the ODE")
+    sample.add_argument("--raw", action="store_true",
+                        help="write the bare mosaic at the model's pixels (default: rows labelled with their prompt, "
+                             "small images enlarged for viewing)")
     sample.add_argument("--preference", default=None, metavar="W1,W2,...",
                         help="ParetoSlider: reward weights on the simplex, one per reward of the --lora run's "
                              "model.preference.rewards, in that order (e.g. 0.3,0.7)")

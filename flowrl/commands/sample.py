@@ -64,7 +64,17 @@ def run_sample(args) -> Path:
                    seeds=root_seeds(cfg.seed, 0, len(prompts) * n))
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        save_image(stills(traj.images), out, nrow=n, padding=2)
+        if getattr(args, "raw", False):  # the model's own pixels, for scripts that read them back
+            save_image(stills(traj.images), out, nrow=n, padding=2)
+        else:
+            import io
+
+            from PIL import Image
+
+            from flowrl.eval.report import labelled_grid
+
+            grid = labelled_grid(traj.images, prompts, n, f"{cfg.model.path}: {n} samples per prompt")
+            Image.open(io.BytesIO(grid)).convert("RGB").save(out)
     except OSError as error:
         raise ValueError(f"cannot write {out}: {error.strerror or error}; choose a writable --out") from None
     (out.with_suffix(".txt")).write_text("\n".join(prompts) + "\n", encoding="utf-8")

@@ -29,9 +29,14 @@ def test_sample_writes_a_grid(tmp_path):
     result = _flowrl("sample", "configs/smoke/sd3_tiny.yaml", "sampling.num_steps=2", "--prompt", "a cat",
                      "--prompt", "a dog", "--num-per-prompt", "3", "--out", str(out_file))
     assert result.returncode == 0, result.stderr
-    image = Image.open(out_file)
-    # 2 rows x 3 columns of 64 px images with 2 px padding
-    assert image.size == (3 * 64 + 4 * 2, 2 * 64 + 3 * 2)
+    labelled = Image.open(out_file)  # rows labelled with their prompt, 64 px images enlarged to 128
+    assert labelled.width > 3 * 128 and labelled.height > 2 * 128
+    assert (tmp_path / "grid.txt").read_text() == "a cat\na dog\n"
+    result = _flowrl("sample", "configs/smoke/sd3_tiny.yaml", "sampling.num_steps=2", "--prompt", "a cat",
+                     "--prompt", "a dog", "--num-per-prompt", "3", "--out", str(out_file), "--raw")
+    assert result.returncode == 0, result.stderr
+    # --raw: 2 rows x 3 columns of 64 px images with 2 px padding
+    assert Image.open(out_file).size == (3 * 64 + 4 * 2, 2 * 64 + 3 * 2)
 
 
 def test_bad_override_is_a_one_line_error():
