@@ -328,7 +328,7 @@ def with_source_pixels(images: torch.Tensor, metadata: Sequence[Any]) -> list[An
     they are, so nothing that writes metadata (reports, JSON) ever sees a tensor."""
     if not any(isinstance(m, Mapping) and m.get("source_image") and "source_pixels" not in m for m in metadata):
         return list(metadata)
-    from flowrl.edit_sources import source_pixels  # only editing runs pay for the import
+    from flowrl.data.edit_sources import source_pixels  # only editing runs pay for the import
 
     height, width = images.shape[-2:]
     return [{**m, "source_pixels": source_pixels(str(m["source_image"]), height, width)}

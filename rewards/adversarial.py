@@ -40,9 +40,9 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from flowrl.devices import resolve_device
+from flowrl.core.devices import resolve_device
 from flowrl.features import build_feature_network
-from flowrl.media import image_files
+from flowrl.core.media import image_files
 from rewards.base import score_per_image
 from rewards.fitted import file_features, standardise
 

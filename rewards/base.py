@@ -1,7 +1,7 @@
 """Plumbing every model-backed reward shares: chunked batching and NaN for images that cannot be scored.
 
 Reward models run on their own device (a GPU when there is one, whatever the policy uses,
-:mod:`flowrl.devices`) and see the images in chunks of ``batch_size`` so a large rollout batch never
+:mod:`flowrl.core.devices`) and see the images in chunks of ``batch_size`` so a large rollout batch never
 exceeds their memory.
 """
 

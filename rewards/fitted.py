@@ -36,9 +36,9 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from flowrl.devices import resolve_device
+from flowrl.core.devices import resolve_device
 from flowrl.features import FEATURE_NETWORKS, build_feature_network
-from flowrl.media import image_files, read_rgb
+from flowrl.core.media import image_files, read_rgb
 from rewards.base import score_per_image
 
 CLASSES = ("clean", "artifact")  # label 1 and label 0: the head's sigmoid is P(clean)
@@ -121,7 +121,7 @@ def load_head(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
     wrong and how to make a good one."""
     from safetensors import safe_open
 
-    from flowrl.safe_io import check_safetensors
+    from flowrl.core.safe_io import check_safetensors
 
     path = Path(path).expanduser()
     remedy = f"write one with: flowrl fit-reward CLEAN_DIR ARTIFACT_DIR --out {path}"

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from flowrl.devices import resolve_device, resolve_dtype
+from flowrl.core.devices import resolve_device, resolve_dtype
 
 DEFAULT_VLM = "Qwen/Qwen2.5-VL-7B-Instruct"
 
@@ -45,7 +45,7 @@ def resolve_vlm(model: Any = DEFAULT_VLM, processor: Any = None, *, device: str 
     """-> (model in eval mode without grads, processor).
 
     ``model`` is a hub id or local path (loaded with the Auto classes; dtype and device resolved by
-    `flowrl.devices`), or an already-built model, in which case ``processor`` must be given too
+    `flowrl.core.devices`), or an already-built model, in which case ``processor`` must be given too
     (tests inject tiny models this way; a caller may share one loaded VLM between rewards).
     ``trust_remote_code`` is passed through and never turned on here. Failures are one-line
     ValueErrors naming the model.

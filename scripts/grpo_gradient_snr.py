@@ -20,8 +20,8 @@ import torch
 
 from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from flowrl.config import Config, load_config
-from flowrl.data import load_prompts
-from flowrl.eval_tasks import stratified_prefix
+from flowrl.data.prompts import load_prompts
+from flowrl.data.tasks import stratified_prefix
 from flowrl.recipes.build import build_training_policy
 from flowrl.sampling import RolloutSettings, StepPlan, rollout, root_seeds, sde_step
 from rewards.toyeval import ToyEval

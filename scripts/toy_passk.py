@@ -24,8 +24,8 @@ import time
 
 import torch
 
-from flowrl.data import load_prompts
-from flowrl.eval_tasks import pass_at_k, stratified_prefix
+from flowrl.data.prompts import load_prompts
+from flowrl.data.tasks import pass_at_k, stratified_prefix
 from flowrl.models import build_policy
 from flowrl.sampling import RolloutSettings, StepPlan, rollout, root_seeds
 

@@ -13,8 +13,8 @@ import os
 
 import torch
 
-from flowrl.data import load_prompts
-from flowrl.eval_tasks import stratified_prefix
+from flowrl.data.prompts import load_prompts
+from flowrl.data.tasks import stratified_prefix
 from flowrl.models import build_policy
 from flowrl.models.lora_io import load_lora_into
 from flowrl.eval.report import write_report

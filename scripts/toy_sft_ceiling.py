@@ -27,7 +27,7 @@ import torch
 from flowrl.algorithms.timesteps import schedule_timesteps
 from flowrl.cli import DEFAULT_CONFIG
 from flowrl.config import NFTConfig, load_config
-from flowrl.data import epoch_prompt_indices
+from flowrl.data.prompts import epoch_prompt_indices
 from flowrl.recipes.epoch_end import held_out_metrics, optimizer_step
 from flowrl.recipes.start import start_run
 from flowrl.training.stats import StatsAccumulator

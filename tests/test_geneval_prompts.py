@@ -1,12 +1,12 @@
-"""flowrl.geneval_prompts: GenEval's templates and metadata, its published benchmark as the seed-0 eval split, a
+"""flowrl.data.geneval: GenEval's templates and metadata, its published benchmark as the seed-0 eval split, a
 train split that never shares a prompt with it, determinism, and records that load through flowrl.data."""
 
 import json
 
 import pytest
 
-from flowrl.data import load_prompts
-from flowrl.geneval_prompts import CLASSES, generate_split, prompt_key
+from flowrl.data.prompts import load_prompts
+from flowrl.data.geneval import CLASSES, generate_split, prompt_key
 
 # The first records of each task in GenEval's published prompts/evaluation_metadata.jsonl (commit af4902f),
 # copied by hand: the eval split of seed 0 must hold them, in this order within each task.

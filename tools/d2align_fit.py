@@ -23,7 +23,7 @@ import torch
 
 from flowrl.config import Config, load_config
 from flowrl.eval.held_out import render
-from flowrl.eval_tasks import stratified_prefix
+from flowrl.data.tasks import stratified_prefix
 from flowrl.recipes.build import build_training_policy, load_prompt_splits
 from flowrl.rewards_api import build_reward
 from rewards.directional import fit_direction, save_direction

@@ -1,9 +1,9 @@
-"""``flowrl data prepare NAME OUT``: write a full prompt set (train and eval files) that flowrl.data loads.
+"""``flowrl data prepare NAME OUT``: write a full prompt set (train and eval files) that flowrl.data.prompts loads.
 
 The shipped files under assets/prompts/ are small samples for smoke runs; this command makes the sets the
 published recipes train on:
 
-- ``geneval``: OUT/train.jsonl and OUT/eval.jsonl from flowrl.geneval_prompts (offline; eval.jsonl is GenEval's
+- ``geneval``: OUT/train.jsonl and OUT/eval.jsonl from flowrl.data.geneval (offline; eval.jsonl is GenEval's
   published 553-prompt benchmark at the default seed, train.jsonl shares no prompt with it).
 - ``pickscore``: OUT/train.txt and OUT/eval.txt from Pick-a-Pic v1's train captions, made as Flow-GRPO made
   its dataset/pickscore (``prpocess.py``: the unique captions of at least six words, shuffled, 2,048 for test,
@@ -52,7 +52,7 @@ def _offline() -> bool:
 
 
 def _geneval(seed: int) -> dict[str, str]:
-    from flowrl.geneval_prompts import generate_split
+    from flowrl.data.geneval import generate_split
 
     return {f"{split}.jsonl": "".join(json.dumps(record) + "\n" for record in generate_split(split, seed))
             for split in ("train", "eval")}

@@ -63,7 +63,7 @@ def export_lora(checkpoint: str | Path, out: str | Path, *, format: str = "all",
                          "export it without --svd-rank")
     model = run_config.get("model", {})
     family = model.get("family", "sd3")
-    from flowrl.safe_io import check_safetensors
+    from flowrl.core.safe_io import check_safetensors
 
     weights = path / ("ema.safetensors" if ema else "lora.safetensors")
     if weights.is_file():  # a missing EMA file gets read_checkpoint_lora's own message
@@ -101,7 +101,7 @@ def export_full(path: Path, out: str | Path, run_config: dict, config_text: str,
     from flowrl.models import build_policy
     from flowrl.models.full_weights import make_full_trainable, save_transformer
     from flowrl.models.lora_io import write_lora_files
-    from flowrl.safe_io import check_safetensors
+    from flowrl.core.safe_io import check_safetensors
     from flowrl.training.checkpoint import read_checkpoint_lora, weights_file
 
     check_safetensors(path / "ema.safetensors" if ema and (path / "ema.safetensors").is_file() else weights_file(path),

@@ -9,20 +9,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flowrl.media import IMAGE_SUFFIXES
+from flowrl.core.media import IMAGE_SUFFIXES
 
 
 def run_sample(args) -> Path:
     from torchvision.utils import save_image
 
     from flowrl.config import Config, load_config
-    from flowrl.data import load_prompts
-    from flowrl.devices import resolve_device
+    from flowrl.data.prompts import load_prompts
+    from flowrl.core.devices import resolve_device
     from flowrl.models import policy_from_config
     from flowrl.models.text_cache import attach_configured_cache
     from flowrl.models.lora_io import load_lora_into
     from flowrl.models.preference import load_preference, preference_file, set_preference
-    from flowrl.media import stills
+    from flowrl.core.media import stills
     from flowrl.sampling import RolloutSettings, StepPlan, rollout, root_seeds
     from flowrl.sampling.self_guidance import ONE_IMAGE_ERROR, SelfGuidance
 

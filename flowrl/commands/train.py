@@ -41,7 +41,7 @@ def check_resume(cfg) -> None:
     if not cfg.train.resume:
         return
     from flowrl.config import to_dict
-    from flowrl.safe_io import check_checkpoint, check_checkpoint_matches
+    from flowrl.core.safe_io import check_checkpoint, check_checkpoint_matches
     from flowrl.training.checkpoint import resolve_checkpoint
 
     path = resolve_checkpoint(cfg.run_dir, cfg.train.resume)

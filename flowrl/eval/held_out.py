@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from flowrl.data import PromptSet
-from flowrl.eval_tasks import by_task, paired_task_mean_gain, row_tasks
+from flowrl.data.prompts import PromptSet
+from flowrl.data.tasks import by_task, paired_task_mean_gain, row_tasks
 from flowrl.rewards_api import score
 from flowrl.sampling import RolloutSettings, StepPlan, rollout, root_seeds
 from flowrl.training.ema import ema_weights
@@ -94,7 +94,7 @@ def before_after(policy, ema, rewards, prompts: PromptSet, *, images_per_prompt:
 def paired_changes(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor],
                    row_task: list[str | None]) -> dict[str, dict[str, float]]:
     """``{eval/<key>/task_mean: change, eval/<key>/task/<task>: change}`` for every score key, each change
-    :func:`~flowrl.eval_tasks.paired_task_mean_gain`'s ``{gain, standard_error, standard_errors}`` of the
+    :func:`~flowrl.data.tasks.paired_task_mean_gain`'s ``{gain, standard_error, standard_errors}`` of the
     per-image differences ``after - before`` (``[P * n]``, one task per row).
 
     A task's own change is the task-mean change of its rows alone (the others' task set to None): the mean

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from flowrl.data import round_robin
+from flowrl.data.prompts import round_robin
 
 STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 1200px;
@@ -50,7 +50,7 @@ def image_strip(images: torch.Tensor) -> bytes:
     from torchvision.utils import make_grid
     from PIL import Image
 
-    from flowrl.media import stills
+    from flowrl.core.media import stills
 
     images = stills(images)
     grid = make_grid(images.detach().float().cpu().clamp(0, 1), nrow=len(images), padding=2, pad_value=1.0)

@@ -36,10 +36,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from flowrl.data import PromptSet
+from flowrl.data.prompts import PromptSet
 from flowrl.eval import html
 from flowrl.eval.held_out import before_after
-from flowrl.media import stills
+from flowrl.core.media import stills
 from flowrl.training.metrics import read_metrics
 
 LOWER_IS_BETTER = ("fid/fid", "fid/kid", "fid/kid_std", "diversity/zero_std_prompts")

@@ -35,8 +35,8 @@ from tqdm.auto import tqdm
 from flowrl.eval.checkpoints import (EvalCheckpoint, check_fits, check_same_model, load_adapter, read_adapter,
                                      unique_labels)
 from flowrl.eval.suites import axis_scores, prompt_axes
-from flowrl.eval_tasks import task_of
-from flowrl.media import image_files, read_rgb
+from flowrl.data.tasks import task_of
+from flowrl.core.media import image_files, read_rgb
 
 def run_eval(config: str, overrides: list[str], checkpoints: list[str], out: str | None = None,
              preference: str | None = None, suite: str | None = None) -> Path:
@@ -50,7 +50,7 @@ def run_eval(config: str, overrides: list[str], checkpoints: list[str], out: str
     must carry a preference embedding of as many rewards (checked before anything is written; the base model
     renders as itself)."""
     from flowrl.config import Config, load_config
-    from flowrl.devices import resolve_device
+    from flowrl.core.devices import resolve_device
     from flowrl.eval.checkpoints import parse_checkpoint
     from flowrl.eval.suites import load_suite
 
@@ -270,7 +270,7 @@ def _render_missing(policy, suite, todo: list[int], folder: Path, cfg, *, base: 
     from torchvision.utils import save_image
 
     from flowrl.eval.held_out import render
-    from flowrl.media import stills
+    from flowrl.core.media import stills
     from flowrl.sampling.self_guidance import SelfGuidance
 
     e, n = cfg.eval, cfg.eval.images_per_prompt
@@ -316,7 +316,7 @@ def read_images(folder: Path, num_prompts: int, n: int) -> tuple[torch.Tensor, t
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from flowrl.media import clips
+    from flowrl.core.media import clips
 
     images = torch.stack([read_rgb(folder / f"p{i:04d}_{k:02d}.png") for i in range(num_prompts) for k in range(n)])
     files = [str(folder / f"p{i:04d}.latents.safetensors") for i in range(num_prompts)]
@@ -415,7 +415,7 @@ def paired_reward_changes(base: dict[str, torch.Tensor], other: dict[str, torch.
     """Each reward's change from the base with its paired standard error: both render every prompt on the same seeds,
     so the per-image differences carry no prompt or seed variance. ``{metric key: {gain, standard_error,
     standard_errors}}`` for the mean (``reward/<k>``, ``held_out/<k>``) and, with tasks, the mean over tasks."""
-    from flowrl.eval_tasks import paired_task_mean_gain
+    from flowrl.data.tasks import paired_task_mean_gain
 
     out = {}
     for key in base.keys() & other.keys():
@@ -434,7 +434,7 @@ def reward_metrics(rewards, trained: set[str], images, suite, n: int, group_ids,
     ``per_image``, when given, receives every score key's per-image values ``{key: [P * n]}`` (for paired errors)."""
     from flowrl.algorithms.advantages import zero_std_fraction
     from flowrl.eval.metrics import reward_means
-    from flowrl.eval_tasks import by_task, row_tasks
+    from flowrl.data.tasks import by_task, row_tasks
     from flowrl.rewards_api import score
 
     if not rewards:

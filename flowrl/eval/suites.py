@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from flowrl.data import PromptSet, load_prompts
+from flowrl.data.prompts import PromptSet, load_prompts
 from flowrl.eval.metrics import pairwise_cosine_distance, per_group
 
 AXES = ("identity", "style", "layout", "tonal")
@@ -40,8 +40,8 @@ def load_suite(path: str | Path) -> PromptSet:
     """A suite's prompts; a one-line error for an empty file or an unknown axis.
 
     ``geneval`` (a bare name, no such file) is the generated GenEval evaluation split
-    (:func:`flowrl.geneval_prompts.generate_split`). GenEval records name their task ``tag``, which
-    :func:`flowrl.eval_tasks.task_of` reads as the task, so a GenEval judge's overall score is the mean of its task
+    (:func:`flowrl.data.geneval.generate_split`). GenEval records name their task ``tag``, which
+    :func:`flowrl.data.tasks.task_of` reads as the task, so a GenEval judge's overall score is the mean of its task
     means."""
     suite = _generated_geneval() if str(path) == GENEVAL and not Path(path).exists() else load_prompts(path)
     for number, metadata in enumerate(suite.metadata, start=1):
@@ -54,9 +54,9 @@ def load_suite(path: str | Path) -> PromptSet:
 def _generated_geneval() -> PromptSet:
     """The generated GenEval eval split, or a one-line error where this install has no generator."""
     try:
-        from flowrl.geneval_prompts import generate_split
+        from flowrl.data.geneval import generate_split
     except ImportError:
-        raise ValueError("suite 'geneval' needs flowrl.geneval_prompts, which this install lacks; pass a "
+        raise ValueError("suite 'geneval' needs flowrl.data.geneval, which this install lacks; pass a "
                          "GenEval-format .jsonl instead (e.g. --suite assets/prompts/geneval_train.jsonl)") from None
     records = generate_split("eval", seed=0)
     return PromptSet([r["prompt"] for r in records], [dict(r["metadata"]) for r in records])

@@ -258,7 +258,7 @@ class PolicyBase:
         """The family's own diffusers pipeline, called for the images an ODE :func:`flowrl.sampling.rollout` of
         the same seeds makes (``noise_level=0``): ``[N, 3, H, W]`` in [0, 1] (video ``[N, T, 3, H, W]``).
         The reference of the parity tests and of ``scripts/bench/rollout.py``."""
-        from flowrl.seeding import generators
+        from flowrl.core.seeding import generators
 
         return self.pipeline(
             prompt=list(prompts), negative_prompt=self.negative_prompts(len(prompts)),

@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from flowrl.devices import resolve_device, resolve_dtype
+from flowrl.core.devices import resolve_device, resolve_dtype
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)  # CLIP's normalisation, used by all four rewards
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)

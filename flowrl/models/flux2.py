@@ -164,7 +164,7 @@ class Flux2KleinPolicy(PolicyBase):
     def pipeline_images(self, prompts, *, group_size: int, num_steps: int, guidance_scale: float, seeds,
                         metadata=None) -> torch.Tensor:
         """``Flux2KleinPipeline`` for the same seeds, steps, guidance and text layers (``output_type="pt"``)."""
-        from flowrl.seeding import generators
+        from flowrl.core.seeding import generators
 
         return self.pipeline(
             prompt=list(prompts), num_images_per_prompt=group_size, num_inference_steps=num_steps,

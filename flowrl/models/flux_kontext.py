@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from flowrl.edit_sources import SOURCE_KEY, load_source_image, resize_source, source_paths
+from flowrl.data.edit_sources import SOURCE_KEY, load_source_image, resize_source, source_paths
 from flowrl.models.base import TextCond
 from flowrl.models.flux import FluxPolicy
 
@@ -117,7 +117,7 @@ class FluxKontextPolicy(FluxPolicy):
         sources. The source goes in already at the policy's size, with ``_auto_resize=False`` and
         ``max_area=height * width``: the pipeline then neither resizes the source to a preferred Kontext
         resolution nor changes the output size, so its tokens are the policy's."""
-        from flowrl.seeding import generators
+        from flowrl.core.seeding import generators
 
         paths, seeds = source_paths(metadata, len(prompts)), list(seeds)
         if len(seeds) != len(prompts) * group_size:

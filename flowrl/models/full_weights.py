@@ -95,7 +95,7 @@ class FullWeights:
         parameters stay gathered between a forward and its backward (plain tensors while the copy is a shard):
         those get the whole base tensor (an all-gather, the same order on every process) and their live value is
         kept aside (the root's embeddings and output layer: small). Returns what was kept aside, per parameter."""
-        from flowrl.sharded import full, is_sharded
+        from flowrl.core.sharded import full, is_sharded
 
         kept: list[torch.Tensor | None] = []
         for param, base in zip(params, self.base):
@@ -148,7 +148,7 @@ def merge_lora(policy) -> None:
 def trained_state(policy, *, keep: bool = True) -> dict[str, torch.Tensor]:
     """Whole float32 CPU copies of the trained tensors, keyed by parameter name (collective under FSDP2; ``keep=False``
     takes part in the gathers and returns ``{}``)."""
-    from flowrl.sharded import full_state
+    from flowrl.core.sharded import full_state
 
     return full_state(dict(policy.named_trainable_parameters()), keep=keep)
 
@@ -156,7 +156,7 @@ def trained_state(policy, *, keep: bool = True) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def load_trained_state(policy, state: dict[str, torch.Tensor]) -> None:
     """Put a :func:`trained_state` back into the live parameters (this process's slice under FSDP2)."""
-    from flowrl.sharded import like
+    from flowrl.core.sharded import like
 
     live = dict(policy.named_trainable_parameters())
     missing, extra = sorted(set(live) - set(state)), sorted(set(state) - set(live))
@@ -176,8 +176,8 @@ def save_transformer(policy, out_dir, *, write: bool = True):
 
     from huggingface_hub import save_torch_state_dict
 
-    from flowrl.safe_io import shared_mode
-    from flowrl.sharded import full
+    from flowrl.core.safe_io import shared_mode
+    from flowrl.core.sharded import full
 
     dtype = policy.full_weights.dtype if policy.full_weights is not None else policy.dtype
     state = {}

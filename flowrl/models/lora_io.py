@@ -30,7 +30,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from flowrl.safe_io import shared_mode
+from flowrl.core.safe_io import shared_mode
 
 DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 COMFYUI_WEIGHT_NAME = "pytorch_lora_weights_comfyui.safetensors"
@@ -48,7 +48,7 @@ def lora_state_dict(transformer, *, keep: bool = True) -> dict[str, torch.Tensor
     a process that writes nothing takes part and gets ``{}``)."""
     from peft.utils import get_peft_model_state_dict
 
-    from flowrl.sharded import full_state
+    from flowrl.core.sharded import full_state
 
     from flowrl.models.preference import preference_state
 
@@ -272,7 +272,7 @@ def read_lora(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
         raise FileNotFoundError(f"LoRA file not found: {path}")
     if path.suffix != ".safetensors":
         raise ValueError(f"unsupported LoRA file {path}: use .safetensors")
-    from flowrl.safe_io import check_safetensors
+    from flowrl.core.safe_io import check_safetensors
 
     check_safetensors(path, "LoRA file")
     with safe_open(str(path), framework="pt") as handle:

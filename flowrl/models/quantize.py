@@ -26,7 +26,7 @@ import tempfile
 
 import torch
 
-from flowrl.devices import resolve_device
+from flowrl.core.devices import resolve_device
 
 # With torchao installed, importing it or any diffusers model logs three lines a flowrl user can do nothing about:
 # torchao 0.18 registers two enums with torch's pytree the way torch 2.14 deprecates, and diffusers 0.42 cannot

@@ -135,7 +135,7 @@ class QwenImagePolicy(PolicyBase):
                         metadata=None) -> torch.Tensor:
         """``QwenImagePipeline`` for the same seeds: ``guidance_scale`` is its ``true_cfg_scale``, and the negative
         is ``negative_prompt``, one per prompt (any non-None negative enables its CFG; flowrl's default is "")."""
-        from flowrl.seeding import generators
+        from flowrl.core.seeding import generators
 
         cfg = guidance_scale > 1
         return self.pipeline(

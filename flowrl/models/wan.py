@@ -136,7 +136,7 @@ class WanPolicy(PolicyBase):
                         seeds: Sequence[int], metadata: Sequence[dict] | None = None) -> torch.Tensor:
         """WanPipeline's frames for the same seeds: ``output_type="pt"`` already gives ``[N, T, 3, H, W]`` in [0, 1]
         (its video processor permutes each ``[3, T, H, W]`` video to frames-first)."""
-        from flowrl.seeding import generators
+        from flowrl.core.seeding import generators
 
         return self.pipeline(
             prompt=list(prompts), negative_prompt=self.negative_prompts(len(prompts)), num_videos_per_prompt=group_size, num_inference_steps=num_steps,

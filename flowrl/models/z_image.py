@@ -150,7 +150,7 @@ class ZImagePolicy(PolicyBase):
                         seeds: Sequence[int], metadata: Sequence[dict] | None = None) -> torch.Tensor:
         """ZImagePipeline for the same images, flowrl's guidance converted to the pipeline's (:meth:`pipeline_guidance`)
         and the same CFG options and negative prompt."""
-        from flowrl.seeding import generators
+        from flowrl.core.seeding import generators
 
         return self.pipeline(
             prompt=list(prompts), negative_prompt=self.negative_prompts(len(prompts)),

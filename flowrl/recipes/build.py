@@ -16,7 +16,7 @@ from accelerate import Accelerator
 
 from flowrl.algorithms.combine import COMBINERS, marble_initial
 from flowrl.config import Config, ConfigError, to_dict
-from flowrl.data import PromptSet, load_prompts, train_test_split
+from flowrl.data.prompts import PromptSet, load_prompts, train_test_split
 from flowrl.models import policy_from_config
 from flowrl.models.lora_io import load_lora_into
 from flowrl.models.preference import attach_preference
@@ -59,7 +59,7 @@ def check_memory_options(cfg: Config, accelerator: Accelerator) -> None:
     FSDP2 and DeepSpeed shard or flatten every parameter of the transformer, frozen ones included, and torchao's
     quantised weights cannot be split (torchao 0.18's Int8Tensor implements no ``aten.split``: ``fully_shard``
     stops there, checked on 2 CPU processes), nor is its 8-bit optimizer state gathered for a checkpoint the way
-    ``flowrl.sharded`` gathers AdamW's. A quantised base is the small-GPU setting: one process, or DDP, which
+    ``flowrl.core.sharded`` gathers AdamW's. A quantised base is the small-GPU setting: one process, or DDP, which
     leaves the quantised weights alone (:func:`flowrl.models.quantize.ignore_quantized_in_ddp`)."""
     sharded = accelerator.is_fsdp2 or _env_flag("ACCELERATE_USE_DEEPSPEED") or _env_flag("ACCELERATE_USE_FSDP")
     if not sharded:

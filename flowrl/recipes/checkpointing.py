@@ -14,7 +14,7 @@ from flowrl.recipes.run import Run
 def check_resumable(cfg: Config, policy) -> None:
     """The checkpoint ``train.resume`` names holds exactly this run's adapter tensors (shapes from its file header,
     nothing loaded into torch), so another model's checkpoint is one line rather than an optimizer size mismatch."""
-    from flowrl.safe_io import check_checkpoint_shapes
+    from flowrl.core.safe_io import check_checkpoint_shapes
     from flowrl.training.checkpoint import resolve_checkpoint
     from flowrl.training.ema import peft_key
 
@@ -26,7 +26,7 @@ def check_resumable(cfg: Config, policy) -> None:
 def restore_checkpoint(cfg: Config, policy, optimizer, ema, *, rank: int, snapshots: dict | None = None) -> dict:
     """Load the checkpoint named by ``train.resume`` into the live objects; returns its trainer state."""
     from flowrl.models.lora_io import load_adapter_state
-    from flowrl.sharded import like
+    from flowrl.core.sharded import like
     from flowrl.training.checkpoint import load_checkpoint
     from flowrl.training.ema import peft_key
 

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from flowrl.algorithms.advantages import zero_std_fraction
 from flowrl.config import Config, ConfigError
-from flowrl.data import PromptSet
+from flowrl.data.prompts import PromptSet
 from flowrl.eval.held_out import evaluate_rows, render
 from flowrl.recipes.checkpointing import save_run_checkpoint
 from flowrl.recipes.run import Run
@@ -194,7 +194,7 @@ def eval_grid(policy, ema, prompts: PromptSet, cfg: Config, guidance: float, out
     from torchvision.utils import save_image
 
     from flowrl.eval.held_out import render
-    from flowrl.media import stills
+    from flowrl.core.media import stills
 
     n = cfg.log.eval_images_per_prompt
     with ema_weights(ema), eval_size(policy, cfg):

@@ -8,7 +8,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from flowrl.eval.report import write_report
-from flowrl.eval_tasks import stratified_prefix
+from flowrl.data.tasks import stratified_prefix
 from flowrl.models.lora_io import lora_config_dict, lora_state_dict
 from flowrl.recipes.epoch_end import eval_size
 from flowrl.recipes.run import Run

@@ -11,7 +11,7 @@ Choices:
 - the best point is the highest score so far, the base model's (epoch -1) included;
 - noise: every point renders the same prompts with the same seeds, so the fall from the best point is a
   paired difference; its standard error comes from the per-prompt differences
-  (:func:`flowrl.eval_tasks.paired_task_mean_gain` on prompt means: prompts, not images, are the unit, as the
+  (:func:`flowrl.data.tasks.paired_task_mean_gain` on prompt means: prompts, not images, are the unit, as the
   images of one prompt are correlated); a point *falls* when ``best - now > margin + z * se``;
 - the training reward (the weighted sum of the trained rewards' epoch means) must *keep rising* over the same
   window: its least-squares slope over the epochs since the best point (since the last rollback, when later) is
@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 import torch
 
 from flowrl.config import ConfigError
-from flowrl.eval_tasks import paired_task_mean_gain, row_tasks
+from flowrl.data.tasks import paired_task_mean_gain, row_tasks
 from flowrl.training.ema import AdapterSnapshot, LoraEMA
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")

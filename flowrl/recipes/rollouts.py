@@ -15,7 +15,7 @@ import torch
 from flowrl.algorithms.advantages import group_variances
 from flowrl.algorithms.combine import COMBINERS
 from flowrl.algorithms.preference import draw_preferences, row_weights
-from flowrl.data import PromptSet, epoch_prompt_indices
+from flowrl.data.prompts import PromptSet, epoch_prompt_indices
 from flowrl.sampling.epoch_plan import batch_plan
 from flowrl.recipes.run import Run
 from flowrl.rewards_api import check_whole_groups

@@ -42,7 +42,7 @@ import torch
 from accelerate import Accelerator
 
 from flowrl.config import Config
-from flowrl.data import PromptSet
+from flowrl.data.prompts import PromptSet
 from flowrl.training.ema import LoraEMA
 from flowrl.training.faults import FaultCounter
 from flowrl.training.metrics import MetricsLogger

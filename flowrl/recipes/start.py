@@ -11,8 +11,8 @@ from accelerate import Accelerator
 from tqdm.auto import tqdm
 
 from flowrl.config import Config, ConfigError, check, save_config
-from flowrl.data import prompts_per_batch
-from flowrl.eval_tasks import stratified_prefix
+from flowrl.data.prompts import prompts_per_batch
+from flowrl.data.tasks import stratified_prefix
 from flowrl.models.quantize import ignore_quantized_in_ddp
 from flowrl.models.text_cache import attach_configured_cache
 from flowrl.recipes.build import (
@@ -72,7 +72,7 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, extras: di
     if policy.full_weights is not None:  # the reference: the base's trained tensors, laid out (sharded) as they are
         policy.full_weights.take_base()
     if accelerator.is_fsdp2 and accelerator.is_main_process:
-        from flowrl.sharded import is_sharded
+        from flowrl.core.sharded import is_sharded
 
         tqdm.write(f"flowrl train: FSDP2 over {accelerator.num_processes} processes: "
                    f"{sum(map(is_sharded, params))} of {len(params)} "

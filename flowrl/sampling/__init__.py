@@ -5,7 +5,7 @@ from flowrl.sampling.rollout import chunked_rollout, rollout, root_seeds
 from flowrl.sampling.settings import RolloutSettings
 from flowrl.sampling.steps import STEP_KINDS, StepOutput, gaussian_log_prob, sde_step, transition
 from flowrl.sampling.trajectory import Trajectory, concat_trajectories
-from flowrl.seeding import derive_seed
+from flowrl.core.seeding import derive_seed
 
 __all__ = [
     "RolloutSettings", "STEP_KINDS", "StepOutput", "StepPlan", "Trajectory", "concat_trajectories", "derive_seed",

@@ -30,7 +30,7 @@ from flowrl.sampling.self_guidance import ONE_IMAGE_ERROR, installed
 from flowrl.sampling.settings import RolloutSettings
 from flowrl.sampling.steps import ODE_SOLVERS, ScheduleSteps, clean_prediction, euler_ode_step
 from flowrl.sampling.trajectory import Trajectory, concat_trajectories
-from flowrl.seeding import derive_seed, generators
+from flowrl.core.seeding import derive_seed, generators
 
 
 def root_seeds(seed: int, first_row: int, count: int) -> list[int]:

@@ -40,7 +40,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from flowrl.models.base import Policy, TextCond
 from flowrl.sampling.settings import RolloutSettings
 from flowrl.sampling.trajectory import Trajectory
-from flowrl.seeding import derive_seed, generators
+from flowrl.core.seeding import derive_seed, generators
 
 NOISE_WINDOW = (0.3, 0.9)  # AWM's t-range of the SDE noise
 

@@ -28,7 +28,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from flowrl.data import round_robin
+from flowrl.data.prompts import round_robin
 from flowrl.toy.world import COLORS, MAX_COUNT, RELATIONS, SHAPES
 
 TASKS: tuple[str, ...] = ("single_object", "counting", "two_object", "position")

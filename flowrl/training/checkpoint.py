@@ -30,7 +30,7 @@ stored as tensors and lists of ints for that reason).
 Multi-process: every rank writes its own RNG file, rank 0 everything else; ranks meet at
 ``barrier`` (e.g. ``accelerator.wait_for_everyone``). The run directory must be shared by all
 ranks (one filesystem), as it is for single-node training. Under FSDP2 the LoRA, EMA and optimizer
-states are sharded DTensors: every rank gathers them (:mod:`flowrl.sharded`) before rank 0
+states are sharded DTensors: every rank gathers them (:mod:`flowrl.core.sharded`) before rank 0
 writes, so the files are those of a 1-process run, and loading slices them back onto each rank.
 """
 
@@ -52,7 +52,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from flowrl.sharded import full_optimizer_state, shard_loaded_optimizer_state, shard_optimizer_state
+from flowrl.core.sharded import full_optimizer_state, shard_loaded_optimizer_state, shard_optimizer_state
 from flowrl.training.faults import checkpoint_write_failed
 
 logger = logging.getLogger(__name__)

@@ -101,14 +101,14 @@ class LoraEMA:
         Under FSDP2 the shadows are DTensors laid out as their (sharded) parameters; they are gathered
         whole here, so every process must call this; ``keep=False`` gathers and returns ``{}`` (a process that
         writes nothing)."""
-        from flowrl.sharded import full_state
+        from flowrl.core.sharded import full_state
 
         return full_state(dict(zip(self.names, self.model.shadow_params)), keep=keep)
 
     @torch.no_grad()
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Inverse of :meth:`state_tensors`; every tracked name must be present with its shape."""
-        from flowrl.sharded import like
+        from flowrl.core.sharded import like
 
         missing = [n for n in self.names if n not in tensors]
         if missing:
@@ -133,7 +133,7 @@ class LoraEMA:
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
         """Temporarily put the EMA weights into the live parameters; the trained ones come back after."""
-        from flowrl.sharded import is_sharded
+        from flowrl.core.sharded import is_sharded
 
         # DTensor has no sharding rule for aten._foreach_copy_ (FSDP2): copy one by one, the same values.
         foreach, self.model.foreach = self.model.foreach, self.model.foreach and not is_sharded(self.parameters[0])

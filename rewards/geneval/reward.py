@@ -8,7 +8,7 @@ Output, in ToyEval's shape: ``geneval`` (strict, 1 or 0 per image: GenEval's ``c
 sub-scores ``geneval/count``, ``/color``, ``/position``, ``/exclude`` and ``/partial`` (fractions of clauses;
 NaN where the prompt has none of that kind), plus ``geneval/flow_grpo``, the dense score Flow-GRPO trains on
 (train on it with ``key: geneval/flow_grpo``). Per-task means and the overall score (the mean of the task
-means, GenEval's "Overall score") are what :func:`flowrl.eval_tasks.by_task` makes of these where prompts
+means, GenEval's "Overall score") are what :func:`flowrl.data.tasks.by_task` makes of these where prompts
 carry a task (``flowrl eval`` reads GenEval's ``tag`` as the task). Images holding NaN/inf score NaN.
 
 Batching: every image of a call goes through the detector ``batch_size`` at a time, then every object whose
@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 import rewards.geneval.rules as rules
-from flowrl.devices import resolve_device, resolve_dtype
+from flowrl.core.devices import resolve_device, resolve_dtype
 from flowrl.rewards_api import check_batch
 from rewards.geneval.models import CLIP_PRETRAINED, DETECTOR_ID, ColorClassifier, Detector, clip_weights
 

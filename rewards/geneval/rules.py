@@ -7,7 +7,7 @@ Reimplemented from GenEval's evaluation code, github.com/djghosh13/geneval at co
 af4902f24d3ca90ebbb446dd9891a59e0f82725f: evaluation/evaluate_images.py (``evaluate_image``, ``evaluate``,
 ``relative_position``, ``compute_iou`` and the option defaults at the bottom), evaluation/object_names.txt
 (the 80 class names) and evaluation/summary_scores.py (the aggregation, done in flowrl by
-:func:`flowrl.eval_tasks.by_task`). The rules, as that code applies them:
+:func:`flowrl.data.tasks.by_task`). The rules, as that code applies them:
 
 * **Which detections count.** Per class, detections scoring strictly above 0.3 (0.9 for every class when the
   prompt's ``tag`` is ``counting``), most confident first, at most 16 per class. Overlap suppression exists as
@@ -47,8 +47,8 @@ import torch
 from torchvision.ops import box_iou
 
 # GenEval's 80 class names (COCO's, with mouse, remote and keyboard renamed) in COCO order, and its ten colours,
-# are the prompt generator's: flowrl.geneval_prompts.CLASSES and COLORS.
-from flowrl.geneval_prompts import CLASSES, COLORS
+# are the prompt generator's: flowrl.data.geneval.CLASSES and COLORS.
+from flowrl.data.geneval import CLASSES, COLORS
 
 COLOR_TEMPLATES = ("a photo of a {color} {cls}", "a photo of a {color}-colored {cls}", "a photo of a {color} object")
 RELATIONS = ("left of", "right of", "above", "below")

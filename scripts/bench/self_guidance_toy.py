@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from flowrl.data import load_prompts
+from flowrl.data.prompts import load_prompts
 from flowrl.eval.held_out import render
 from flowrl.eval.metrics import latent_gmd, pairwise_cosine_distance
 from flowrl.models import build_policy

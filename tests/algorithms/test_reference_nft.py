@@ -189,7 +189,7 @@ def reference_dpm2(velocity, x, sigmas):
 def test_nft_rollout_with_dpmpp_2m_is_the_reference_dpm2_sampler():
     from flowrl.models import build_policy
     from flowrl.sampling import RolloutSettings, StepPlan, rollout
-    from flowrl.seeding import generators
+    from flowrl.core.seeding import generators
 
     policy = build_policy("sd3", "tiny", seed=0)
     steps, seeds = 6, [3, 4]

@@ -10,10 +10,10 @@ import urllib.request
 
 import pytest
 
-from flowrl import geneval_prompts
+from flowrl.data import geneval as geneval_prompts
 from flowrl.cli import main
 from flowrl.commands import data as data_command
-from flowrl.data import load_prompts
+from flowrl.data.prompts import load_prompts
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 
 from flowrl.cli import main
-from flowrl.media import image_files, read_rgb
+from flowrl.core.media import image_files, read_rgb
 from flowrl.rewards_api import build_reward
 from tools.toy_artifacts import KINDS, make_toy_artifacts
 

@@ -18,7 +18,7 @@ import yaml
 
 from flowrl.config import Config, load_config
 from flowrl.commands.data import DATASETS
-from flowrl.data import load_prompts
+from flowrl.data.prompts import load_prompts
 from tests import REPO
 
 ACCELERATE = sorted((REPO / "configs" / "accelerate").glob("*.yaml"))

@@ -58,8 +58,8 @@ def test_eval_scores_a_geneval_file_per_task_and_overall(tmp_path, capsys):
 
 def test_bare_geneval_suite_is_the_generated_split():
     from flowrl.eval.suites import load_suite
-    from flowrl.eval_tasks import row_tasks
-    from flowrl.geneval_prompts import generate_split
+    from flowrl.data.tasks import row_tasks
+    from flowrl.data.geneval import generate_split
     suite = load_suite("geneval")
     records = generate_split("eval", seed=0)
     assert suite.prompts == [r["prompt"] for r in records]

@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from flowrl.data import PromptSet
-from flowrl.eval_tasks import by_task, paired_task_mean_gain, pass_at_k, stratified_prefix
+from flowrl.data.prompts import PromptSet
+from flowrl.data.tasks import by_task, paired_task_mean_gain, pass_at_k, stratified_prefix
 from flowrl.eval.held_out import evaluate
 from flowrl.training.metrics import read_metrics
 from tests.reward_fixtures import RedMinusBlue
@@ -136,8 +136,8 @@ def test_paired_task_mean_gain_matches_a_hand_computation():
 
 
 def test_geneval_records_name_their_task_tag():
-    from flowrl.data import PromptSet
-    from flowrl.eval_tasks import row_tasks, stratified_prefix, task_of
+    from flowrl.data.prompts import PromptSet
+    from flowrl.data.tasks import row_tasks, stratified_prefix, task_of
     counting = {"tag": "counting", "include": [{"class": "dog", "count": 3}], "exclude": [{"class": "dog", "count": 4}]}
     colors = {"tag": "colors", "include": [{"class": "cup", "count": 1, "color": "red"}]}
     assert task_of(counting) == "counting" and task_of({"tag": "x"}) is None  # a tag without GenEval's include

@@ -8,7 +8,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from flowrl.data import PromptSet
+from flowrl.data.prompts import PromptSet
 from flowrl.eval import held_out
 from tests.reward_fixtures import RedMinusBlue
 

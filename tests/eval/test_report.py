@@ -8,7 +8,7 @@ from html.parser import HTMLParser
 
 import torch
 
-from flowrl.data import PromptSet
+from flowrl.data.prompts import PromptSet
 from flowrl.eval.report import (curve_keys, html_report, markdown_report, moving_average, plot_reward_curve,
                                 summary_line, wall_clock)
 
@@ -165,7 +165,7 @@ def test_html_report_shows_labelled_grids_with_their_prompts(tmp_path):
 
 
 def test_videos_become_film_strips_of_their_frames_and_images_stay_as_they_are():
-    from flowrl.media import stills
+    from flowrl.core.media import stills
 
     video = torch.rand(2, 3, 3, 4, 5)  # [N, T, 3, H, W]
     strips = stills(video)

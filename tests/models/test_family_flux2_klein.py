@@ -12,7 +12,7 @@ import torch
 from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu, retrieve_timesteps
 
 from flowrl.models import build_policy
-from flowrl.seeding import generators
+from flowrl.core.seeding import generators
 
 
 @pytest.fixture(scope="module")

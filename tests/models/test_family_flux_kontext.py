@@ -12,9 +12,9 @@ import pytest
 import torch
 from PIL import Image
 
-from flowrl.data import PromptSet, load_prompts
+from flowrl.data.prompts import PromptSet, load_prompts
 from flowrl.models import build_policy
-from flowrl.edit_sources import source_pixels
+from flowrl.data.edit_sources import source_pixels
 from flowrl.models.lora_io import (COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME, KOHYA_WEIGHT_NAME, lora_config_dict,
                                    lora_state_dict, write_lora_files)
 from flowrl.eval.held_out import evaluate_rows

@@ -14,7 +14,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 from flowrl.models import build_policy
 from flowrl.models.base import real_token_mask as text_mask
 from flowrl.models.qwen_image import QWEN_IMAGE_LORA_TARGETS, QwenImagePolicy
-from flowrl.seeding import generators
+from flowrl.core.seeding import generators
 
 PROMPTS = ["a red circle", "two blue squares", ""]
 

@@ -15,7 +15,7 @@ import torch
 from flowrl.config import Config, load_config
 from flowrl.models import build_policy
 from flowrl.rewards_api import build_reward, check_batch, frame_indices, score
-from flowrl.seeding import generators
+from flowrl.core.seeding import generators
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_videorlvr_preset_puts_the_sde_window_on_the_first_steps():
 def test_eval_writes_clips_as_film_strips_and_reads_them_back_as_clips(tmp_path):
     """``flowrl eval`` renders to PNG files and scores what it reads back: a video must come back as a clip
     ``[T, 3, H, W]`` (so video rewards still see motion), equal to the render up to PNG rounding."""
-    from flowrl.data import PromptSet
+    from flowrl.data.prompts import PromptSet
     from flowrl.eval.runner import _render_missing, read_images
     from flowrl.eval.held_out import render
 

@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from flowrl.data import PromptSet, epoch_prompt_indices, load_prompts, round_robin, train_test_split
+from flowrl.data.prompts import PromptSet, epoch_prompt_indices, load_prompts, round_robin, train_test_split
 
 
 def test_txt_and_jsonl_prompt_files(tmp_path):

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from flowrl.config import Config, ConfigError, load_config
-from flowrl.data import epoch_prompt_indices, prompts_per_batch
+from flowrl.data.prompts import epoch_prompt_indices, prompts_per_batch
 from flowrl.training.ema import LoraEMA
 from flowrl.training.lr import build_lr_scheduler
 from flowrl.training.metrics import read_metrics

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from flowrl.data import PromptSet
+from flowrl.data.prompts import PromptSet
 from flowrl.rewards_api import AsyncScorer, RewardError, check_whole_groups, group_rows, score
 
 

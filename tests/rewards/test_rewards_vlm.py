@@ -17,7 +17,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from flowrl.data import load_prompts  # noqa: E402
+from flowrl.data.prompts import load_prompts  # noqa: E402
 from flowrl.rewards_api import build_reward, score  # noqa: E402
 from rewards import checklist as ck  # noqa: E402
 from rewards.vlm_common import (images_to_pil, single_token_id, text_log_likelihood,  # noqa: E402

@@ -27,7 +27,7 @@ from flowrl.config import Config, ConfigError, SamplingConfig, load_config
 from flowrl.models import build_policy
 from flowrl.models.base import TextCond
 from flowrl.sampling import RolloutSettings, StepPlan, rollout, sde_step
-from flowrl.seeding import derive_seed, generators
+from flowrl.core.seeding import derive_seed, generators
 from flowrl.sampling.steps import ODE_SOLVERS, dpmpp_2m_ode_step, euler_ode_step
 from tests import REPO
 

@@ -28,7 +28,7 @@ from flowrl.config import Config, ConfigError, load_config
 from flowrl.models.base import TextCond
 from flowrl.algorithms.credit import same_step_rows, trained_mask
 from flowrl.sampling import RolloutSettings, StepPlan, rollout, window_start
-from flowrl.seeding import generators
+from flowrl.core.seeding import generators
 from tests import REPO
 
 SMOKE = REPO / "configs/smoke/sd3_tiny.yaml"

@@ -10,7 +10,7 @@ import torch
 from flowrl.models import build_policy
 from flowrl.models.tiny import TINY_T5_MAX_LENGTH
 from flowrl.sampling import RolloutSettings, StepPlan, rollout, sde_step
-from flowrl.seeding import generators
+from flowrl.core.seeding import generators
 
 PROMPTS = ["a red circle", "two blue squares"]
 

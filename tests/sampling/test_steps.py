@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flowrl.sampling import gaussian_log_prob, sde_step
-from flowrl.seeding import generators
+from flowrl.core.seeding import generators
 
 
 def _inputs(batch=3, shape=(4, 8, 8), seed=0, dtype=torch.float32):

@@ -16,7 +16,7 @@ from diffusers import StableDiffusion3Pipeline
 
 from flowrl.models import build_policy
 from flowrl.sampling import RolloutSettings, rollout
-from flowrl.seeding import generators
+from flowrl.core.seeding import generators
 from flowrl.toy.prompts import TASKS, heldout_prompts
 from rewards.toyeval import ToyEval
 from tests import REPO

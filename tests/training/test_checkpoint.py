@@ -15,7 +15,7 @@ from safetensors import SafetensorError
 from flowrl.config import Config, GRPOConfig, load_config
 from flowrl.models import build_policy
 from flowrl.models.lora_io import lora_config_dict, lora_state_dict
-from flowrl.safe_io import check_checkpoint
+from flowrl.core.safe_io import check_checkpoint
 from flowrl.training import checkpoint as ckpt
 from flowrl.training.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from flowrl.training.ema import LoraEMA

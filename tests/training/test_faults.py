@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 import flowrl.recipes.grpo as grpo
 import flowrl.training.checkpoint as checkpoint
 from flowrl.cli import main
-from flowrl.safe_io import check_checkpoint
+from flowrl.core.safe_io import check_checkpoint
 from flowrl.training.checkpoint import resolve_checkpoint
 from tests.fault_helpers import TINY_TRAIN, remote_spec, reward_server, small_disk, trickle_server
 

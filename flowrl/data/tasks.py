@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from flowrl.data import PromptSet, round_robin
+from flowrl.data.prompts import PromptSet, round_robin
 
 
 def by_task(scores: dict[str, torch.Tensor], tasks: Sequence[str | None]) -> dict[str, float]:

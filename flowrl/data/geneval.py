@@ -18,7 +18,7 @@ color_attr       a photo of a purple wine glass and a black apple        [{A, 1,
 ===============  ======================================================  =========================================
 
 Each record is ``{"prompt": ..., "metadata": {"tag", "include", "exclude"?, "prompt"}}``: the metadata is
-GenEval's own line of ``evaluation_metadata.jsonl``, so flowrl.data's jsonl loader hands a GenEval judge
+GenEval's own line of ``evaluation_metadata.jsonl``, so flowrl.data.prompts's jsonl loader hands a GenEval judge
 exactly what GenEval's evaluator reads.
 
 Eval split. ``generate_split("eval", seed)`` runs GenEval's procedure (all 80 single objects, then 100 draws
@@ -28,7 +28,7 @@ GenEval's published ``prompts/evaluation_metadata.jsonl`` record for record: the
 order (checked against the file with numpy 2.4). Flow-GRPO's ``dataset/geneval/test_metadata.jsonl`` is those
 553 prompts, each four times (GenEval scores four images per prompt). Other seeds give other GenEval-style
 suites of the same templates and classes. GenEval's file holds bare records (no ``{"prompt", "metadata"}``
-wrapper), which flowrl.data would read without metadata; to score a run on the published benchmark, prepare
+wrapper), which flowrl.data.prompts would read without metadata; to score a run on the published benchmark, prepare
 it in flowrl's shape and point the eval suite (or a run's held-out set) at it::
 
     flowrl data prepare geneval data/geneval
