@@ -52,7 +52,11 @@ class RewardScorer:
 
     def __init__(self, name: str, kwargs: dict[str, Any], max_batch_size: int, batch_wait_s: float,
                  on_error: str) -> None:
-        self.reward = build_reward(name, **kwargs)
+        try:
+            self.reward, self.build_error = build_reward(name, **kwargs), None
+        except Exception as error:  # noqa: BLE001  kept for the launcher's one line: raised here, Serve would print
+            # this replica's traceback (and retry it) before the service could say what was wrong
+            self.reward, self.build_error = None, " ".join(str(error).split()) or type(error).__name__
         self.on_error = on_error
         self.batches: Counter[int] = Counter()  # batch size -> batches of that size this replica scored
         for method in (self.score_rows, self.score_groups):
@@ -60,7 +64,10 @@ class RewardScorer:
             method.set_batch_wait_timeout_s(batch_wait_s)
 
     def describe(self) -> dict[str, Any]:
-        """The built reward's name and whether it scores whole groups."""
+        """The built reward's name and whether it scores whole groups; ``{"error": ...}`` when it could not be
+        built (bad kwarg values, missing files)."""
+        if self.build_error is not None:
+            return {"error": self.build_error}
         return {"name": self.reward.name, "scores_groups": bool(getattr(self.reward, "scores_groups", False))}
 
     def batch_sizes(self) -> dict[int, int]:
@@ -69,8 +76,8 @@ class RewardScorer:
 
     def check_health(self) -> None:
         """Serve's periodic health check: the reward is built (cheap; a dead replica fails it by not answering)."""
-        if getattr(self, "reward", None) is None:
-            raise RuntimeError("the reward is not built")
+        if getattr(self, "reward", None) is None and getattr(self, "build_error", None) is None:
+            raise RuntimeError("the reward is not built")  # a build error is the launcher's to report, not a restart
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.01)  # the config's values are set in __init__
     async def score_rows(self, rows: list[Row]) -> list[dict[str, float] | Failure]:

@@ -161,6 +161,10 @@ def start_service(cfg: ServiceConfig) -> str:
         lines = [line.strip() for line in str(err).splitlines() if line.strip()]
         cause = next((line for line in reversed(lines) if "Error" in line), lines[-1] if lines else "")
         raise ServiceError(f"the reward service did not start: {cause}") from None
+    for spec in cfg.rewards:  # a reward whose replica could not build it: one line, no replica traceback
+        described = serve.get_deployment_handle(spec.name, app_name=APP_NAME).describe.remote().result()
+        if "error" in described:
+            raise ServiceError(f"the reward service did not start: {described['error']}")
     return cfg.url
 
 

@@ -241,3 +241,18 @@ def test_a_ray_address_where_nothing_answers_is_one_line_without_waiting_on_ray(
         check_reachable(f"127.0.0.1:{port}")
     for address in (None, "auto", "ray://head:10001"):  # Ray's to resolve
         check_reachable(address)
+
+
+def test_a_replica_that_cannot_build_its_reward_reports_the_error_instead_of_raising():
+    """A bad kwarg value fails in the replica's constructor; raised there, Serve prints the replica's traceback and
+    retries before the launcher says anything. Kept, the launcher reads it through describe() and stops in one line
+    (flowrl.reward_service.launch.start_service)."""
+    from flowrl.reward_service.deployments import RewardScorer
+
+    scorer = RewardScorer("remote", {"url": "http://h:1", "deadline": "forever", "check_health": False}, 8, 0.01,
+                          "raise")
+    described = scorer.describe()
+    assert described == {"error": "reward 'remote': ValueError: deadline must be a number (seconds where it is a "
+                                  "time), got 'forever'"}
+    scorer.check_health()  # no restart loop: the launcher reports it and shuts the service down
+    assert RewardScorer("toyeval", {}, 8, 0.01, "raise").describe() == {"name": "toyeval", "scores_groups": False}
