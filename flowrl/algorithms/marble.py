@@ -126,6 +126,12 @@ class MarbleBalancer:
         self.alpha = None if state["alpha"] is None else torch.tensor(state["alpha"], dtype=torch.float64)
         self.weights = torch.tensor(state["weights"], dtype=torch.float64)
 
+    def balance(self, params: list[torch.Tensor], step: int, advantages: dict[str, torch.Tensor], backward,
+                stats) -> None:
+        """The run's hook for one optimizer step's gradient (:func:`balanced_backward`): a recipe hands it each
+        reward's own advantages and its ``backward(advantages, stats)``, and never names MARBLE."""
+        balanced_backward(self, params, step, advantages, backward, stats, type(stats))
+
 
 def flat_grad(params: list[torch.Tensor]) -> torch.Tensor:
     """[P] the parameters' accumulated gradients, concatenated (zeros where a parameter has none)."""

@@ -60,7 +60,6 @@ from flowrl.algorithms.gardo import (
     build_features, diversity_weighted, gated_rows, nearest_neighbour_distances, uncertainty,
 )
 from flowrl.algorithms.losses import POLICY_LOSSES
-from flowrl.algorithms.marble import balanced_backward
 from flowrl.algorithms.ratio_norm import RATIO_NORMS
 from flowrl.algorithms.transition import TransitionSettings, transition_loss
 from flowrl.algorithms.tree import prune_mask
@@ -127,7 +126,7 @@ def train(cfg: GRPOConfig, *, accelerator: Accelerator | None = None) -> dict[st
 
         # 5. Update: inner passes over shuffled chunks of rows, one optimizer step each (MARBLE-balanced where on).
         update = objective(run, traj, steps.columns, steps.noise_levels, rewards[groups.local], advantages, mask)
-        per_reward = marble_advantages(run, groups, edges, estimator)
+        per_reward = reward_edge_advantages(run, groups, edges, estimator)
         settings = TransitionSettings(
             policy_loss=partial(POLICY_LOSSES[t.loss], config=t) if t.loss in POLICY_LOSSES else None,
             guidance=run.guidance, kind=s.kind, beta=run.beta, ratio_norm=t.ratio_norm, kl_gate=edges.kl_gate,
@@ -287,10 +286,10 @@ def drop_zero_advantage_rows(run: Run, advantages: torch.Tensor, mask: torch.Ten
     return kept, mask & kept[:, None], {"policy/dropped_rows": dropped}
 
 
-def marble_advantages(run: Run, groups: GroupAdvantages, edges: EdgeAdvantages, estimator):
-    """MARBLE (``train.combine: marble``): each weighted reward's own clipped advantage on every edge ``{name:
-    [N, K]}``, balanced per optimizer step; None without it."""
-    if run.extras.get("marble") is None:
+def reward_edge_advantages(run: Run, groups: GroupAdvantages, edges: EdgeAdvantages, estimator):
+    """Where an extra balances the rewards' gradients (MARBLE): each weighted reward's own clipped advantage on
+    every edge ``{name: [N, K]}``, made as the combined one is; None otherwise."""
+    if not run.balances_rewards:
         return None
     t = run.cfg.train
     return {name: edges.of(adv[groups.local])
@@ -332,13 +331,9 @@ def update_policy(run: Run, epoch: int, update, traj, advantages: torch.Tensor, 
                                                        stats=chunk_stats, on_policy=on_policy)
                             accelerator.backward(loss_sum * world / max(weight, 1.0))
 
-                def transitions_backward() -> None:  # the per-transition update, MARBLE-balanced where on
-                    if per_reward is None:
-                        chunk_backward(advantages, stats)
-                    else:
-                        step = (epoch * t.inner_epochs + inner) * t.optimizer_steps_per_epoch + chunk_index
-                        balanced_backward(run.extras["marble"], run.params, step, per_reward, chunk_backward, stats,
-                                          StatsAccumulator)
+                def transitions_backward() -> None:  # the per-transition update, reward-balanced where an extra does
+                    step = (epoch * t.inner_epochs + inner) * t.optimizer_steps_per_epoch + chunk_index
+                    run.backward(step, advantages, per_reward, chunk_backward, stats)
 
                 update.backward(chunk, stats, on_policy=on_policy, transitions=transitions_backward)
                 optimizer_step(run, stats)

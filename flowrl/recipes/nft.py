@@ -99,7 +99,6 @@ from accelerate import Accelerator
 from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from flowrl.algorithms.combine import reward_advantages
 from flowrl.algorithms.forward_losses import FORWARD_LOSSES, forward_process_loss, implicit_log_ratio
-from flowrl.algorithms.marble import balanced_backward
 from flowrl.algorithms.timesteps import TIMESTEP_SCHEDULES
 from flowrl.config import NFTConfig
 from flowrl.recipes.epoch_end import end_epoch, log_base_model, optimizer_step, out_of_time, progress_bar
@@ -147,7 +146,7 @@ def train(cfg: NFTConfig, *, accelerator: Accelerator | None = None) -> dict[str
 
         # 3. Update: passes over (unit, fresh t and noise) pairs in shuffled chunks, one optimizer step each.
         stats = StatsAccumulator()
-        update_forward(run, epoch, forward_loss, traj, groups, clipped, keep, marble_advantages(run, groups, estimator),
+        update_forward(run, epoch, forward_loss, traj, groups, clipped, keep, reward_pair_advantages(run, groups, estimator),
                        stats)
 
         # 4. The old adapter (and CRD's sampler) follows the trained one; the extras after the update.
@@ -193,10 +192,10 @@ class RolloutSampler:
                    weights=(own or run.ema) if n.choice("rollout_weights") == "old" else None)
 
 
-def marble_advantages(run: Run, groups: GroupAdvantages, estimator) -> dict[str, torch.Tensor] | None:
-    """MARBLE (``train.combine: marble``): each weighted reward's own advantage, clipped like the combined one and
-    tiled over the (sample, t) pairs ``{name: [pairs]}``, balanced per optimizer step; None without it."""
-    if run.extras.get("marble") is None:
+def reward_pair_advantages(run: Run, groups: GroupAdvantages, estimator) -> dict[str, torch.Tensor] | None:
+    """Where an extra balances the rewards' gradients (MARBLE): each weighted reward's own advantage, clipped like
+    the combined one and tiled over the (sample, t) pairs ``{name: [pairs]}``; None otherwise."""
+    if not run.balances_rewards:
         return None
     t, clip = run.cfg.train, run.cfg.train.advantage_clip
     return {name: (adv[groups.local].clamp(-clip, clip) / clip).repeat(run.cfg.nft.timesteps_per_sample)
@@ -268,12 +267,9 @@ def update_forward(run: Run, epoch: int, forward_loss, traj, groups: GroupAdvant
             measured = forward_loss.chunk_weights(log_ratios, chunk, clipped, keep, traj, stats)  # CRD's
             if measured is not None:
                 chunk_backward(measured, stats)
-            elif per_reward is None:
-                chunk_backward(unit_advantage.repeat(n.timesteps_per_sample), stats)
-            else:
+            else:  # reward-balanced where an extra does (MARBLE)
                 step = (epoch * t.inner_epochs + inner) * t.optimizer_steps_per_epoch + chunk_index
-                balanced_backward(run.extras["marble"], run.params, step, per_reward, chunk_backward, stats,
-                                  StatsAccumulator)
+                run.backward(step, unit_advantage.repeat(n.timesteps_per_sample), per_reward, chunk_backward, stats)
             optimizer_step(run, stats)
             if run.eval_ema is not None and n.choice("eval_ema_every") == "step":  # DiffusionNFT's eval EMA
                 done = (epoch * t.inner_epochs + inner) * t.optimizer_steps_per_epoch + chunk_index + 1

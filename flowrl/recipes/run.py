@@ -23,6 +23,8 @@ the scaffold, the checkpoint code and the other recipe stay as they are. Every m
 - ``end_epoch(run, epoch, metrics, held_out)`` -> metrics, at the end of each epoch (and at the base model's
   held-out point, epoch -1) with the epoch's metrics and, at a held-out point, the per-image held-out scores
   ``{key: [P * n]}`` (else None); before the checkpoint, so what it changes is saved;
+- ``balance(params, step, per_reward, backward, stats)``: takes over an optimizer step's gradient from each reward's
+  own advantages ``per_reward`` (MARBLE's gradient balancing; :meth:`Run.backward`);
 - ``kl_beta``: the live KL beta, in place of ``train.beta``; ``kl_scale``: a factor on the KL beta in force;
   ``stopped``: the extra ended the run;
 - ``finish(run)``: before the final export and report.
@@ -120,6 +122,21 @@ class Run:
         for after in self.hook("after_update"):
             metrics.update(after(self, epoch, traj, stats))
         return metrics
+
+    @property
+    def balances_rewards(self) -> bool:
+        """Whether an extra balances the rewards' gradients (MARBLE): the recipe then hands each reward's own
+        advantages to :meth:`backward`."""
+        return bool(self.hook("balance"))
+
+    def backward(self, step: int, advantages: torch.Tensor, per_reward: dict[str, torch.Tensor] | None, backward,
+                 stats) -> None:
+        """Optimizer step ``step``'s gradient: ``backward(advantages, stats)``, or, where an extra balances the
+        rewards (:attr:`balances_rewards`), that extra's from each reward's own advantages ``per_reward``."""
+        if per_reward is None:
+            backward(advantages, stats)
+            return
+        self.hook("balance")[0](self.params, step, per_reward, backward, stats)
 
     @property
     def stopped(self) -> bool:
