@@ -100,28 +100,26 @@ class Run:
         """The extras' bound methods called ``name``, in the extras' order."""
         return [getattr(extra, name) for extra in self.extras.values() if hasattr(extra, name)]
 
+    def metrics_of(self, name: str, *args) -> dict[str, float]:
+        """Every extra's ``name(run, *args)`` called in the extras' order, their metrics merged."""
+        metrics: dict[str, float] = {}
+        for method in self.hook(name):
+            metrics.update(method(self, *args))
+        return metrics
+
     def begin_epoch(self, epoch: int) -> dict[str, float]:
         """Each extra's start-of-epoch work (HRF: a new phase re-anchors the weights); returns their metrics."""
-        metrics: dict[str, float] = {}
-        for begin in self.hook("begin_epoch"):
-            metrics.update(begin(self, epoch))
-        return metrics
+        return self.metrics_of("begin_epoch", epoch)
 
     def after_scoring(self, epoch: int, traj, combined: torch.Tensor) -> dict[str, float]:
         """Each extra's work on the epoch's scored rollouts ``traj`` and combined rewards ``combined`` [N_all]
         (the diversity guard), before the update; returns their metrics."""
-        metrics: dict[str, float] = {}
-        for after in self.hook("after_scoring"):
-            metrics.update(after(self, epoch, traj, combined))
-        return metrics
+        return self.metrics_of("after_scoring", epoch, traj, combined)
 
     def after_update(self, epoch: int, traj, stats) -> dict[str, float]:
         """Each extra's work after the epoch's policy update, on its rollouts ``traj`` and the update's ``stats``
         (trainable rewards, GARDO's reference); returns their metrics."""
-        metrics: dict[str, float] = {}
-        for after in self.hook("after_update"):
-            metrics.update(after(self, epoch, traj, stats))
-        return metrics
+        return self.metrics_of("after_update", epoch, traj, stats)
 
     @property
     def balances_rewards(self) -> bool:
@@ -154,10 +152,7 @@ class Run:
     def end_epoch(self, epoch: int, metrics: dict[str, float],
                   held_out: dict[str, torch.Tensor] | None) -> dict[str, float]:
         """Each extra's work on the epoch's metrics and held-out scores (the held-out guard); returns its metrics."""
-        out: dict[str, float] = {}
-        for end in self.hook("end_epoch"):
-            out.update(end(self, epoch, metrics, held_out))
-        return out
+        return self.metrics_of("end_epoch", epoch, metrics, held_out)
 
     # --- convenience accessors ------------------------------------------------------------------------------
     @property
