@@ -64,26 +64,22 @@ class FaultCounter:
         toward ``train.max_nan_epochs`` in a row."""
         trained = [k for k in trained if k in rewards]
         dead = [k for k in trained if not bool(torch.isfinite(rewards[k]).any())]
-        if (not trained or len(dead) < len(trained)) and idle is None:
+        unscored = bool(trained) and len(dead) == len(trained)
+        if not unscored and idle is None:
             self.nan_epochs_in_a_row = 0
             return None
         self.nan_epochs_in_a_row += 1
-        if not trained or len(dead) < len(trained):  # the rewards scored, but the update had nothing to train on
-            if self.nan_epochs_in_a_row >= self.max_nan_epochs:
-                raise TrainingAborted(
-                    f"{idle} for {self.nan_epochs_in_a_row} epochs in a row through epoch {epoch} "
-                    f"(train.max_nan_epochs={self.max_nan_epochs}), so nothing trained; the last checkpoint is intact")
-            return (f"flowrl train: warning: epoch {epoch}: {idle}, so this epoch trains on nothing; the run stops "
-                    f"after {self.max_nan_epochs} such epochs in a row")
-        names = ", ".join(repr(k) for k in dead)
+        if unscored:
+            what = f"reward {', '.join(repr(k) for k in dead)} scored every image NaN (could not score)"
+            fix = ": fix the reward (is its server up? see the warnings above) and resume with train.resume=latest"
+        else:  # the rewards scored, but the update had nothing to train on
+            what, fix = idle, ""
         if self.nan_epochs_in_a_row >= self.max_nan_epochs:
             raise TrainingAborted(
-                f"reward {names} scored every image NaN (could not score) for {self.nan_epochs_in_a_row} epochs in "
-                f"a row through epoch {epoch} (train.max_nan_epochs={self.max_nan_epochs}), so nothing trained; the "
-                "last checkpoint is intact: fix the reward (is its server up? see the warnings above) and resume "
-                "with train.resume=latest")
-        return (f"flowrl train: warning: epoch {epoch}: reward {names} scored every image NaN (could not score), so "
-                f"this epoch trains on nothing; the run stops after {self.max_nan_epochs} such epochs in a row")
+                f"{what} for {self.nan_epochs_in_a_row} epochs in a row through epoch {epoch} "
+                f"(train.max_nan_epochs={self.max_nan_epochs}), so nothing trained; the last checkpoint is intact{fix}")
+        return (f"flowrl train: warning: epoch {epoch}: {what}, so this epoch trains on nothing; the run stops after "
+                f"{self.max_nan_epochs} such epochs in a row")
 
     def metrics(self) -> dict[str, float]:
         return {"faults/skipped_steps": float(self.skipped_total),
