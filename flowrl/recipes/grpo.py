@@ -52,7 +52,7 @@ import torch
 from accelerate import Accelerator
 
 from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS
-from flowrl.algorithms.combine import COMBINERS, reward_advantages
+from flowrl.algorithms.combine import COMBINERS
 from flowrl.algorithms.credit import (
     CREDIT, EDGE_BACKUPS, CreditInputs, same_step_parts, trained_mask, zero_advantage_kept,
 )
@@ -68,7 +68,9 @@ from flowrl.recipes.epoch_end import end_epoch, log_base_model, optimizer_step, 
 from flowrl.recipes.extras import snapshot
 from flowrl.recipes.finish import finish_run
 from flowrl.recipes.objectives import objective_of
-from flowrl.recipes.rollouts import GroupAdvantages, group_advantages, sample_and_score
+from flowrl.recipes.rollouts import (
+    GroupAdvantages, each_reward_advantages, group_advantages, sample_and_score,
+)
 from flowrl.recipes.run import Run
 from flowrl.recipes.snapshots import GardoReference
 from flowrl.recipes.start import start_run
@@ -289,12 +291,8 @@ def drop_zero_advantage_rows(run: Run, advantages: torch.Tensor, mask: torch.Ten
 def reward_edge_advantages(run: Run, groups: GroupAdvantages, edges: EdgeAdvantages, estimator):
     """Where an extra balances the rewards' gradients (MARBLE): each weighted reward's own clipped advantage on
     every edge ``{name: [N, K]}``, made as the combined one is; None otherwise."""
-    if not run.balances_rewards:
-        return None
-    t = run.cfg.train
-    return {name: edges.of(adv[groups.local])
-            for name, adv in reward_advantages({key: groups.gathered[key] for key in run.weights}, run.weights,
-                                               groups.all_groups, partial(estimator, std_scope=t.std_scope)).items()}
+    per_reward = each_reward_advantages(run, groups, estimator)
+    return None if per_reward is None else {name: edges.of(advantages) for name, advantages in per_reward.items()}
 
 
 # --- the update ----------------------------------------------------------------------------------------------

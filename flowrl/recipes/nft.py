@@ -97,13 +97,14 @@ import torch
 from accelerate import Accelerator
 
 from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS
-from flowrl.algorithms.combine import reward_advantages
 from flowrl.algorithms.forward_losses import FORWARD_LOSSES, forward_process_loss, implicit_log_ratio
 from flowrl.algorithms.timesteps import TIMESTEP_SCHEDULES
 from flowrl.config import NFTConfig
 from flowrl.recipes.epoch_end import end_epoch, log_base_model, optimizer_step, out_of_time, progress_bar
 from flowrl.recipes.finish import finish_run
-from flowrl.recipes.rollouts import GroupAdvantages, group_advantages, sample_and_score
+from flowrl.recipes.rollouts import (
+    GroupAdvantages, each_reward_advantages, group_advantages, sample_and_score,
+)
 from flowrl.recipes.start import start_run
 from flowrl.training.stats import StatsAccumulator
 from flowrl.recipes.run import AdapterCopies, Run
@@ -146,8 +147,8 @@ def train(cfg: NFTConfig, *, accelerator: Accelerator | None = None) -> dict[str
 
         # 3. Update: passes over (unit, fresh t and noise) pairs in shuffled chunks, one optimizer step each.
         stats = StatsAccumulator()
-        update_forward(run, epoch, forward_loss, traj, groups, clipped, keep, reward_pair_advantages(run, groups, estimator),
-                       stats)
+        update_forward(run, epoch, forward_loss, traj, groups, clipped, keep,
+                       reward_pair_advantages(run, groups, estimator), stats)
 
         # 4. The old adapter (and CRD's sampler) follows the trained one; the extras after the update.
         follow_trained_adapter(run, epoch)
@@ -195,13 +196,10 @@ class RolloutSampler:
 def reward_pair_advantages(run: Run, groups: GroupAdvantages, estimator) -> dict[str, torch.Tensor] | None:
     """Where an extra balances the rewards' gradients (MARBLE): each weighted reward's own advantage, clipped like
     the combined one and tiled over the (sample, t) pairs ``{name: [pairs]}``; None otherwise."""
-    if not run.balances_rewards:
-        return None
-    t, clip = run.cfg.train, run.cfg.train.advantage_clip
-    return {name: (adv[groups.local].clamp(-clip, clip) / clip).repeat(run.cfg.nft.timesteps_per_sample)
-            for name, adv in reward_advantages({key: groups.gathered[key] for key in run.weights}, run.weights,
-                                               groups.all_groups,
-                                               lambda r, g: estimator(r, g, std_scope=t.std_scope)).items()}
+    per_reward, clip = each_reward_advantages(run, groups, estimator), run.cfg.train.advantage_clip
+    return None if per_reward is None else {
+        name: (advantages.clamp(-clip, clip) / clip).repeat(run.cfg.nft.timesteps_per_sample)
+        for name, advantages in per_reward.items()}
 
 
 def update_forward(run: Run, epoch: int, forward_loss, traj, groups: GroupAdvantages, clipped: torch.Tensor,

@@ -8,12 +8,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import replace
+from functools import partial
 from typing import NamedTuple
 
 import torch
 
 from flowrl.algorithms.advantages import group_variances
-from flowrl.algorithms.combine import COMBINERS
+from flowrl.algorithms.combine import COMBINERS, reward_advantages
 from flowrl.algorithms.preference import draw_preferences, row_weights
 from flowrl.data.prompts import PromptSet, epoch_prompt_indices
 from flowrl.sampling.epoch_plan import batch_plan
@@ -210,3 +211,15 @@ def group_advantages(run: Run, traj, estimator) -> GroupAdvantages:
     rank = accelerator.process_index
     return GroupAdvantages(gathered, advantages, combined, slice(rank * traj.num_rows, (rank + 1) * traj.num_rows),
                            all_groups)
+
+
+def each_reward_advantages(run: Run, groups: GroupAdvantages, estimator) -> dict[str, torch.Tensor] | None:
+    """Where an extra balances the rewards' gradients (:attr:`Run.balances_rewards`: MARBLE), each weighted reward's
+    own advantages over whole groups, this process's rows ``{name: [N]}``, for the recipe to shape as it shapes the
+    combined one; None otherwise."""
+    if not run.balances_rewards:
+        return None
+    estimate = partial(estimator, std_scope=run.cfg.train.std_scope)
+    per_reward = reward_advantages({key: groups.gathered[key] for key in run.weights}, run.weights, groups.all_groups,
+                                   estimate)
+    return {name: advantages[groups.local] for name, advantages in per_reward.items()}
