@@ -54,11 +54,9 @@ from accelerate import Accelerator
 from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from flowrl.algorithms.combine import COMBINERS
 from flowrl.algorithms.credit import (
-    CREDIT, EDGE_BACKUPS, CreditInputs, same_step_parts, trained_mask, zero_advantage_kept,
+    CREDIT, EDGE_BACKUPS, CreditInputs, gardo_weighted, same_step_parts, trained_mask, zero_advantage_kept,
 )
-from flowrl.algorithms.gardo import (
-    build_features, diversity_weighted, gated_rows, nearest_neighbour_distances, uncertainty,
-)
+from flowrl.algorithms.gardo import build_features, gated_rows, nearest_neighbour_distances, uncertainty
 from flowrl.algorithms.losses import POLICY_LOSSES
 from flowrl.algorithms.ratio_norm import RATIO_NORMS
 from flowrl.algorithms.transition import TransitionSettings, transition_loss
@@ -252,9 +250,8 @@ def edge_advantages(cfg: GRPOConfig, traj, groups: GroupAdvantages, steps: Train
     s, t, local = cfg.sampling, cfg.train, groups.local
     backup = EDGE_BACKUPS[s.tree.backup if plan.branch_steps and objective.backs_up_edges else "leaf_mean"]
     distances = None if gardo is None else gardo.distances(traj)
-    row_advantages = groups.advantages[local].clamp(-t.advantage_clip, t.advantage_clip)  # [N]
-    if distances is not None:
-        row_advantages = diversity_weighted(row_advantages, distances)
+    row_advantages = gardo_weighted(groups.advantages[local].clamp(-t.advantage_clip, t.advantage_clip),
+                                    distances)  # [N]
     scored = torch.isfinite(groups.combined[local])  # [N]
     of = partial(backup, traj=traj, scored=scored, distances=distances, clip=t.advantage_clip)
     mask = traj.first_visit_mask() & scored[:, None]  # [N, K]
