@@ -392,6 +392,7 @@ def score_all(cfg, suite, specs: list[EvalCheckpoint], images: dict[str, tuple],
             values.update({f"fid/{k}": v for k, v in distance.items()})
         metrics[checkpoint.label] = values
     base = next(c.label for c in specs if c.is_base)
+    row_task = [task_of(m) for m in suite.metadata for _ in range(n)]  # [P * n] prompt-major, as the images
     return {
         "suite": str(e.suite), "prompts": suite.prompts, "tasks": [task_of(m) for m in suite.metadata],
         "images_per_prompt": n, "seed": e.seed, "num_steps": e.num_steps or cfg.sampling.num_steps,
@@ -403,8 +404,7 @@ def score_all(cfg, suite, specs: list[EvalCheckpoint], images: dict[str, tuple],
         "deltas": {label: {k: v - metrics[base][k] for k, v in values.items()
                            if k in metrics[base] and not math.isnan(v) and not math.isnan(metrics[base][k])}
                    for label, values in metrics.items() if label != base},
-        "paired": {label: paired_reward_changes(per_image[base], scores, trained, [task_of(m) for m in suite.metadata
-                                                                                   for _ in range(n)])
+        "paired": {label: paired_reward_changes(per_image[base], scores, trained, row_task)
                    for label, scores in per_image.items() if label != base},
         "not_measured": sorted(not_measured), "unreliable": sorted(unreliable),
     }
