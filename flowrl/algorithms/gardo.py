@@ -11,10 +11,11 @@ collapses what the prompt leaves free. GARDO answers with two pieces used here:
   from sample i to its nearest neighbour in its group in a feature space: a good sample that copies
   another earns less; negative advantages are left alone, so a bad sample is never excused.
 
-Feature spaces (:data:`FEATURES`, ``gardo.features``): ``latent`` (the VAE latents the rollout already
-holds; no extra model), ``pixels`` (images pooled to 16x16, a fixed encoder that needs no weights),
-``clip`` (a transformers CLIP image tower from ``gardo.feature_kwargs.model_id``), or a dotted path
-``package.module:Class`` built with ``feature_kwargs`` and called as ``fn(images, latents) -> [N, D]``.
+Feature spaces (``gardo.features``, and the diversity guard's ``guard.features``): ``latent`` (the VAE latents the
+rollout already holds; no extra model), any frozen image network of :data:`flowrl.features.FEATURE_NETWORKS` built
+with ``feature_kwargs`` (``toy``, ``pixels``, ``clip``, ``dino``, ``inception``: one registry, so a name means the
+same network here, in ``flowrl eval`` and in ``flowrl fit-reward``), or a dotted path ``package.module:Class`` built
+with ``feature_kwargs`` and called as ``fn(images, latents) -> [N, D]``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import math
 from typing import Any, Callable
 
 import torch
+
+from flowrl.features import FEATURE_NETWORKS
 
 
 def win_rates(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
@@ -82,41 +85,42 @@ def latent_features(images: torch.Tensor, latents: torch.Tensor) -> torch.Tensor
     return latents.flatten(1)  # [N, C*h*w]
 
 
-def pixel_features(images: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.adaptive_avg_pool2d(images.float(), 16).flatten(1)  # [N, 3*16*16]
+class NetworkFeatures:
+    """A frozen image network of :mod:`flowrl.features` as a feature function: the images, in chunks, on the
+    network's device; the features back on the CPU, where the rollout's group ids are."""
 
+    def __init__(self, network: torch.nn.Module, batch_size: int = 64):
+        self.network, self.batch_size = network, batch_size
+        self.device = next(network.parameters(), torch.empty(0)).device  # pixels has no parameters: the CPU
 
-class ClipFeatures:
-    """CLIP image embeddings (transformers, local folder or hub id; no remote code)."""
-
-    def __init__(self, model_id: str, device: Any = "auto", dtype: Any = None, batch_size: int = 64):
-        from flowrl.models.clip import load_hf_clip
-
-        self.backbone, self.batch_size = load_hf_clip(model_id, device=device, dtype=dtype), batch_size
-
+    @torch.no_grad()
     def __call__(self, images: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.backbone.embed_images(chunk).cpu() for chunk in images.split(self.batch_size)])
+        return torch.cat([self.network(chunk.to(self.device)).cpu()
+                          for chunk in images.split(self.batch_size)])  # [N, num_features]
 
 
-FEATURES: dict[str, Callable[..., Callable]] = {
-    "latent": lambda: latent_features, "pixels": lambda: pixel_features, "clip": ClipFeatures,
-}
+# The feature spaces that are not image networks (the rest are flowrl.features.FEATURE_NETWORKS).
+FEATURE_SPACES: dict[str, Callable[..., Callable]] = {"latent": lambda: latent_features}
 
 
 def build_features(name: str, kwargs: dict[str, Any]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The feature function ``gardo.features`` names, built with ``gardo.feature_kwargs``; a one-line
-    error for an unknown name, a dotted path that does not import, or missing arguments."""
-    if name in FEATURES:
-        factory = FEATURES[name]
+    """The feature function ``gardo.features`` (or ``guard.features``) names, built with its ``feature_kwargs``; a
+    one-line error for an unknown name, a dotted path that does not import, or arguments the builder refuses."""
+    known = sorted([*FEATURE_SPACES, *FEATURE_NETWORKS])
+    if name in FEATURE_SPACES:
+        factory = FEATURE_SPACES[name]
+    elif name in FEATURE_NETWORKS:
+        def factory(**network_kwargs):
+            return NetworkFeatures(FEATURE_NETWORKS[name](**network_kwargs))
     elif ":" in name:
         module_name, _, attr = name.partition(":")
         try:
             factory = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as error:
             raise ValueError(f"gardo.features={name!r} cannot be imported ({error}); give 'package.module:Class' "
-                             f"of an importable module, or one of {sorted(FEATURES)}") from None
+                             f"of an importable module, or one of {known}") from None
     else:
-        raise ValueError(f"unknown gardo.features {name!r}; choose one of {sorted(FEATURES)} or a dotted path "
+        raise ValueError(f"unknown gardo.features {name!r}; choose one of {known} or a dotted path "
                          "'package.module:Class'")
     try:
         return factory(**kwargs)

@@ -135,10 +135,11 @@ class GardoConfig:
     reset_kl: float | None = None
     """GARDO's adaptive reference: reset it after an epoch whose mean KL (loss/kl) exceeds this (null: never)."""
     features: str = "latent"
-    """Feature space of the diversity weighting: latent (the rollout's VAE latents), pixels (images pooled
-    to 16x16), clip (needs feature_kwargs.model_id) or 'package.module:Class' (flowrl/algorithms/gardo.py)."""
+    """Feature space of the diversity weighting: latent (the rollout's VAE latents), a flowrl.features network
+    (toy, pixels, clip, dino, inception: the same networks as eval.features) or 'package.module:Class'
+    (flowrl/algorithms/gardo.py)."""
     feature_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the feature extractor's constructor (model_id, device, batch_size, ...)."""
+    """Keyword arguments of the feature network's constructor (clip: model, pretrained, device; dino: path; ...)."""
 
     def validate(self):  # the feature space's name is checked against its registry by flowrl.recipes.names
         check(0 < self.kl_fraction <= 1, "kl_fraction", "must be in (0, 1]")

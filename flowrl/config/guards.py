@@ -68,10 +68,11 @@ class GuardConfig:
     """warn: one line saying what to do; raise_beta: train.beta times beta_factor (the KL of either recipe);
     stop: end the run and export and report the best reward-diversity weights seen (diversity/best_epoch)."""
     features: str = "latent"
-    """Feature space of the diversity: latent, pixels, clip (needs feature_kwargs.model_id) or
-    'package.module:Class', as gardo.features (flowrl/algorithms/gardo.py)."""
+    """Feature space of the diversity: latent (the rollout's VAE latents), a flowrl.features network (toy, pixels,
+    clip, dino, inception: the same networks as eval.features) or 'package.module:Class', as gardo.features
+    (flowrl/algorithms/gardo.py)."""
     feature_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the feature extractor's constructor (model_id, device, batch_size, ...)."""
+    """Keyword arguments of the feature network's constructor (clip: model, pretrained, device; dino: path; ...)."""
     beta_factor: float = 2.0
     """raise_beta: the KL beta is multiplied by this each time the guard fires."""
     beta_floor: float = 0.04

@@ -6,7 +6,7 @@ Part of the typed configuration in :mod:`flowrl.config.schema`, which re-exports
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from flowrl.config.loader import check
 

@@ -13,18 +13,19 @@ a group's images) is refused where the config scores parts of groups (``Config.s
 from __future__ import annotations
 
 from flowrl.algorithms.combine import COMBINERS
-from flowrl.algorithms.gardo import FEATURES
+from flowrl.algorithms.gardo import FEATURE_SPACES
 from flowrl.algorithms.losses import POLICY_LOSSES
 from flowrl.algorithms.sdpo import PAIR_LOSSES
 from flowrl.algorithms.tmpo import PATH_LOSSES
 from flowrl.config import Config, check
+from flowrl.features import FEATURE_NETWORKS
 from flowrl.rewards_api import resolve_reward_class, scores_groups
 
 # Config.registry_names() kind -> (the registries that hold its names, whether a dotted path 'package.module:Class' may
 # stand in for a name). The registries themselves, not copies: a loss registered after import is a known name.
 REGISTRIES = {"policy loss": ((POLICY_LOSSES, PATH_LOSSES, PAIR_LOSSES), False),  # per transition, TMPO's over
               # paths, SDPO's over pairs
-              "reward combiner": ((COMBINERS,), False), "feature space": ((FEATURES,), True)}
+              "reward combiner": ((COMBINERS,), False), "feature space": ((FEATURE_SPACES, FEATURE_NETWORKS), True)}
 
 
 def check_names(cfg: Config) -> None:

@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from flowrl.toy.world import COLORS, MAX_COUNT
+from flowrl.toy.world import MAX_COUNT
 
 NOISE_KINDS: tuple[str, ...] = ("color", "count", "relation", "missing")
 CONFUSED: dict[str, str] = {"red": "orange", "orange": "red", "blue": "purple", "purple": "blue",

@@ -321,13 +321,27 @@ def test_an_unknown_feature_space_is_one_line_naming_the_key(key):
 
 
 @pytest.mark.parametrize("name, kwargs, message", [
-    ("clip", {}, "bad gardo.feature_kwargs .*model_id"),
+    ("dino", {}, "bad gardo.feature_kwargs .*path"),
     ("no_such_module:Features", {}, "cannot be imported"),
     ("resnet", {}, "unknown gardo.features"),
 ])
 def test_a_missing_gardo_feature_extractor_is_a_one_line_error(name, kwargs, message):
     with pytest.raises(ValueError, match=message):
         build_features(name, kwargs)
+
+
+def test_gardo_and_the_guard_read_the_one_feature_network_registry():
+    """A feature-space name is a network of flowrl.features, the same one eval.features builds: GARDO's "pixels" is
+    PixelFeatures itself, and the toy world's conv net is a feature space the config accepts."""
+    from flowrl.features import PixelFeatures, ToyFeatures
+    from flowrl.recipes.names import check_names
+
+    images, latents = torch.rand(5, 3, 32, 32), torch.randn(5, 4, 16, 16)
+    torch.testing.assert_close(build_features("pixels", {})(images, latents), PixelFeatures()(images), rtol=0, atol=0)
+    torch.testing.assert_close(build_features("toy", {"num_features": 8})(images, latents),
+                               ToyFeatures(num_features=8)(images), rtol=0, atol=0)
+    torch.testing.assert_close(build_features("latent", {})(images, latents), latents.flatten(1), rtol=0, atol=0)
+    check_names(load_config(Config, SMOKE, ["gardo.features=toy", "guard.features=dino"]))
 
 
 def test_gardo_trains_with_gate_and_diversity(tmp_path):

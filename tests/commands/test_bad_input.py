@@ -7,7 +7,6 @@ Cases run in-process through ``flowrl.cli.main`` (one tiny trained checkpoint, m
 case checks the real exit code and ``--debug``.
 """
 
-import json
 import os
 import shutil
 import subprocess

@@ -2,7 +2,6 @@
 model cannot sample is refused in one line, before a training run claims its directory; the held-out curve and the
 end-of-run report of a run render at ``eval.height`` / ``eval.width``."""
 
-import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

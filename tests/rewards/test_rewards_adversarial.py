@@ -18,7 +18,7 @@ from flowrl.config import Config, load_config
 from flowrl.recipes.extras import reward_updates
 from flowrl.rewards_api import TrainableReward, build_reward
 from flowrl.training.metrics import read_metrics
-from rewards.adversarial import AdversarialReward, DiscriminatorHead, ReferenceSimilarity, similarity
+from rewards.adversarial import AdversarialReward, DiscriminatorHead, similarity
 
 SMOKE = "configs/smoke/sd3_tiny.yaml"
 
