@@ -56,21 +56,19 @@ from flowrl.algorithms.combine import COMBINERS
 from flowrl.algorithms.credit import (
     CREDIT, EDGE_BACKUPS, CreditInputs, gardo_weighted, same_step_parts, trained_mask, zero_advantage_kept,
 )
-from flowrl.algorithms.gardo import build_features, gated_rows, nearest_neighbour_distances, uncertainty
 from flowrl.algorithms.losses import POLICY_LOSSES
 from flowrl.algorithms.ratio_norm import RATIO_NORMS
 from flowrl.algorithms.transition import TransitionSettings, transition_loss
 from flowrl.algorithms.tree import prune_mask
 from flowrl.config import GRPOConfig
 from flowrl.recipes.epoch_end import end_epoch, log_base_model, optimizer_step, out_of_time, progress_bar
-from flowrl.recipes.extras import snapshot
 from flowrl.recipes.finish import finish_run
 from flowrl.recipes.objectives import objective_of
 from flowrl.recipes.rollouts import (
     GroupAdvantages, each_reward_advantages, group_advantages, sample_and_score,
 )
-from flowrl.recipes.run import Run
-from flowrl.recipes.snapshots import GardoReference
+from flowrl.recipes.gardo_shaping import gardo_reference, gardo_shaping
+from flowrl.recipes.run import Run, RowShaping
 from flowrl.recipes.start import start_run
 from flowrl.rewards_api import AsyncScorer
 from flowrl.sampling.epoch_plan import beta_split_scheduler, step_plan
@@ -86,7 +84,6 @@ def train(cfg: GRPOConfig, *, accelerator: Accelerator | None = None) -> dict[st
     estimator = ADVANTAGE_ESTIMATORS[t.advantage]
     objective = objective_of(t.loss)  # per transition, TMPO's whole paths or SDPO's pairs
     credit, ratio_norm = CREDIT[t.credit], RATIO_NORMS[t.ratio_norm]
-    gardo = GardoShaping.of(cfg, run)  # None: GARDO's diversity weights and KL gate are off
     scorer = AsyncScorer(run.rewards, on_error=t.reward_errors, asynchronous=t.async_rewards)
     split_scheduler = run.extras.get("split_scheduler")  # TMPO's reward-adaptive tree splits
     metrics: dict[str, float] = {}
@@ -107,14 +104,16 @@ def train(cfg: GRPOConfig, *, accelerator: Accelerator | None = None) -> dict[st
             store_x0_preds=credit.store_x0_preds, store_means=ratio_norm.store_means or objective.store_means,
             batch_windows=True)
 
-        # 3. Advantages over whole groups (every process's rewards gathered), then each stored edge's: GARDO-weighted,
-        #    backed up over tree edges, on the steps that train (the rows' windows, scored, first visits, unpruned).
+        # 3. Advantages over whole groups (every process's rewards gathered), then each stored edge's: shaped by an
+        #    extra (GARDO's diversity weights), backed up over tree edges, on the steps that train (the rows' windows,
+        #    scored, first visits, unpruned).
         groups = group_advantages(run, traj, estimator)
         steps = trained_steps(cfg, traj, plan, objective, epoch)
         rewards = groups.advantages.where(torch.isfinite(groups.combined), torch.tensor(float("nan")))  # [N_all] R
         if split_scheduler is not None:
             split_scheduler.observe(rewards)  # TMPO's split scheduler follows R
-        edges = edge_advantages(cfg, traj, groups, steps, plan, objective, gardo)
+        shaping = run.shape_rows(traj, groups)  # GARDO: positive advantages scaled, the KL's rows
+        edges = edge_advantages(cfg, traj, groups, steps, plan, objective, shaping)
         scoring_metrics = run.after_scoring(epoch, traj, groups.combined)  # the diversity guard: may raise the KL
 
         # 4. Credit (train.credit): terminal keeps each edge's advantage; a dense rule puts per-step ones in its
@@ -129,19 +128,19 @@ def train(cfg: GRPOConfig, *, accelerator: Accelerator | None = None) -> dict[st
         per_reward = reward_edge_advantages(run, groups, edges, estimator)
         settings = TransitionSettings(
             policy_loss=partial(POLICY_LOSSES[t.loss], config=t) if t.loss in POLICY_LOSSES else None,
-            guidance=run.guidance, kind=s.kind, beta=run.beta, ratio_norm=t.ratio_norm, kl_gate=edges.kl_gate,
+            guidance=run.guidance, kind=s.kind, beta=run.beta, ratio_norm=t.ratio_norm, kl_gate=shaping.kl_rows,
             sensitivity=ratio_norm.sensitivities(traj.row_sigmas[0], steps.columns, noise_level=s.noise_level,
                                                  kind=s.kind),  # one window for every row (GRPOConfig.validate)
-            reference=None if gardo is None else gardo.reference)
+            reference=run.kl_reference)  # GARDO's resets move it
         update_policy(run, epoch, update, traj, advantages, mask, kept, steps, settings, per_reward, stats)
-        update_metrics = run.after_update(epoch, traj, stats)  # GARDO's reference, the trainable rewards
+        update_metrics = run.after_update(epoch, traj, stats)  # GARDO's reference resets, the trainable rewards
         train_done = time.perf_counter()
 
         # 6. End of epoch: log, held-out points, eval grids, checkpoint.
         metrics = end_epoch(run, epoch, gathered=groups.gathered, combined=groups.combined,
                             group_ids=groups.all_groups, stats=stats,
                             extra={"advantages/abs_mean": update.advantage_size(groups.advantages, t.advantage_clip),
-                                   "policy/trained_fraction": edges.trained_fraction, **edges.metrics(),
+                                   "policy/trained_fraction": edges.trained_fraction, **shaping.metrics,
                                    **update_metrics, **phase_metrics, **scoring_metrics, **drop_metrics,
                                    **traj.sampling_metrics},
                             rollouts=traj.rollouts_sampled, times=(epoch_start, sample_done, reward_done, train_done),
@@ -189,67 +188,25 @@ def trained_steps(cfg: GRPOConfig, traj, plan, objective, epoch: int) -> Trained
 
 
 @dataclass
-class GardoShaping:
-    """GARDO's per-epoch shaping (``gardo.*``): positive advantages times each sample's nearest-neighbour distance
-    in its group (``diversity``), the KL on the most uncertain rows only (``kl_fraction``), and the KL reference
-    its resets move (the run's ``reference_resets`` extra)."""
-
-    features: Callable | None
-    kl_fraction: float
-    auxiliary: list[str]
-    reference: Callable | None
-
-    @classmethod
-    def of(cls, cfg: GRPOConfig, run: Run) -> GardoShaping | None:
-        g = cfg.gardo
-        resets = run.extras.get("reference_resets")
-        if not g.diversity and g.kl_fraction >= 1 and resets is None:
-            return None
-        return cls(features=build_features(g.features, g.feature_kwargs) if g.diversity else None,
-                   kl_fraction=g.kl_fraction, auxiliary=g.auxiliary or [k for k, w in run.weights.items() if w == 0],
-                   reference=None if resets is None else partial(resets.weights, run.policy))
-
-    def distances(self, traj) -> torch.Tensor | None:
-        """[N] each sample's nearest-neighbour feature distance in its group; None without ``gardo.diversity``."""
-        return None if self.features is None else nearest_neighbour_distances(
-            self.features(traj.images, traj.final_latents), traj.group_ids)
-
-    def kl_gate(self, groups: GroupAdvantages) -> torch.Tensor | None:
-        """[N] bool: this process's rows the KL acts on; None: every row."""
-        if self.kl_fraction >= 1:
-            return None
-        scores = uncertainty(groups.combined, {key: groups.gathered[key] for key in self.auxiliary},
-                             groups.all_groups)  # [N_all]
-        return gated_rows(scores, self.kl_fraction)[groups.local]
-
-
-@dataclass
 class EdgeAdvantages:
     """One epoch's advantage of each stored edge and the steps that train, before credit."""
 
     advantages: torch.Tensor  # [N, K]
     mask: torch.Tensor  # [N, K] bool: trained, scored, first visit, unpruned
-    row_advantages: torch.Tensor  # [N] clipped, GARDO-weighted
+    row_advantages: torch.Tensor  # [N] clipped, positive ones scaled by the shaping
     of: Callable[[torch.Tensor], torch.Tensor]  # [N] row advantages -> [N, K] edges, as the advantages were made
-    distances: torch.Tensor | None  # [N] GARDO's nearest-neighbour distances
-    kl_gate: torch.Tensor | None  # [N] GARDO's KL gate
     trained_fraction: float  # of the stored transitions
-
-    def metrics(self) -> dict[str, float]:
-        out = {} if self.distances is None else {"gardo/nn_distance_mean": float(self.distances.mean())}
-        if self.kl_gate is not None:
-            out["gardo/kl_gated_fraction"] = float(self.kl_gate.float().mean())
-        return out
 
 
 def edge_advantages(cfg: GRPOConfig, traj, groups: GroupAdvantages, steps: TrainedSteps, plan, objective,
-                    gardo: GardoShaping | None) -> EdgeAdvantages:
-    """Each stored edge's advantage: the row's clipped, GARDO-weighted advantage, backed up over a tree's edges by
-    ``sampling.tree.backup`` (without a tree, or for an objective that trains whole paths, each edge is its
-    row's); and the steps that train: each row's trained steps, scored, first visits, unpruned (BranchGRPO)."""
+                    shaping: RowShaping) -> EdgeAdvantages:
+    """Each stored edge's advantage: the row's clipped advantage, positive ones scaled by ``shaping`` (GARDO's
+    distances), backed up over a tree's edges by ``sampling.tree.backup`` (without a tree, or for an objective that
+    trains whole paths, each edge is its row's); and the steps that train: each row's trained steps, scored, first
+    visits, unpruned (BranchGRPO)."""
     s, t, local = cfg.sampling, cfg.train, groups.local
     backup = EDGE_BACKUPS[s.tree.backup if plan.branch_steps and objective.backs_up_edges else "leaf_mean"]
-    distances = None if gardo is None else gardo.distances(traj)
+    distances = shaping.positive_scale
     row_advantages = gardo_weighted(groups.advantages[local].clamp(-t.advantage_clip, t.advantage_clip),
                                     distances)  # [N]
     scored = torch.isfinite(groups.combined[local])  # [N]
@@ -260,7 +217,6 @@ def edge_advantages(cfg: GRPOConfig, traj, groups: GroupAdvantages, steps: Train
                        keep_width=s.tree.prune_width, pruned_steps=plan.pruned_steps)  # BranchGRPO pruning
     mask &= steps.mask
     return EdgeAdvantages(advantages=of(groups.advantages[local]), mask=mask, row_advantages=row_advantages, of=of,
-                          distances=distances, kl_gate=None if gardo is None else gardo.kl_gate(groups),
                           trained_fraction=float(mask.float().mean()))
 
 
@@ -365,14 +321,6 @@ def matched_work(work: list[tuple], accelerator: Accelerator, *, idle: tuple) ->
 
 # --- the recipe's extras -------------------------------------------------------------------------------------
 
-def gardo_reference(run: Run) -> GardoReference | None:
-    """gardo.reset_every / reset_kl: GARDO's adaptive KL reference."""
-    g = run.cfg.gardo
-    if g.reset_every is None and g.reset_kl is None:
-        return None
-    return GardoReference(snapshot(run), reset_every=g.reset_every, reset_kl=g.reset_kl)
-
-
 # The recipe's own run extras, by trainer-state name (flowrl/recipes/extras.py has the common ones).
-GRPO_EXTRAS = {"reference_resets": gardo_reference,
+GRPO_EXTRAS = {"reference_resets": gardo_reference, "gardo": gardo_shaping,  # GARDO (flowrl/recipes/gardo_shaping.py)
                "split_scheduler": lambda run: beta_split_scheduler(run.cfg.sampling)}  # TMPO's adaptive splits

@@ -19,6 +19,10 @@ the scaffold, the checkpoint code and the other recipe stay as they are. Every m
 - ``after_update(run, epoch, traj, stats)`` -> metrics, after the epoch's policy update and before its checkpoint,
   with its rollouts and the update's statistics (:meth:`Run.after_update`: the trainable rewards learn from the
   rollouts, GARDO's reference moves to the adapter);
+- ``shape_rows(run, traj, groups)`` -> :class:`RowShaping`: a scale on each row's positive advantage and the rows
+  the KL acts on, from the epoch's scored rollouts (:meth:`Run.shape_rows`: GARDO's diversity weights and KL gate);
+- ``kl_weights(policy)``: the KL reference's weights as a context, where an extra moves them (:attr:`Run.kl_reference`:
+  GARDO's resets);
 - ``metrics()``: logged at the end of each epoch;
 - ``end_epoch(run, epoch, metrics, held_out)`` -> metrics, at the end of each epoch (and at the base model's
   held-out point, epoch -1) with the epoch's metrics and, at a held-out point, the per-image held-out scores
@@ -37,8 +41,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import torch
 from accelerate import Accelerator
@@ -48,6 +53,14 @@ from flowrl.data.prompts import PromptSet
 from flowrl.training.ema import LoraEMA
 from flowrl.training.faults import FaultCounter
 from flowrl.training.metrics import MetricsLogger
+
+
+class RowShaping(NamedTuple):
+    """How an extra shapes one epoch's rows (:meth:`Run.shape_rows`); None fields change nothing."""
+
+    positive_scale: torch.Tensor | None = None  # [N] factor on each row's positive advantage (GARDO's distances)
+    kl_rows: torch.Tensor | None = None  # [N] bool: the rows the KL acts on (GARDO's gate); None: every row
+    metrics: dict[str, float] = {}
 
 
 @dataclass
@@ -120,6 +133,19 @@ class Run:
         """Each extra's work after the epoch's policy update, on its rollouts ``traj`` and the update's ``stats``
         (trainable rewards, GARDO's reference); returns their metrics."""
         return self.metrics_of("after_update", epoch, traj, stats)
+
+    def shape_rows(self, traj, groups) -> RowShaping:
+        """The shaping of this epoch's rows by the extra that shapes them (GARDO), from its scored rollouts ``traj``
+        and their gathered group advantages ``groups``; no shaping where none does."""
+        shapers = self.hook("shape_rows")
+        return shapers[0](self, traj, groups) if shapers else RowShaping()
+
+    @property
+    def kl_reference(self) -> Callable | None:
+        """The KL reference's weights as a context where an extra moves them (GARDO's resets); None: the base model
+        (the policy's own ``reference()``)."""
+        references = self.hook("kl_weights")
+        return partial(references[0], self.policy) if references else None
 
     @property
     def balances_rewards(self) -> bool:

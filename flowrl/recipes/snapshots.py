@@ -60,7 +60,7 @@ class GardoReference:
     def load_state_dict(self, state: int) -> None:
         self.resets = int(state)
 
-    def weights(self, policy):
+    def kl_weights(self, policy):
         """The KL reference as a context: the base model (adapter off), or the snapshot after the first reset."""
         return ema_weights(self.snapshot) if self.resets else policy.reference()
 
