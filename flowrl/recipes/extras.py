@@ -72,16 +72,13 @@ def guard(run: Run) -> DiversityGuard | None:
 
 
 def held_out_guard(run: Run) -> HeldOutGuard | None:
-    """guard.held_out.reward: the held-out guard; stop keeps the best point's weights and EMAs, rollback also
-    AdamW's moments (warn keeps none)."""
+    """guard.held_out.reward: the held-out guard; stop keeps the best point's weights and every adapter copy of the
+    run (:meth:`Run.adapter_copies`), rollback also AdamW's moments (warn keeps none)."""
     h = run.cfg.guard.held_out
     if not h.enabled:
         return None
-    emas = {"ema": run.exported_ema} if run.exported_ema is not None else {}
-    if run.ema is not None and run.ema is not run.exported_ema:
-        emas["old"] = run.ema  # recipe nft: the old adapter its loss trains against
     weights = None if h.policy == "warn" else HeldOutWeights(
-        run.policy.named_trainable_parameters(), run.params, emas, moments=h.policy == "rollback")
+        run.policy.named_trainable_parameters(), run.params, run.adapter_copies, moments=h.policy == "rollback")
     return HeldOutGuard(reward=h.reward, margin=h.margin, z=h.z, patience=h.patience, policy=h.policy,
                         lr_factor=h.lr_factor, kl_factor=h.kl_factor, max_rollbacks=h.max_rollbacks,
                         train_weights=dict(run.weights), weights=weights,

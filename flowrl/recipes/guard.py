@@ -174,6 +174,8 @@ class DiversityGuard:
         """The KL beta in force: train.beta, or what ``raise_beta`` raised it to."""
         return self.beta
 
+    keeps_records = True  # guard_best records the best point: a rollback leaves it as it is
+
     def snapshots(self) -> dict[str, AdapterSnapshot]:
         return {} if self.best is None else {"guard_best": self.best}
 

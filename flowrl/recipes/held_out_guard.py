@@ -101,30 +101,43 @@ def _none_to_nan(values: list) -> torch.Tensor:
 
 
 class HeldOutWeights:
-    """The best held-out point's training state as checkpoint snapshots: the live LoRA, each distinct EMA (the
-    exported one, and recipe nft's old adapter), and (``moments``) AdamW's two moments with their step counts.
-    Built empty (``taken=False``); :meth:`take` fills them, :meth:`restore` puts them back."""
+    """The best held-out point's training state as checkpoint snapshots: the live LoRA, every adapter copy of the
+    run (``copies()``: :meth:`flowrl.recipes.run.Run.adapter_copies`, the EMAs, recipe nft's old adapter, CRD's
+    sampler, GARDO's reference, ...), and (``moments``) AdamW's two moments with their step counts. Built empty
+    (``taken=False``); :meth:`take` fills them, :meth:`restore` puts them back.
 
-    def __init__(self, named_parameters, params: list[torch.nn.Parameter], emas: dict[str, LoraEMA], *,
-                 moments: bool):
-        named = list(named_parameters)
-        self.params, self.emas = params, emas
-        self.live = AdapterSnapshot(named, taken=False)
-        self.ema_copies = {name: AdapterSnapshot(named, taken=False) for name in emas}
-        self.moments = {k: AdapterSnapshot(named, taken=False) for k in ADAM_MOMENTS} if moments else {}
+    The run's copies are read on first use, not at build: the guard is built before a recipe's own extras (CRD's
+    sampler), and by the first checkpoint or held-out point every extra exists."""
+
+    def __init__(self, named_parameters, params: list[torch.nn.Parameter],
+                 copies: Callable[[], dict[str, LoraEMA]], *, moments: bool):
+        self.named = list(named_parameters)
+        self.params, self.copies_of_run = params, copies
+        self.live = AdapterSnapshot(self.named, taken=False)
+        self.moments = {k: AdapterSnapshot(self.named, taken=False) for k in ADAM_MOMENTS} if moments else {}
         self.steps: list[float | None] | None = None  # AdamW's step per parameter at the best point (None: no state)
+        self._pairs: dict[str, tuple[LoraEMA, AdapterSnapshot]] | None = None
+
+    @property
+    def pairs(self) -> dict[str, tuple[LoraEMA, AdapterSnapshot]]:
+        """``{name: (the run's adapter copy, its copy at the best point)}``."""
+        if self._pairs is None:
+            self._pairs = {name: (copy, AdapterSnapshot(self.named, taken=False))
+                           for name, copy in self.copies_of_run().items()}
+        return self._pairs
 
     def snapshots(self) -> dict[str, AdapterSnapshot]:
-        """By checkpoint file name: held_out_best (the live LoRA), held_out_best_ema / _old, _exp_avg / _exp_avg_sq."""
-        return {"held_out_best": self.live, **{f"held_out_best_{n}": c for n, c in self.ema_copies.items()},
+        """By checkpoint file name: held_out_best (the live LoRA), held_out_best_<copy> (held_out_best_ema, _old,
+        _sampler, ...), held_out_best_exp_avg / _exp_avg_sq."""
+        return {"held_out_best": self.live, **{f"held_out_best_{n}": best for n, (_, best) in self.pairs.items()},
                 **{f"held_out_best_{k}": c for k, c in self.moments.items()}}
 
     @torch.no_grad()
     def take(self, optimizer) -> None:
-        """Copy the live weights, the EMAs' shadows and (if kept) AdamW's moments now."""
+        """Copy the live weights, every adapter copy and (if kept) AdamW's moments now."""
         self.live.take()
-        for name, ema in self.emas.items():
-            copy_shadows(ema, self.ema_copies[name])
+        for copy, best in self.pairs.values():
+            copy_shadows(copy, best)
         if self.moments:
             states = [optimizer.state.get(p, {}) for p in self.params]
             self.steps = [float(s["step"]) if "step" in s else None for s in states]
@@ -141,8 +154,8 @@ class HeldOutWeights:
         """Put the taken weights (and with ``optimizer`` its moments) back into the live run."""
         for param, shadow in zip(self.live.parameters, self.live.model.shadow_params):  # one by one: FSDP2's
             param.data.copy_(shadow)  # DTensors have no foreach copy
-        for name, ema in self.emas.items():
-            copy_shadows(self.ema_copies[name], ema)
+        for copy, best in self.pairs.values():
+            copy_shadows(best, copy)
         if optimizer is None or not self.moments:
             return
         for i, param in enumerate(self.params):
@@ -280,6 +293,8 @@ class HeldOutGuard:
     def kl_scale(self) -> float:
         """What the KL beta in force is multiplied by (rollback's kl_factor per rollback)."""
         return self.beta_scale
+
+    keeps_records = True  # its snapshots record the best point: the rollback restores from them, not into them
 
     def snapshots(self) -> dict[str, AdapterSnapshot]:
         return {} if self.weights is None else self.weights.snapshots()

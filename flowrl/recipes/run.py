@@ -10,7 +10,9 @@ the scaffold, the checkpoint code and the other recipe stay as they are. Every m
 - ``state_dict()`` / ``load_state_dict(state)``: JSON-safe state, saved in ``trainer_state.json`` under the
   extra's name (a ``None`` state saves nothing) and loaded from there on resume;
 - ``snapshots()``: ``{name: adapter copy}`` (an :class:`~flowrl.training.ema.AdapterSnapshot` or
-  :class:`~flowrl.training.ema.LoraEMA`) saved beside ``ema.safetensors`` as ``<name>.safetensors``;
+  :class:`~flowrl.training.ema.LoraEMA`) saved beside ``ema.safetensors`` as ``<name>.safetensors``; they are part of the training state, which the held-out guard's rollback restores with the weights
+  (:meth:`Run.adapter_copies`), unless the extra sets ``keeps_records = True`` (its copies record a past best point:
+  the guards' best weights);
 - ``begin_epoch(run, epoch)`` -> metrics, at the start of each epoch (:meth:`Run.begin_epoch`);
 - ``before_step(run)``: on the accumulated gradients, before each optimizer step;
 - ``after_scoring(run, epoch, traj, combined)`` -> metrics, once the epoch's rollouts ``traj`` are scored and
@@ -97,6 +99,22 @@ class Run:
         """The adapter copies that checkpoints save and resume restores, by file name."""
         return {name: copy for extra in self.extras.values() if hasattr(extra, "snapshots")
                 for name, copy in extra.snapshots().items()}
+
+    def adapter_copies(self) -> dict[str, LoraEMA]:
+        """Every adapter copy of the training state, by name, each once: the exported EMA ("ema"), the EMA the recipe
+        steps where it is another one ("old": recipe nft's old adapter), and every extra's snapshots (CRD's sampler,
+        GARDO's reference, HRF's anchor) except an extra's that keeps records of a past point (``keeps_records``).
+        What the held-out guard's best point copies and its rollback puts back."""
+        copies: dict[str, LoraEMA] = {}
+        if self.exported_ema is not None:
+            copies["ema"] = self.exported_ema
+        if self.ema is not None and self.ema is not self.exported_ema:
+            copies["old"] = self.ema
+        for extra in self.extras.values():
+            if hasattr(extra, "snapshots") and not getattr(extra, "keeps_records", False):
+                copies.update({name: copy for name, copy in extra.snapshots().items()
+                               if all(copy is not kept for kept in copies.values())})
+        return copies
 
     def trainer_state(self) -> dict[str, Any]:
         """The extras' JSON states by name, for the checkpoint's trainer state."""

@@ -137,7 +137,7 @@ def test_rollback_restores_the_best_tensors_exactly_and_lowers_the_lr():
         (sum((p ** 3).sum() for p in params)).backward()
         optimizer.step(), optimizer.zero_grad(), scheduler.step(), ema.step()
 
-    weights = HeldOutWeights(named, params, {"ema": ema}, moments=True)
+    weights = HeldOutWeights(named, params, lambda: {"ema": ema}, moments=True)
     guard, _ = make_guard(policy="rollback", weights=weights, kl_factor=2.0)
     run = SimpleNamespace(optimizer=optimizer, extras={"lr_scheduler": scheduler}, ema=ema)
     step(), step()
@@ -166,7 +166,7 @@ def test_rollback_restores_the_best_tensors_exactly_and_lowers_the_lr():
     diversity = SimpleNamespace(kl_beta=0.08)
     assert Run.beta.fget(SimpleNamespace(cfg=cfg, extras={"guard": diversity, "held_out_guard": guard})) == 0.16
     # A best point taken before any optimizer step (the base model): rollback gives AdamW a fresh start.
-    fresh = HeldOutWeights(named, params, {}, moments=True)
+    fresh = HeldOutWeights(named, params, dict, moments=True)
     fresh.take(torch.optim.AdamW(params, lr=0.1))
     fresh.restore(optimizer)
     assert all(p not in optimizer.state for p in params)
@@ -205,6 +205,37 @@ def test_rollback_in_a_real_run_restores_the_best_snapshot(tmp_path, recipe):
     assert optimizer["param_groups"][0]["lr"] == pytest.approx(0.005)
     after = [r for r in records if r["epoch"] > epoch]
     assert all(r["optim/lr"] == pytest.approx(0.005) for r in after)
+
+
+def test_rollback_under_crd_restores_its_sampler_adapter(tmp_path):
+    """CRD samples from its own adapter copy ("sampler"), blended toward the trained weights on its schedule: a
+    rollback puts it back to the best point too, or the rolled-back run would sample from the weights it left."""
+    records = smoke_run(tmp_path, "recipe=nft", "nft.loss=crd", "train.beta=0.1", "train.epochs=3",
+                        "guard.held_out.policy=rollback", "train.checkpoint_every=1")
+    first = next(r for r in records if r.get("guard/held_out_fired") == 1.0)
+    checkpoint = tmp_path / "checkpoints" / f"step_{first['epoch']:06d}"  # saved right after the rollback
+    best_epoch = int(first["guard/held_out_best_epoch"])
+    for saved in ("lora", "ema", "sampler"):
+        live, best = (load_file(checkpoint / f"{name}.safetensors")
+                      for name in (saved, "held_out_best" if saved == "lora" else f"held_out_best_{saved}"))
+        assert live.keys() == best.keys() and all(torch.equal(live[k], best[k]) for k in live), saved
+    if best_epoch >= 0:  # the sampler the run went back to is the one it had then, not the initial weights
+        then = load_file(tmp_path / "checkpoints" / f"step_{best_epoch:06d}" / "sampler.safetensors")
+        now = load_file(checkpoint / "sampler.safetensors")
+        assert all(torch.equal(then[k], now[k]) for k in then)
+
+
+def test_adapter_copies_are_every_training_copy_once_and_no_record():
+    from flowrl.recipes.run import AdapterCopies, Run
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    ema, old, sampler, best = (LoraEMA([("w", params[0])], decay=0.5) for _ in range(4))
+    guard = SimpleNamespace(keeps_records=True, snapshots=lambda: {"guard_best": best})
+    run = SimpleNamespace(exported_ema=ema, ema=old, extras={
+        "adapters": AdapterCopies({"old": old, "sampler": sampler}), "guard": guard})
+    copies = Run.adapter_copies(run)
+    assert list(copies) == ["ema", "old", "sampler"]
+    assert copies["ema"] is ema and copies["old"] is old and copies["sampler"] is sampler
 
 
 def test_stop_exports_the_best_snapshot(tmp_path):
