@@ -10,9 +10,9 @@ the scaffold, the checkpoint code and the other recipe stay as they are. Every m
 - ``state_dict()`` / ``load_state_dict(state)``: JSON-safe state, saved in ``trainer_state.json`` under the
   extra's name (a ``None`` state saves nothing) and loaded from there on resume;
 - ``snapshots()``: ``{name: adapter copy}`` (an :class:`~flowrl.training.ema.AdapterSnapshot` or
-  :class:`~flowrl.training.ema.LoraEMA`) saved beside ``ema.safetensors`` as ``<name>.safetensors``; they are part of the training state, which the held-out guard's rollback restores with the weights
-  (:meth:`Run.adapter_copies`), unless the extra sets ``keeps_records = True`` (its copies record a past best point:
-  the guards' best weights);
+  :class:`~flowrl.training.ema.LoraEMA`) saved beside ``ema.safetensors`` as ``<name>.safetensors``; part of the
+  training state, which the held-out guard's rollback restores with the weights (:meth:`Run.adapter_copies`),
+  unless the extra sets ``keeps_records = True`` (its copies record a past best point: the guards' best weights);
 - ``begin_epoch(run, epoch)`` -> metrics, at the start of each epoch (:meth:`Run.begin_epoch`);
 - ``before_step(run)``: on the accumulated gradients, before each optimizer step;
 - ``after_scoring(run, epoch, traj, combined)`` -> metrics, once the epoch's rollouts ``traj`` are scored and
