@@ -15,8 +15,9 @@ weighted sum of the raw rewards (NaN where any is NaN): what the run logs and ma
   fights the others (negative correlation) gains weight, one the others already carry loses it.
   With two rewards both difficulties are equal, so it is GDPO; it differs from three rewards on
   (concept sub-scores such as ``toyeval/count``, ``toyeval/color``, ``toyeval/shape``).
-- ``preference`` (ParetoSlider): ``sum_k w_k r_k`` with w drawn per prompt group, so the weights are per row
-  (:mod:`flowrl.algorithms.preference`); the recipes pass them when ``model.preference`` is set.
+- ``preference`` (ParetoSlider): ``sum_k w_k z_k``, each reward's z-score within its (prompt, preference)
+  subgroup weighted by the subgroup's w, so the weights are per row and ``group_ids`` are subgroup ids
+  (:mod:`flowrl.algorithms.preference`); the recipes pass both when ``model.preference`` is set.
 - ``marble``: the weighted sum of the per-reward advantages (:func:`reward_advantages`) at the
   configured weights. The recipes replace those weights by MARBLE's gradient balancing
   (:mod:`flowrl.algorithms.marble`); this is the step-0 value and what the look-ahead credit uses.
@@ -31,7 +32,7 @@ from typing import Callable
 import torch
 
 from flowrl.algorithms.advantages import grpo_advantages
-from flowrl.algorithms.preference import preference_sum
+from flowrl.algorithms.preference import preference_advantages
 
 
 def weighted_sum(rewards: dict[str, torch.Tensor], weights: dict[str, float], group_ids: torch.Tensor,
@@ -123,4 +124,4 @@ def marble_initial(rewards: dict[str, torch.Tensor], weights: dict[str, float], 
 
 
 COMBINERS: dict[str, Callable] = {"weighted": weighted_sum, "gdpo": gdpo, "correlation": correlation_weighted,
-                                  "marble": marble_initial, "preference": preference_sum}
+                                  "marble": marble_initial, "preference": preference_advantages}

@@ -26,8 +26,9 @@ from flowrl.config.sampling import (  # noqa: F401
 
 @dataclass
 class PreferenceConfig:
-    """ParetoSlider: one policy conditioned on reward weights w (flowrl/models/preference.py), trained with w drawn
-    per prompt group and the reward w . r (train.combine=preference)."""
+    """ParetoSlider: one policy conditioned on reward weights w (flowrl/models/preference.py), trained with
+    per_prompt draws of w per prompt group (flowrl/algorithms/preference.py) and the advantage sum_k w_k z_k of the
+    rewards' z-scores within each (prompt, w) subgroup (train.combine=preference)."""
 
     rewards: list[str] = field(default_factory=list)
     """The rewards the slider trades off, in the order of w's entries (their keys in `rewards:`); empty: off."""
@@ -36,9 +37,16 @@ class PreferenceConfig:
     where: Literal["timestep", "pooled"] = "timestep"
     """Which embedding w's embedding is added to: timestep (every family) or pooled (the pooled text projection:
     sd3, flux, flux_kontext)."""
+    blocks: bool = True
+    """Also modulate the image stream of every transformer block by w (ParetoSlider's residual block modulation:
+    sd3, flux, flux_kontext); false: the timestep embedding only (adapters trained before it existed)."""
+    per_prompt: int = 3
+    """Preferences drawn per prompt group: sampling.group_size is split into this many subgroups of consecutive
+    rows, each rolled out, trained and normalised under its own w (the reference: 3 per 24 images)."""
 
     def validate(self):
         check(self.hidden >= 1, "hidden", "must be >= 1")
+        check(self.per_prompt >= 1, "per_prompt", "must be >= 1")
         check(not self.rewards or len(self.rewards) >= 2, "rewards", "needs at least 2 rewards to trade off "
               "(empty: off)")
         check(len(set(self.rewards)) == len(self.rewards), "rewards", "names a reward twice")
@@ -60,9 +68,10 @@ FLOW_GRPO_PRECISION = {"model.dtype": "float32", "model.text_encoder_dtype": "fl
 
 @dataclass
 class ModelConfig:
-    family: Literal["sd3", "flux", "flux_kontext", "flux2_klein", "qwen_image", "z_image", "wan"] = "sd3"
-    """Model family; picks the policy adapter (SD3/SD3.5, FLUX.1, FLUX.1 Kontext, FLUX.2 [klein], Qwen-Image,
-    Z-Image or Wan2.1 video)."""
+    family: Literal["sd3", "flux", "flux_kontext", "flux2_klein", "flux2_dev", "qwen_image", "z_image",
+                    "wan"] = "sd3"
+    """Model family; picks the policy adapter (SD3/SD3.5, FLUX.1, FLUX.1 Kontext, FLUX.2 [klein], FLUX.2 [dev],
+    Qwen-Image, Z-Image or Wan2.1 video)."""
     path: str = "tiny"
     """Hub id or local pipeline directory; 'tiny' builds the offline tiny pipeline of the family."""
     revision: str | None = None
@@ -397,6 +406,10 @@ class Config:
               "name rewards (their key) listed in `rewards:` with a non-zero weight, which w replaces")
         check(not names or not self.sampling.pilot.candidates, "sampling.pilot.candidates",
               "Pilot-Commit ranks candidates before a group has its w: not with model.preference")
+        per_prompt, size = self.model.preference.per_prompt, self.sampling.group_size
+        check(not names or size % per_prompt == 0 and size // per_prompt >= 2, "model.preference.per_prompt",
+              f"{per_prompt} preferences do not split sampling.group_size={size} into equal subgroups of at least 2 "
+              "rows: pick a divisor of the group size (the reference: 3 per group of 24)")
 
     def validate_precision(self):
         """Half-precision weights compute in their own dtype: under the other half's autocast every weight would be

@@ -44,7 +44,9 @@ class FluxPolicy(PolicyBase):
     pipeline_class_name = "FluxPipeline"
     default_guidance = 3.5  # FLUX.1-dev's model card
     guidance_in_model = True  # the distilled-guidance embedding: one pass, no CFG batch
-    preference_sites = {"timestep": "time_text_embed", "pooled": "time_text_embed.text_embedder"}  # timestep + pooled text sum into one vector
+    # timestep + pooled text sum into one vector (temb); "blocks": the joint blocks whose image stream w modulates
+    preference_sites = {"timestep": "time_text_embed", "pooled": "time_text_embed.text_embedder",
+                        "blocks": "transformer_blocks"}
 
     @classmethod
     def tiny_pipeline(cls, seed: int = 0):

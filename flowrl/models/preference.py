@@ -2,18 +2,42 @@
 
 ParetoSlider (see ``../shared/PAPERS.md``) trains a single policy on continuously varying preference weights w
 (a point of the simplex, one entry per reward) given to the model as a conditioning signal, so that the user
-moves along the Pareto front at inference time. The abstract names no architecture and no public code was found,
-so these are flowrl's choices:
+moves along the Pareto front at inference time. The authors' code (github.com/Shelley-Golan/ParetoSlider at
+e56e5024a3e996944119ef7cb910d314900b3fc1, ``T2I/flow_grpo/diffusers_patch/transformer_sd3.py``, an SD3
+transformer subclass) conditions in two places, and flowrl does both, by forward hooks instead of a subclass:
 
-- **The embedding.** A 2-layer MLP ``w [B, K] -> SiLU(W1 w + b1) [B, H] -> W2 . + b2 [B, D]`` whose output layer
-  starts at zero, so a freshly conditioned policy is exactly the unconditioned one (ControlNet's zero
-  convolution, for the same reason: training starts from the base model, and w gains an effect only as it
-  learns one). Its first layer is drawn from the run's seed under a forked RNG, so attaching it changes no
-  other random draw of the run.
-- **Where it enters.** Its output is added to the output of the transformer's timestep embedding (``where:
-  timestep``, every family has one: the vector that modulates every block's norms) or to that of the pooled
-  text projection (``where: pooled``; SD3 and FLUX.1 sum it into the same vector). A forward hook on that
-  submodule adds it; the family names the submodule (``PolicyBase.preference_sites``).
+- **The timestep embedding** (the reference's ``pref_mlp``, lines 295-302 and 377-378). A 2-layer MLP
+  ``w [B, K] -> SiLU(W1 w + b1) [B, H] -> W2 . + b2 [B, D]`` added to the output of the transformer's timestep
+  embedding (``where: timestep``, every family has one: the vector that modulates every block's norms) or to that
+  of the pooled text projection (``where: pooled``; SD3 and FLUX.1 sum it into the same vector).
+- **The block modulation** (``model.preference.blocks``; the reference's ``SliderProjector`` and
+  ``ImageOnlyModulationBlock`` with ``block_mod_form: residual``, its default and its configs', lines 20-59,
+  66-204 and 304-323). One vector ``m = P(w) [B, D]`` shared by every transformer block: sinusoidal features
+  ``(sin(pi w_k), cos(pi w_k))`` (one frequency, ``num_freqs: 1``) -> a linear layer to 768 -> three linear
+  layers of width D with ReLU -> a linear layer to D. Each block adds it to its image stream after its
+  feed-forward residual, gated by the block's own MLP gate: ``h <- h + gate_mlp[:, None, :] * m[:, None, :]``
+  (line 178); the text stream is untouched. Every block (``mod_block_fraction: 1``). A hook on the block's
+  ``norm1`` takes ``gate_mlp`` (its fifth output, in both AdaLayerNormZero and SD3.5's dual-attention variant)
+  and a hook on the block adds the term to its image output (the block's last operation on it, so adding after
+  the block is adding inside it). The m of a forward rides on the timestep embedding's output tensor that the
+  blocks receive, so gradient checkpointing's recomputation of a block in the backward pass finds the m of that
+  forward. Families with ``preference_sites["blocks"]``: sd3, flux, flux_kontext (FLUX.1's double-stream blocks;
+  its single-stream blocks, one gate over text and image tokens together, are not modulated); the others refuse
+  ``blocks`` in one line.
+
+What still differs from the reference, and why:
+
+- **Initialisation.** flowrl zero-initialises both output layers, so a freshly conditioned policy is exactly the
+  unconditioned one (ControlNet's zero convolution, for the same reason: training starts from the base model, and
+  w gains an effect only as it learns one). The reference draws its ``pref_mlp`` output from N(0, 1e-3) (near
+  zero) but leaves the projector's last layer at PyTorch's default init, so its conditioned model starts off
+  the base model's outputs. The first layers are drawn from the run's seed under a forked RNG, so attaching the
+  embedding changes no other random draw of the run.
+- **Sizes.** The timestep MLP's hidden width is ``model.preference.hidden`` (64); the reference's is the model
+  width D. The projector's widths are the reference's (768, then D).
+- **Pooled text.** The reference can feed the pooled text embedding into the projector (``use_pooled_text``);
+  its configs leave it off, and flowrl does not offer it.
+
 - **How rows get their w.** A batch's weights travel in ``TextCond.preference`` ``[B, K]`` (one row per
   prompt, indexed with the rest of the conditioning), and the policy's ``velocity`` sets them on the module for
   the duration of the call. Without rows the module adds the embedding of its ``default`` w (uniform until
@@ -56,44 +80,104 @@ TOLERANCE = 1e-6  # how far from 1 the entries of a preference may sum
 WHERE = ("timestep", "pooled")
 
 
+MODULATION = "_flowrl_preference_modulation"  # the attribute of the temb tensor that carries a forward's m [M, D]
+PROJECTOR_WIDTH = 768  # the reference's pe_extender_dim
+
+
+class BlockModulation(nn.Module):
+    """``w [B, K] -> m [B, D]``: the shared residual modulation of every block's image stream (the reference's
+    ``SliderProjector`` with one frequency and no pooled text). Its last layer starts at zero."""
+
+    def __init__(self, num_rewards: int, dim: int):
+        super().__init__()
+        self.features = nn.Linear(2 * num_rewards, PROJECTOR_WIDTH)  # (sin, cos) of pi w_k -> 768, no activation
+        self.layers = nn.Sequential(nn.Linear(PROJECTOR_WIDTH, dim), nn.ReLU(), nn.Linear(dim, dim), nn.ReLU(),
+                                    nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, dim))
+        nn.init.zeros_(self.layers[-1].weight)  # zero output: the blocks are unchanged at the start
+        nn.init.zeros_(self.layers[-1].bias)
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        """``[B, K] -> [B, D]`` in float32."""
+        angles = w.float() * math.pi  # [B, K]
+        return self.layers(self.features(torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1)))
+
+
 class PreferenceEmbedding(nn.Module):
-    """``w [B, K] -> [B, D]``, added to the output of the transformer submodule it is hooked on.
+    """``w [B, K] -> [B, D]``, added to the output of the transformer submodule it is hooked on, and with
+    ``blocks`` the :class:`BlockModulation` of every block's image stream.
 
     ``rewards``: the K reward names, in the order of w's entries; ``dim``: D, the hooked embedding's width;
-    ``hidden``: H; ``site``: the hooked submodule's path in the transformer; ``where``: timestep or pooled."""
+    ``hidden``: H; ``site``: the hooked submodule's path in the transformer; ``where``: timestep or pooled;
+    ``blocks``: the path of the modulated blocks' list ("" for none); ``temb``: the path of the embedding whose
+    output the blocks take as their temb (the family's timestep site)."""
 
     def __init__(self, rewards: Sequence[str], dim: int, *, hidden: int = 64, site: str = "", where: str = "timestep",
-                 seed: int = 0):
+                 seed: int = 0, blocks: str = "", temb: str = ""):
         super().__init__()
         self.rewards, self.site, self.where = list(rewards), site, where
+        self.blocks_site, self.temb_site = blocks, temb
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.hidden = nn.Linear(len(self.rewards), hidden)
             self.out = nn.Linear(hidden, dim)
+            self.blocks = BlockModulation(len(self.rewards), dim) if blocks else None  # drawn after: hidden unchanged
         nn.init.zeros_(self.out.weight)  # zero output: w has no effect at the start
         nn.init.zeros_(self.out.bias)
         self.default = torch.full((len(self.rewards),), 1.0 / len(self.rewards))  # [K] without rows: the centre
         self.rows: torch.Tensor | None = None  # [B, K] the current batch's weights (set by conditioned())
         self.enabled = True  # False: the reference model
-        self.handle = None  # the forward hook's handle
+        self.handles: list = []  # the forward hooks' handles
+        self.pending: dict[int, torch.Tensor | None] = {}  # block index -> its gated term, from norm1 to the block
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         """``[B, K] -> [B, D]`` in float32."""
         return self.out(nn.functional.silu(self.hidden(w.float())))
 
+    def batch_rows(self, batch: torch.Tensor) -> torch.Tensor:
+        """``[M, K]``: the current rows (or ``default``) repeated to the M rows of ``batch`` ``[M, ...]``."""
+        w = (self.rows if self.rows is not None else self.default[None]).to(batch.device)  # [B, K]
+        m, b = batch.shape[0], w.shape[0]
+        if m % b:
+            raise ValueError(f"the preference has {b} rows, the transformer's batch {m}: not a multiple")
+        return w.repeat(m // b, 1)
+
     def add_to(self, embedding: torch.Tensor) -> torch.Tensor:
         """``embedding [M, ..., D]`` plus the embedding of the current rows (repeated M / B times) or of ``default``."""
         if not self.enabled:
             return embedding
-        w = (self.rows if self.rows is not None else self.default[None]).to(embedding.device)  # [B, K]
-        m, b = embedding.shape[0], w.shape[0]
-        if m % b:
-            raise ValueError(f"the preference has {b} rows, the transformer's batch {m}: not a multiple")
-        delta = self(w).repeat(m // b, 1)  # [M, D]
+        m = embedding.shape[0]
+        delta = self(self.batch_rows(embedding))  # [M, D]
         if delta.shape[-1] != embedding.shape[-1]:
             raise ValueError(f"the preference embedding has width {delta.shape[-1]}, but {self.site} gives "
                              f"{embedding.shape[-1]}: it was made for another model")
         return embedding + delta.view(m, *[1] * (embedding.dim() - 2), -1).to(embedding.dtype)
+
+    def carry_modulation(self, temb: torch.Tensor) -> torch.Tensor:
+        """The blocks' ``temb`` [M, D], carrying this forward's m [M, D] (nothing when switched off)."""
+        if self.enabled and self.blocks is not None:
+            temb = temb.view_as(temb)  # a tensor of this forward's own, for the attribute
+            setattr(temb, MODULATION, self.blocks(self.batch_rows(temb)))
+        return temb
+
+    def gate_block(self, index: int, kwargs: dict, args: tuple, outputs: tuple) -> None:
+        """Block ``index``'s norm1 hook: keep ``gate_mlp [M, D] * m`` for the block's image output."""
+        temb = kwargs.get("emb", args[1] if len(args) > 1 else None)
+        modulation = getattr(temb, MODULATION, None)  # [M, D]
+        self.pending[index] = None if modulation is None else outputs[4][:, None, :] * modulation[:, None, :].to(
+            outputs[4].dtype)  # [M, 1, D]
+
+    def modulate_block(self, index: int, outputs):
+        """Block ``index``'s hook: its (text, image) outputs with the gated term added to the image stream."""
+        term = self.pending.pop(index, None)
+        if term is None:
+            return outputs
+        return (*outputs[:-1], outputs[-1] + term)
+
+    def detach_hooks(self) -> None:
+        """Remove every hook this embedding installed."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
 
     @contextlib.contextmanager
     def conditioned(self, rows: torch.Tensor | None) -> Iterator[None]:
@@ -108,7 +192,8 @@ class PreferenceEmbedding(nn.Module):
         """The safetensors metadata of an export: what :func:`load_preference` needs to rebuild it."""
         return {"flowrl.preference.rewards": json.dumps(self.rewards), "flowrl.preference.site": self.site,
                 "flowrl.preference.where": self.where, "flowrl.preference.hidden": str(self.hidden.out_features),
-                "flowrl.preference.dim": str(self.out.out_features)}
+                "flowrl.preference.dim": str(self.out.out_features), "flowrl.preference.blocks": self.blocks_site,
+                "flowrl.preference.temb": self.temb_site}
 
 
 # --- installing it -----------------------------------------------------------------------------------
@@ -134,32 +219,45 @@ def embedding_width(module: nn.Module) -> int:
 def install(transformer: nn.Module, embedding: PreferenceEmbedding) -> PreferenceEmbedding:
     """Make ``embedding`` a submodule of ``transformer`` and hook it on ``embedding.site``; replaces an earlier one."""
     old = getattr(transformer, PREFERENCE_ATTRIBUTE, None)
-    if old is not None and old.handle is not None:
-        old.handle.remove()
+    if old is not None:
+        old.detach_hooks()
     site = transformer.get_submodule(embedding.site)
     parameter = next(transformer.parameters())
     embedding.to(parameter.device)  # float32, as the LoRA weights
     transformer.add_module(PREFERENCE_ATTRIBUTE, embedding)
-    embedding.handle = site.register_forward_hook(lambda _module, _args, output: embedding.add_to(output))
+    embedding.handles = [site.register_forward_hook(lambda _module, _args, output: embedding.add_to(output))]
+    if embedding.blocks is not None:  # after the embedding's own hook: m rides on the final temb
+        embedding.handles.append(transformer.get_submodule(embedding.temb_site).register_forward_hook(
+            lambda _module, _args, output: embedding.carry_modulation(output)))
+        for index, block in enumerate(transformer.get_submodule(embedding.blocks_site)):
+            embedding.handles += [
+                block.norm1.register_forward_hook(
+                    lambda _m, args, kwargs, out, i=index: embedding.gate_block(i, kwargs, args, out), with_kwargs=True),
+                block.register_forward_hook(lambda _m, _args, out, i=index: embedding.modulate_block(i, out))]
     return embedding
 
 
 def attach_preference(policy, rewards: Sequence[str], *, hidden: int = 64, where: str = "timestep",
-                      seed: int = 0) -> PreferenceEmbedding:
-    """A fresh (zero-output) trainable preference embedding on ``policy``: hooked on the family's ``where`` site, its
-    parameters trainable, the policy's ``velocity`` reading each batch's rows from ``cond.preference``."""
+                      seed: int = 0, blocks: bool = True) -> PreferenceEmbedding:
+    """A fresh (zero-output) trainable preference embedding on ``policy``: hooked on the family's ``where`` site (and
+    with ``blocks`` on its blocks), its parameters trainable, the policy's ``velocity`` reading each batch's rows
+    from ``cond.preference``."""
     sites = getattr(policy, "preference_sites", {})
     if where not in WHERE:
         raise ValueError(f"model.preference.where must be one of {', '.join(WHERE)}, got {where!r}")
     if where not in sites:
         raise ValueError(f"model.preference.where={where}: the {policy.family} family has no such embedding "
-                         f"(it has {', '.join(sites) or 'none'}); use where: timestep")
+                         f"(it has {', '.join(w for w in WHERE if w in sites) or 'none'}); use where: timestep")
+    if blocks and "blocks" not in sites:
+        raise ValueError(f"model.preference.blocks: the {policy.family} family's blocks take no preference modulation "
+                         "(sd3, flux and flux_kontext do); set model.preference.blocks=false")
     if len(rewards) < 2:
         raise ValueError(f"model.preference.rewards needs at least 2 rewards to trade off, got {list(rewards)}")
     site = sites[where]
     dim = embedding_width(policy.transformer.get_submodule(site))
-    embedding = install(policy.transformer, PreferenceEmbedding(rewards, dim, hidden=hidden, site=site, where=where,
-                                                                seed=seed))
+    embedding = install(policy.transformer, PreferenceEmbedding(
+        rewards, dim, hidden=hidden, site=site, where=where, seed=seed, blocks=sites["blocks"] if blocks else "",
+        temb=sites["timestep"] if blocks else ""))
     embedding.requires_grad_(True)
     wire_policy(policy, embedding)
     return embedding
@@ -267,12 +365,14 @@ def checkpoint_preference(state: dict[str, torch.Tensor], family: str, preferenc
     _, tensors = split_preference(state)
     if not tensors:
         return None
-    where = preference.get("where", "timestep")
+    where, sites = preference.get("where", "timestep"), policy_class(family).preference_sites
     width, hidden = tensors["out.weight"].shape  # [D, H]
+    blocks = any(k.startswith("blocks.") for k in tensors)  # adapters trained before the block modulation have none
     return tensors, {"flowrl.preference.rewards": json.dumps(list(preference.get("rewards") or [])),
-                     "flowrl.preference.site": policy_class(family).preference_sites[where],
-                     "flowrl.preference.where": where, "flowrl.preference.hidden": str(hidden),
-                     "flowrl.preference.dim": str(width)}
+                     "flowrl.preference.site": sites[where], "flowrl.preference.where": where,
+                     "flowrl.preference.hidden": str(hidden), "flowrl.preference.dim": str(width),
+                     "flowrl.preference.blocks": sites.get("blocks", "") if blocks else "",
+                     "flowrl.preference.temb": sites["timestep"] if blocks else ""}
 
 
 def install_preference(target, tensors: dict[str, torch.Tensor], header: dict[str, str]) -> PreferenceEmbedding:
@@ -281,9 +381,13 @@ def install_preference(target, tensors: dict[str, torch.Tensor], header: dict[st
     transformer = transformer_of(target)
     embedding = PreferenceEmbedding(json.loads(header["flowrl.preference.rewards"]), int(header["flowrl.preference.dim"]),
                                     hidden=int(header["flowrl.preference.hidden"]), site=header["flowrl.preference.site"],
-                                    where=header.get("flowrl.preference.where", "timestep"))
+                                    where=header.get("flowrl.preference.where", "timestep"),
+                                    blocks=header.get("flowrl.preference.blocks", ""),
+                                    temb=header.get("flowrl.preference.temb", ""))
     try:
-        transformer.get_submodule(embedding.site)
+        for path in (embedding.site, embedding.blocks_site, embedding.temb_site):
+            if path:
+                transformer.get_submodule(path)
     except AttributeError:
         raise ValueError(f"this model has no {embedding.site!r} to take the preference embedding (trained on another "
                          "model family?)") from None
@@ -301,8 +405,7 @@ def remove_preference(target) -> None:
     embedding = getattr(transformer, PREFERENCE_ATTRIBUTE, None)
     if embedding is None:
         return
-    if embedding.handle is not None:
-        embedding.handle.remove()
+    embedding.detach_hooks()
     delattr(transformer, PREFERENCE_ATTRIBUTE)
     if hasattr(target, "preference_sites"):
         target.preference = None

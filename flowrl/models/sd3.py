@@ -21,7 +21,9 @@ class SD3Policy(PolicyBase):
     family = "sd3"
     pipeline_class_name = "StableDiffusion3Pipeline"
     default_guidance = 4.5  # SD3.5-medium's model card
-    preference_sites = {"timestep": "time_text_embed", "pooled": "time_text_embed.text_embedder"}  # timestep + pooled text sum into one vector
+    # timestep + pooled text sum into one vector (temb); "blocks": the joint blocks whose image stream w modulates
+    preference_sites = {"timestep": "time_text_embed", "pooled": "time_text_embed.text_embedder",
+                        "blocks": "transformer_blocks"}
 
     @classmethod
     def tiny_pipeline(cls, seed: int = 0):

@@ -47,7 +47,7 @@ def build_training_policy(cfg: Config, device):
                         dropout=cfg.lora.dropout, init_seed=cfg.seed)
     if m.preference.rewards:
         attach_preference(policy, m.preference.rewards, hidden=m.preference.hidden, where=m.preference.where,
-                          seed=cfg.seed)
+                          seed=cfg.seed, blocks=m.preference.blocks)
     if m.gradient_checkpointing:
         policy.transformer.enable_gradient_checkpointing()
     return policy

@@ -15,7 +15,7 @@ import torch
 
 from flowrl.algorithms.advantages import group_variances
 from flowrl.algorithms.combine import COMBINERS, reward_advantages
-from flowrl.algorithms.preference import draw_preferences, row_weights
+from flowrl.algorithms.preference import draw_preferences, row_weights, subgroup_ids
 from flowrl.data.prompts import PromptSet, epoch_prompt_indices
 from flowrl.sampling.epoch_plan import batch_plan
 from flowrl.recipes.run import Run
@@ -73,14 +73,16 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
         first_root = (batch_index * world + rank) * s.prompts_per_batch * roots_per_group
         first_group = (batch_index * world + rank) * s.prompts_per_batch  # this batch's groups' run-wide ids
         cond = preference_cond(run, batch, torch.arange(first_group, first_group + len(batch)))
+        subgroups = preference_subgroups(run)  # ParetoSlider: each prompt's group rolls out as S subgroups
+        entries = batch.subset([p for p in range(len(batch)) for _ in range(subgroups)])  # [P * S], prompt-major
         batch_settings = replace(settings, plan=batch_plan(plan, s, batch_windows, seed=cfg.seed, epoch=epoch,
                                                            batch=b, rank=rank))
         with policy.local_forward():
-            part = chunked_rollout(policy, batch.prompts, batch_settings, group_size=s.group_size,
-                                   chunk=s.rollout_chunk, cond=cond, metadata=batch.metadata,
+            part = chunked_rollout(policy, entries.prompts, batch_settings, group_size=s.group_size // subgroups,
+                                   chunk=s.rollout_chunk, cond=cond, metadata=entries.metadata,
                                    seeds=root_seeds(cfg.seed, first_root, len(batch) * roots_per_group),
                                    rollout_fn=rollout_fn)
-        part.group_ids = part.group_ids + first_group
+        part.group_ids = part.group_ids // subgroups + first_group  # a prompt's S subgroups are one group
         check_whole_groups(scorer.rewards, part.group_ids, s.group_size)  # a group-wise reward sees whole groups
         futures.append(scorer.submit(part.images, part.row_prompts, part.row_metadata, part.group_ids))
         parts.append(part)
@@ -92,25 +94,39 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
     return traj, sample_done, time.perf_counter()
 
 
+def preference_subgroups(run: Run) -> int:
+    """S, the (prompt, preference) subgroups of a prompt group: ``model.preference.per_prompt``, 1 without it."""
+    return run.cfg.model.preference.per_prompt if run.cfg.model.preference.rewards else 1
+
+
 def preference_cond(run: Run, batch: PromptSet, group_ids: torch.Tensor):
-    """ParetoSlider: the batch's conditioning with each prompt group's w (``TextCond.preference`` ``[P, K]``, drawn
-    from the run seed and the group's run-wide id); None without ``model.preference`` (the rollout encodes)."""
-    names = run.cfg.model.preference.rewards
+    """ParetoSlider: the conditioning of the batch's P prompts repeated S times, prompt-major (``[P * S]``), entry
+    (p, s) with subgroup s's w of group ``group_ids[p]`` (``TextCond.preference`` ``[P * S, K]``, drawn from the run
+    seed and the group's run-wide id); None without ``model.preference`` (the rollout encodes)."""
+    names, subgroups = run.cfg.model.preference.rewards, preference_subgroups(run)
     if not names:
         return None
     cond = run.policy.encode(list(batch.prompts), metadata=batch.metadata)
-    cond.preference = draw_preferences(run.cfg.seed, group_ids, len(names)).to(cond.prompt_embeds.device)
+    cond = cond.select(torch.arange(len(batch)).repeat_interleave(subgroups))
+    w = draw_preferences(run.cfg.seed, group_ids.repeat_interleave(subgroups), len(names),
+                         torch.arange(subgroups).repeat(len(batch)))  # [P * S, K]
+    cond.preference = w.to(cond.prompt_embeds.device)
     return cond
 
 
-def run_weights(run: Run, group_ids: torch.Tensor) -> dict:
-    """The reward weights of rows in groups ``group_ids`` ``[N]``: the configured ones, or with ``model.preference``
-    each group's w in place of the slider's rewards' weights (per row, for train.combine=preference)."""
-    names = run.cfg.model.preference.rewards
+def normalising_groups(run: Run, traj, all_groups: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """The ids the combiner normalises within and the reward weights of every process's rows (``all_groups``
+    ``[N_all]``): the groups and the configured weights, or with ``model.preference`` the (prompt, preference)
+    subgroups and each subgroup's w in place of the slider's rewards' weights (per row)."""
+    names, subgroups = run.cfg.model.preference.rewards, preference_subgroups(run)
     if not names:
-        return run.weights
-    unique, inverse = torch.unique(group_ids, return_inverse=True)
-    return row_weights(draw_preferences(run.cfg.seed, unique, len(names))[inverse], names, run.weights)
+        return all_groups, run.weights
+    accelerator = run.accelerator
+    slots = accelerator.gather((traj.prompt_ids % subgroups).to(accelerator.device)).cpu()  # [N_all] entry p*S+s -> s
+    ids = subgroup_ids(all_groups, slots, subgroups)
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    w = draw_preferences(run.cfg.seed, unique // subgroups, len(names), unique % subgroups)[inverse]  # [N_all, K]
+    return ids, row_weights(w, names, run.weights)
 
 
 def pilot_sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_level: float, kind: str,
@@ -206,8 +222,9 @@ def group_advantages(run: Run, traj, estimator) -> GroupAdvantages:
     accelerator, t = run.accelerator, run.cfg.train
     gathered = {k: accelerator.gather(v.to(accelerator.device)).cpu() for k, v in traj.rewards.items()}
     all_groups = accelerator.gather(traj.group_ids.to(accelerator.device)).cpu()
-    advantages, combined = COMBINERS[t.combine]({key: gathered[key] for key in run.weights}, run_weights(run, all_groups),
-                                                all_groups, lambda r, g: estimator(r, g, std_scope=t.std_scope))
+    ids, weights = normalising_groups(run, traj, all_groups)
+    advantages, combined = COMBINERS[t.combine]({key: gathered[key] for key in run.weights}, weights, ids,
+                                                lambda r, g: estimator(r, g, std_scope=t.std_scope))
     rank = accelerator.process_index
     return GroupAdvantages(gathered, advantages, combined, slice(rank * traj.num_rows, (rank + 1) * traj.num_rows),
                            all_groups)

@@ -13,6 +13,7 @@ from tests.fault_helpers import TINY_TRAIN
 
 SLIDER = ["rewards=[{name: brightness}, {name: color_target, kwargs: {target: [0, 0, 0]}}]",
           "model.preference.rewards=[brightness, color_target]", "model.preference.hidden=8",
+          "model.preference.per_prompt=1",  # TINY_TRAIN's groups of 2: one w per group
           "train.combine=preference", "train.learning_rate=3e-2", "train.clip_range=0.5"]
 CONFIG = "configs/smoke/sd3_tiny.yaml"
 

@@ -1,8 +1,10 @@
 """ParetoSlider's preference embedding (flowrl/models/preference.py) on every family's tiny pipeline.
 
-Per family: a freshly attached embedding leaves the velocity bit-identical (zero-initialised output); once its
-output layer is non-zero, the velocity depends on w, per row, through ``TextCond.preference`` and through the
-slider (``set_preference``), and ``reference()`` switches it off. Then the export round-trip on SD3: the exported
+Per family: a freshly attached embedding leaves the velocity bit-identical (zero-initialised outputs, the block
+modulation's included where the family has it); once its output layers are non-zero, the velocity depends on w, per
+row, through ``TextCond.preference`` and through the slider (``set_preference``), and ``reference()`` switches it
+off. The block modulation on one tiny SD3 block, against the reference's formula written out by hand; its
+gradients are the same under gradient checkpointing. Then the export round-trip on SD3: the exported
 file, installed into a fresh plain diffusers pipeline with ``load_preference``, gives the trained policy's
 transformer outputs at a given w; and the one-line refusals of a bad preference.
 """
@@ -46,12 +48,17 @@ def test_every_family_accepts_the_conditioning_and_starts_as_the_unconditioned_p
     policy.add_lora(rank=4, alpha=8, init_seed=0)
     x, cond = _inputs(policy)
     plain = _velocity(policy, x, cond)
-    embedding = attach_preference(policy, ["a", "b"], hidden=8, seed=0)
+    blocks = "blocks" in policy.preference_sites  # sd3, flux, flux_kontext: the block modulation too
+    embedding = attach_preference(policy, ["a", "b"], hidden=8, seed=0, blocks=blocks)
     cond.preference = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
-    assert torch.equal(_velocity(policy, x, cond), plain)  # zero-initialised output: identity
+    assert torch.equal(_velocity(policy, x, cond), plain)  # zero-initialised outputs (both): identity
     assert all(p.requires_grad for p in embedding.parameters())
     assert any(n.startswith("flowrl_preference.") for n, _ in policy.named_trainable_parameters())
 
+    if blocks:  # the block modulation alone (the timestep MLP still zero) moves the velocity, per row
+        _perturb(embedding.blocks)
+        only_blocks = _velocity(policy, x, cond)
+        assert not torch.allclose(only_blocks, plain)
     _perturb(embedding)
     conditioned = _velocity(policy, x, cond)
     assert not torch.allclose(conditioned, plain)
@@ -100,7 +107,10 @@ def test_the_exported_embedding_loads_into_a_plain_diffusers_pipeline_with_the_s
     assert header["flowrl.preference.rewards"] == '["toyeval", "toy_proxy"]'
     from safetensors.torch import load_file
 
-    assert all(k.startswith("preference.") for k in load_file(str(tmp_path / PREFERENCE_WEIGHT_NAME)))
+    exported = load_file(str(tmp_path / PREFERENCE_WEIGHT_NAME))
+    assert all(k.startswith("preference.") for k in exported)
+    assert any(k.startswith("preference.blocks.") for k in exported)  # the block modulation travels with it
+    assert header["flowrl.preference.blocks"] == "transformer_blocks"
     assert not any("preference" in k for k in load_file(str(tmp_path / DIFFUSERS_WEIGHT_NAME)))
 
     pipe = tiny_sd3_pipeline(0)
@@ -156,3 +166,86 @@ def test_a_loaded_embedding_comes_off_again(tmp_path):
     remove_preference(policy)
     assert preference_of(policy) is None and policy.preference is None and "velocity" not in vars(policy)
     assert torch.equal(_velocity(policy, x, cond), plain)
+
+
+def _block_inputs(transformer, rows=2, tokens=4, text=3):
+    g = torch.Generator().manual_seed(11)
+    width = transformer.config.num_attention_heads * transformer.config.attention_head_dim
+    return (torch.randn(rows, tokens, width, generator=g), torch.randn(rows, text, width, generator=g),
+            torch.randn(rows, width, generator=g))
+
+
+def test_the_block_modulation_adds_the_gated_projection_of_w_to_the_image_stream():
+    # The reference (ParetoSlider transformer_sd3.py, block_mod_form residual): after the block's feed-forward
+    # residual, h += gate_mlp * m, m = MLP(Linear(sin(pi w), cos(pi w))); written out here with the weights.
+    policy = build_policy("sd3", "tiny", seed=0)
+    embedding = attach_preference(policy, ["a", "b"], hidden=4, seed=0)
+    _perturb(embedding.blocks, seed=2)
+    block = policy.transformer.transformer_blocks[0]
+    hidden, text, temb = _block_inputs(policy.transformer)
+    w = torch.tensor([[0.25, 0.75], [1.0, 0.0]])
+    p = dict(embedding.blocks.named_parameters())
+    features = torch.cat([torch.sin(torch.pi * w), torch.cos(torch.pi * w)], 1) @ p["features.weight"].T + p["features.bias"]
+    m = features
+    for i in (0, 2, 4):
+        m = torch.relu(m @ p[f"layers.{i}.weight"].T + p[f"layers.{i}.bias"])
+    m = m @ p["layers.6.weight"].T + p["layers.6.bias"]  # [2, D]
+    gate_mlp = block.norm1.linear(torch.nn.functional.silu(temb)).chunk(6, dim=1)[5]  # AdaLayerNormZero's 6th
+    with torch.no_grad():
+        plain_text, plain = block(hidden_states=hidden, encoder_hidden_states=text, temb=temb)  # no m: unchanged
+        with embedding.conditioned(w):
+            carried = embedding.carry_modulation(temb)
+        modulated_text, modulated = block(hidden_states=hidden, encoder_hidden_states=text, temb=carried)
+        expected = plain + gate_mlp[:, None, :] * m[:, None, :]
+    assert torch.allclose(modulated, expected, atol=1e-5)
+    assert (modulated - plain).abs().max() > 1e-3
+    assert torch.equal(modulated_text, plain_text)  # the text stream is never modulated
+    embedding.enabled = False  # the reference model: nothing carried, nothing added
+    assert not hasattr(embedding.carry_modulation(temb), "_flowrl_preference_modulation")
+
+
+def test_block_modulation_gradients_are_the_same_under_gradient_checkpointing():
+    # The recomputed blocks must see the m of their own forward, even after another forward with other rows.
+    policy = build_policy("sd3", "tiny", seed=0)
+    embedding = attach_preference(policy, ["a", "b"], hidden=4, seed=0)
+    _perturb(embedding, seed=3)
+    x, cond = _inputs(policy)
+    cond.preference = torch.tensor([[0.9, 0.1], [0.2, 0.8]])
+
+    def gradients(checkpointing: bool) -> torch.Tensor:
+        if checkpointing:
+            policy.transformer.enable_gradient_checkpointing()
+        policy.transformer.train()
+        embedding.zero_grad()
+        out = policy.velocity(x, torch.tensor(0.7), cond, policy.default_guidance)
+        swapped = cond.select([1, 0])
+        swapped.preference = torch.tensor([[0.0, 1.0], [1.0, 0.0]])
+        with torch.no_grad():
+            policy.velocity(x, torch.tensor(0.7), swapped, policy.default_guidance)
+        out.float().square().sum().backward()
+        return torch.cat([param.grad.flatten() for param in embedding.blocks.parameters()])
+
+    plain = gradients(False)
+    assert plain.abs().sum() > 0
+    assert torch.allclose(gradients(True), plain, atol=1e-6)
+
+
+def test_block_modulation_is_refused_in_one_line_where_a_family_has_no_blocks_site():
+    policy = build_policy("qwen_image", "tiny", seed=0)
+    with pytest.raises(ValueError, match="model.preference.blocks=false") as error:
+        attach_preference(policy, ["a", "b"])
+    assert "\n" not in str(error.value)
+    attach_preference(policy, ["a", "b"], blocks=False)  # the timestep embedding alone still works
+
+
+def test_an_adapter_without_block_modulation_still_installs(tmp_path):
+    from flowrl.models.preference import install_preference
+
+    trained = build_policy("sd3", "tiny", seed=0)
+    embedding = attach_preference(trained, ["a", "b"], hidden=4, seed=0, blocks=False)
+    header = embedding.describe()
+    for key in ("flowrl.preference.blocks", "flowrl.preference.temb"):
+        header.pop(key)  # an export written before the block modulation existed
+    policy = build_policy("sd3", "tiny", seed=0)
+    installed = install_preference(policy, dict(embedding.state_dict()), header)
+    assert installed.blocks is None

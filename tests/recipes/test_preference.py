@@ -1,6 +1,7 @@
-"""ParetoSlider in the recipes: each prompt group's w drawn from Dirichlet(1) and its reward w . r, by hand
-numbers; both recipes train the preference embedding with the LoRA, export it beside the LoRA, and a resumed run
-is the uninterrupted one bit for bit; and the config's one-line refusals."""
+"""ParetoSlider in the recipes: the preference draw (the reference's mixture, per (group, subgroup) seed) and the
+advantage (each reward's z-score within its (prompt, preference) subgroup, weighted by w), against numbers written
+out from the reference's formulas; both recipes train the preference embedding with the LoRA, export it beside the
+LoRA, and a resumed run is the uninterrupted one bit for bit; and the config's one-line refusals."""
 
 import numpy as np
 import pytest
@@ -8,14 +9,15 @@ import torch
 from safetensors.torch import load_file
 
 from flowrl.algorithms.combine import COMBINERS
-from flowrl.algorithms.preference import PREFERENCE_STREAM, draw_preferences, row_weights
+from flowrl.algorithms.preference import PREFERENCE_STREAM, draw_preferences, row_weights, subgroup_ids
 from flowrl.config import Config, ConfigError, load_config
 from flowrl.models.preference import PREFERENCE_WEIGHT_NAME
 from flowrl.recipes import grpo, nft
 
 SMOKE = "configs/smoke/sd3_tiny.yaml"
 REWARDS = "rewards=[{name: brightness}, {name: color_target, kwargs: {target: [0, 0, 0]}}]"  # bright against black
-SLIDER = ["model.preference.rewards=[brightness, color_target]", "model.preference.hidden=8", "train.combine=preference"]
+SLIDER = ["model.preference.rewards=[brightness, color_target]", "model.preference.hidden=8",
+          "model.preference.per_prompt=2", "train.combine=preference"]  # the smoke group of 4: 2 subgroups of 2
 
 
 def slider_config(tmp_path, *overrides):
@@ -24,30 +26,86 @@ def slider_config(tmp_path, *overrides):
     return load_config(Config, SMOKE, base + list(overrides))
 
 
-def test_each_group_draws_dirichlet_one_from_its_own_seed():
-    # Dirichlet(1, 1, 1) is three Exp(1) = Gamma(1) draws over their sum; numpy draws them in that order.
-    w = draw_preferences(7, torch.tensor([3, 5, 3]), 3)
-    for row, group in zip(w, (3, 5, 3)):
-        gammas = np.random.default_rng([7, PREFERENCE_STREAM, group]).standard_gamma(1.0, 3)
-        assert row.tolist() == pytest.approx((gammas / gammas.sum()).tolist(), abs=1e-7)
-    assert torch.equal(w[0], w[2])  # one w per group, whoever asks
-    assert not torch.equal(w[0], w[1])
-    assert torch.allclose(w.sum(1), torch.ones(3)) and (w >= 0).all()
+def test_each_subgroup_draws_the_reference_mixture_from_its_own_seed():
+    # Two rewards: u < 0.1 -> a one-hot corner at integers(0, 2), else Dirichlet(1, 1) (two Exp(1) draws over
+    # their sum, in numpy's order); the generator is seeded by (seed, stream, group, subgroup).
+    w = draw_preferences(7, torch.tensor([3, 5, 3, 3]), 2, torch.tensor([0, 0, 0, 1]))
+    for row, group, sub in zip(w, (3, 5, 3, 3), (0, 0, 0, 1)):
+        rng = np.random.default_rng([7, PREFERENCE_STREAM, group, sub])
+        if rng.random() < 0.1:
+            expected = np.eye(2)[rng.integers(0, 2)]
+        else:
+            gammas = rng.standard_gamma(1.0, 2)
+            expected = gammas / gammas.sum()
+        assert row.tolist() == pytest.approx(expected.tolist(), abs=1e-7)
+    assert torch.equal(w[0], w[2])  # one w per (group, subgroup), whoever asks
+    assert not torch.equal(w[0], w[1]) and not torch.equal(w[0], w[3])
+    assert torch.allclose(w.sum(1), torch.ones(4)) and (w >= 0).all()
 
 
-def test_the_group_reward_is_w_dot_r():
-    # Group 0 has w = (0.25, 0.75), group 1 w = (1, 0); a third reward keeps its fixed weight 0 (logged only).
-    rewards = {"a": torch.tensor([1.0, 0.0, 0.5, 0.5]), "b": torch.tensor([0.0, 1.0, 1.0, 0.0]),
+def test_the_draws_follow_the_reference_mixture_frequencies():
+    # Over 8000 (group, subgroup) draws each frequency is within 0.02 of the reference's (4 standard errors or more).
+    groups, subs = torch.arange(4000).repeat_interleave(2), torch.tensor([0, 1]).repeat(4000)
+    two = draw_preferences(0, groups, 2, subs).double()
+    corner = (two == 1).any(1)
+    assert corner.double().mean().item() == pytest.approx(0.10, abs=0.02)
+    interior = two[~corner, 0]  # Dirichlet(1, 1): w_1 uniform on [0, 1]
+    assert interior.mean().item() == pytest.approx(0.5, abs=0.02)
+    assert interior.var().item() == pytest.approx(1 / 12, abs=0.01)
+    three = draw_preferences(0, groups, 3, subs)
+    nonzero = (three > 0).sum(1)
+    for count, share in ((1, 0.50), (2, 0.35), (3, 0.15)):  # vertex, edge, interior
+        assert (nonzero == count).double().mean().item() == pytest.approx(share, abs=0.02)
+    assert torch.allclose(three.sum(1), torch.ones(len(three)))
+
+
+def test_the_advantage_is_w_times_each_rewards_subgroup_z_score():
+    # One prompt group, two subgroups of two rows, w = (0.25, 0.75) then (1, 0); a logged reward (weight 0).
+    # Subgroup 0: a = (1, 3): mean 2, std 1; b = (0.1, 0.3): mean 0.2, std 0.1. Subgroup 1: a = (2, 2): std 0,
+    # z = 0; b = (5, 1): mean 3, std 2. z = (r - mean) / (std + 1e-4).
+    rewards = {"a": torch.tensor([1.0, 3.0, 2.0, 2.0]), "b": torch.tensor([0.1, 0.3, 5.0, 1.0]),
                "logged": torch.tensor([9.0, 9.0, 9.0, 9.0])}
-    groups = torch.tensor([0, 0, 1, 1])
+    ids = subgroup_ids(torch.tensor([4, 4, 4, 4]), torch.tensor([0, 0, 1, 1]), 2)
+    assert ids.tolist() == [8, 8, 9, 9]
     w = torch.tensor([[0.25, 0.75], [0.25, 0.75], [1.0, 0.0], [1.0, 0.0]])
     weights = row_weights(w, ["a", "b"], {"a": 1.0, "b": 1.0, "logged": 0.0})
-    advantages, combined = COMBINERS["preference"](rewards, weights, groups, lambda r, g: r - 1)
-    # 0.25*1 + 0.75*0 = 0.25; 0.25*0 + 0.75*1 = 0.75; 1*0.5 + 0*1 = 0.5; 1*0.5 + 0*0 = 0.5
-    assert combined.tolist() == pytest.approx([0.25, 0.75, 0.5, 0.5])
-    assert advantages.tolist() == pytest.approx([-0.75, -0.25, -0.5, -0.5])
-    _, fixed = COMBINERS["preference"](rewards, {"a": 1.0, "b": 1.0}, groups, lambda r, g: r)  # floats: weighted
-    assert fixed.tolist() == pytest.approx([1.0, 1.0, 1.5, 0.5])
+    advantages, combined = COMBINERS["preference"](rewards, weights, ids, None)
+    za, zb = 1 / (1 + 1e-4), 0.1 / (0.1 + 1e-4)
+    expected = [-0.25 * za - 0.75 * zb, 0.25 * za + 0.75 * zb, 0.0, 0.0]  # subgroup 1 weighs a only, a flat there
+    assert advantages.tolist() == pytest.approx(expected, abs=1e-6)
+    assert combined.tolist() == pytest.approx([0.325, 0.975, 2.0, 2.0])  # w . r, what the run logs
+    nan = {**rewards, "b": torch.tensor([0.1, float("nan"), 5.0, 1.0])}
+    advantages, _ = COMBINERS["preference"](nan, weights, ids, None)
+    assert advantages[:2].tolist() == [0.0, 0.0]  # a lone finite row: no spread; the NaN row: 0
+
+
+def test_w_acts_on_normalised_rewards_not_on_raw_units():
+    # Reward spreads 10 and 0.1 at w = (0.5, 0.5): weighting raw rewards would follow the wide one alone (correlation
+    # 1.00 with it); weighting subgroup z-scores of two independent rewards gives each 1/sqrt(2).
+    g = torch.Generator().manual_seed(0)
+    n = 8 * 400
+    rewards = {"a": 10 * torch.randn(n, generator=g), "b": 0.1 * torch.randn(n, generator=g)}
+    ids = torch.arange(n) // 8
+    weights = row_weights(torch.full((n, 2), 0.5), ["a", "b"], {"a": 1.0, "b": 1.0})
+    advantages, _ = COMBINERS["preference"](rewards, weights, ids, None)
+    corr = [np.corrcoef(advantages.numpy(), rewards[k].numpy())[0, 1] for k in ("a", "b")]
+    assert corr[0] == pytest.approx(corr[1], abs=0.06)
+    assert min(corr) > 0.6
+
+
+def test_a_rollout_batch_carries_one_w_per_subgroup(tmp_path):
+    from types import SimpleNamespace
+
+    from flowrl.data.prompts import PromptSet
+    from flowrl.models import build_policy
+    from flowrl.recipes.rollouts import preference_cond
+
+    cfg = slider_config(tmp_path, "model.preference.per_prompt=2")
+    run = SimpleNamespace(cfg=cfg, policy=build_policy("sd3", "tiny", seed=0))
+    cond = preference_cond(run, PromptSet(["p", "q"], [{}, {}]), torch.tensor([10, 11]))
+    expected = draw_preferences(cfg.seed, torch.tensor([10, 10, 11, 11]), 2, torch.tensor([0, 1, 0, 1]))
+    assert torch.equal(cond.preference.cpu(), expected)  # entries (p, 0), (p, 1), (q, 0), (q, 1)
+    assert cond.prompt_embeds.shape[0] == 4
 
 
 @pytest.mark.parametrize("recipe", ["grpo", "nft"])
@@ -80,6 +138,15 @@ def test_slider_config_errors_name_the_key(tmp_path):
         slider_config(tmp_path, "model.preference.rewards=[brightness]")
     with pytest.raises(ConfigError, match="train.combine"):
         load_config(Config, SMOKE, ["train.combine=preference"])
+
+
+def test_preferences_per_prompt_must_split_the_group(tmp_path):
+    with pytest.raises(ConfigError, match="model.preference.per_prompt") as error:
+        slider_config(tmp_path, "model.preference.per_prompt=3")  # 3 does not divide the smoke group of 4
+    assert "\n" not in str(error.value)
+    with pytest.raises(ConfigError, match="model.preference.per_prompt"):
+        slider_config(tmp_path, "model.preference.per_prompt=4")  # subgroups of one row: no spread to normalise
+    assert slider_config(tmp_path, "model.preference.per_prompt=1").model.preference.per_prompt == 1
 
 
 def test_dense_ode_credit_is_refused_with_a_slider(tmp_path):
