@@ -15,6 +15,7 @@ FAMILY_CLASSES = {
     "flux": "flowrl.models.flux:FluxPolicy",  # FLUX.1 [dev] / [schnell]
     "flux_kontext": "flowrl.models.flux_kontext:FluxKontextPolicy",  # FLUX.1 Kontext [dev] (editing)
     "flux2_klein": "flowrl.models.flux2:Flux2KleinPolicy",  # FLUX.2 [klein]
+    "flux2_dev": "flowrl.models.flux2_dev:Flux2DevPolicy",  # FLUX.2 [dev]
     "qwen_image": "flowrl.models.qwen_image:QwenImagePolicy",  # Qwen-Image
     "z_image": "flowrl.models.z_image:ZImagePolicy",  # Z-Image (Turbo)
     "wan": "flowrl.models.wan:WanPolicy",  # Wan2.1 text-to-video
@@ -33,6 +34,6 @@ def policy_class(family: str) -> type:
 
 PIPELINE_FAMILIES = {
     "StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "FluxKontextPipeline": "flux_kontext",
-    "Flux2KleinPipeline": "flux2_klein", "QwenImagePipeline": "qwen_image", "ZImagePipeline": "z_image",
-    "WanPipeline": "wan",
+    "Flux2KleinPipeline": "flux2_klein", "Flux2Pipeline": "flux2_dev", "QwenImagePipeline": "qwen_image",
+    "ZImagePipeline": "z_image", "WanPipeline": "wan",
 }

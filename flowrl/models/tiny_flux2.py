@@ -10,6 +10,7 @@ pass with the empty prompt) is exercised; the step-distilled klein models run th
 The VAE's batch-norm running statistics are set to seeded non-trivial values: with the default 0 / 1 the latent
 de-normalisation before decoding would be the identity and a mistake there would go unnoticed.
 Weights are a pure function of ``seed`` (``flowrl.models.tiny._seeded``); everything float32, eval mode, CPU.
+The transformer, VAE and scheduler builders are shared with the FLUX.2 [dev] tiny pipeline (``tiny_flux2_dev``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,18 @@ def _qwen3(vocab_size: int) -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM(config)
 
 
-def _vae() -> AutoencoderKLFlux2:
+def tiny_flux2_transformer(*, guidance_embeds: bool, text_dim: int = len(TEXT_OUT_LAYERS) * QWEN_HIDDEN
+                           ) -> Flux2Transformer2DModel:
+    """One double- and one single-stream block on 16 image tokens; ``text_dim`` is the stacked hidden states' width,
+    ``guidance_embeds`` the [dev] guidance embedding (klein has none)."""
+    return Flux2Transformer2DModel(
+        patch_size=1, in_channels=4 * TINY_FLUX2_LATENT_CHANNELS, num_layers=1, num_single_layers=1,
+        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=text_dim,
+        axes_dims_rope=(4, 4, 4, 4), guidance_embeds=guidance_embeds,  # 4 axes summing to the head dim
+    )
+
+
+def tiny_flux2_vae() -> AutoencoderKLFlux2:
     vae = AutoencoderKLFlux2(
         in_channels=3, out_channels=3,
         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
@@ -55,17 +67,16 @@ def tiny_flux2_klein_pipeline(seed: int = 0) -> Flux2KleinPipeline:
     """FLUX.2 [klein] base layout with tiny random weights (Flux2KleinPipeline's default size is 1024 px: always
     pass height/width)."""
     tokenizer = tiny_qwen_tokenizer()
-    transformer = _seeded(seed, 0, lambda: Flux2Transformer2DModel(
-        patch_size=1, in_channels=4 * TINY_FLUX2_LATENT_CHANNELS, num_layers=1, num_single_layers=1,
-        attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=len(TEXT_OUT_LAYERS) * QWEN_HIDDEN,  # the stacked hidden states: 48
-        axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False,  # 4 axes summing to the head dim; klein: no guidance
-    ))
-    vae = _seeded(seed, 1, _vae)
+    transformer = _seeded(seed, 0, lambda: tiny_flux2_transformer(guidance_embeds=False))  # klein: no guidance
+    vae = _seeded(seed, 1, tiny_flux2_vae)
     text_encoder = _seeded(seed, 2, lambda: _qwen3(len(tokenizer)))
-    scheduler = FlowMatchEulerDiscreteScheduler(  # the mu the pipeline passes replaces the shift anchors
+    return Flux2KleinPipeline(scheduler=tiny_flux2_scheduler(), vae=vae, text_encoder=text_encoder,
+                              tokenizer=tokenizer, transformer=transformer, is_distilled=False)
+
+
+def tiny_flux2_scheduler() -> FlowMatchEulerDiscreteScheduler:
+    """FLUX.2's dynamically shifted scheduler (the ``mu`` the pipelines pass replaces the shift anchors)."""
+    return FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True,
         base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096,
     )
-    return Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-                              transformer=transformer, is_distilled=False)

@@ -21,10 +21,11 @@ CONFIGS = {"sd3": REPO / "configs/models/sd35_medium_transformer.json",
            "qwen_image": REPO / "configs/models/qwen_image_transformer.json",
            "wan": REPO / "configs/models/wan21_t2v_1_3b_transformer.json",
            "z_image": REPO / "configs/models/z_image_turbo_transformer.json",
-           "flux2_klein": REPO / "configs/models/flux2_klein_4b_transformer.json"}
+           "flux2_klein": REPO / "configs/models/flux2_klein_4b_transformer.json",
+           "flux2_dev": REPO / "configs/models/flux2_dev_transformer.json"}
 LABELS = {"sd3": "SD3.5-Medium", "flux": "FLUX.1-dev", "flux_kontext": "FLUX.1-Kontext-dev",
-          "flux2_klein": "FLUX.2-klein-4B", "qwen_image": "Qwen-Image", "z_image": "Z-Image-Turbo",
-          "wan": "Wan2.1-T2V-1.3B"}
+          "flux2_klein": "FLUX.2-klein-4B", "flux2_dev": "FLUX.2-dev", "qwen_image": "Qwen-Image",
+          "z_image": "Z-Image-Turbo", "wan": "Wan2.1-T2V-1.3B"}
 NO_GPU = "needs an NVIDIA GPU (found none); run with --quick --device cpu for a smoke test"
 STAGES = ("model load", "rollout", "train step (checkpointing off)", "train step (checkpointing on)",
           "train step + KL reference", "attention sdpa", "attention xformers")
@@ -98,6 +99,7 @@ def _meta_model(family: str):
     ("wan", 1.3e9, 1.45e9, 1_418_996_800),  # Wan2.1-T2V-1.3B: "1.3B"
     ("z_image", 6.0e9, 6.3e9, 6_154_908_736),  # Z-Image-Turbo: "6B"
     ("flux2_klein", 3.8e9, 4.1e9, 3_875_544_576),  # FLUX.2 [klein] 4B: "4B"
+    ("flux2_dev", 32.0e9, 32.5e9, 32_223_281_152),  # FLUX.2 [dev]: "32B"
 ])
 def test_published_configs_have_published_sizes(family, low, high, exact):
     spec, model = _meta_model(family)
