@@ -12,6 +12,11 @@ DTensors of the same layout. A checkpoint must hold the same files a 1-process r
   exactly the 1-process layout), and :func:`shard_optimizer_state` re-slices a loaded state to the live
   (sharded) parameters after ``optimizer.load_state_dict``.
 
+* :func:`write_weights` is flowrl's one in-place weight write, and :func:`weights_swapped` the swap built on it:
+  the EMA's eval weights (:meth:`flowrl.training.ema.LoraEMA.swapped_in`), full fine-tuning's base reference
+  (:meth:`flowrl.models.full_weights.FullWeights.base_swapped`) and the held-out guard's restore of its best
+  point all go through them.
+
 Without DTensors every function is the identity (or a copy), so 1-process and DDP runs take the same path.
 
 A low module: the LoRA state of :mod:`flowrl.models.lora_io`, the EMA and the checkpoints all gather
@@ -19,6 +24,9 @@ through it, and models sit below training.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -110,3 +118,58 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             for key, value in entry.items():
                 if torch.is_tensor(value) and not is_sharded(value) and value.shape == param.shape:
                     entry[key] = like(value, param)
+
+
+@torch.no_grad()
+def write_weights(params: Sequence[torch.nn.Parameter], values: Sequence[torch.Tensor], *, exchange: bool,
+                  kept: Sequence[torch.Tensor | None] | None = None,
+                  one_at_a_time: bool = False) -> list[torch.Tensor | None]:
+    """Write ``values`` into the parameters in place, through ``.data``: autograd's saved weights see the new values,
+    and under FSDP2 the copy lands in the storage the all-gather reads (rebinding ``data`` would not).
+
+    ``exchange``: the values take the parameters' old values in return, so a second call with the same lists undoes
+    the first bit for bit (a swap); otherwise the values are left as they are (a load). Under FSDP2 the root
+    module's parameters stay gathered between a forward and its backward (plain tensors while their store is a
+    shard): those get the whole value (an all-gather, the same order on every process), and their old value is
+    kept aside and returned, for the call that undoes the swap to take as ``kept``.
+
+    Plain tensors are copied in two foreach calls; DTensors (no foreach sharding rule) and ``one_at_a_time`` (full
+    weights: one temporary tensor at a time, never a second copy of the model) go one tensor at a time."""
+    params, values = list(params), list(values)
+    if not params:
+        return []
+    kept = list(kept) if kept is not None else [None] * len(params)
+    if not one_at_a_time and not any(is_sharded(t) for t in [*values, *(p.data for p in params)]):
+        live = torch._foreach_mul([p.data for p in params], 1) if exchange else None  # copies, one launch
+        torch._foreach_copy_([p.data for p in params], [v if k is None else k for v, k in zip(values, kept)])
+        if exchange:
+            torch._foreach_copy_(values, live)
+        return [None] * len(params)
+    aside: list[torch.Tensor | None] = []
+    for param, value, earlier in zip(params, values, kept):
+        if earlier is not None:  # undoing a swap of a gathered root parameter: its value was kept aside
+            param.data.copy_(earlier)
+            aside.append(None)
+            continue
+        live = param.data.clone() if exchange else None
+        if is_sharded(value) and not is_sharded(param.data):
+            param.data.copy_(full(value))
+            aside.append(live)
+            continue
+        param.data.copy_(value)
+        if exchange:
+            value.copy_(live)
+        aside.append(None)
+    return aside
+
+
+@contextlib.contextmanager
+def weights_swapped(params: Sequence[torch.nn.Parameter], values: Sequence[torch.Tensor], *,
+                    one_at_a_time: bool = False) -> Iterator[None]:
+    """``values`` in the live parameters for the block (held by ``values`` meanwhile), both back bit for bit after
+    (:func:`write_weights` twice)."""
+    kept = write_weights(params, values, exchange=True, one_at_a_time=one_at_a_time)
+    try:
+        yield
+    finally:
+        write_weights(params, values, exchange=True, kept=kept, one_at_a_time=one_at_a_time)

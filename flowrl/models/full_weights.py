@@ -74,50 +74,20 @@ class FullWeights:
 
     @contextlib.contextmanager
     def base_swapped(self) -> Iterator[None]:
-        """The base weights in the live parameters for the block, the trained ones back after, bit for bit."""
+        """The base weights in the live parameters for the block, the trained ones back after, bit for bit
+        (:func:`flowrl.core.sharded.weights_swapped`, one tensor at a time: never a second copy of the model)."""
         if self.base is None:  # not taken yet: the live weights still are the base
             yield
             return
-        params = self.parameters()  # what the modules hold now: under FSDP2 a shard, or the gathered tensor
-        kept = self._swap_in(params)
-        torch.clear_autocast_cache()  # autocast caches a float32 weight's bf16 cast: never reuse the other weights'
-        try:
-            yield
-        finally:
-            self._swap_out(params, kept)
-            torch.clear_autocast_cache()
+        from flowrl.core.sharded import weights_swapped
 
-    # Both directions go through ``.data``: autograd's saved weights see their own values again after the block, and
-    # under FSDP2 the copy lands in the storage its all-gather reads (rebinding ``data`` would not).
-    @torch.no_grad()
-    def _swap_in(self, params: list[torch.nn.Parameter]) -> list[torch.Tensor | None]:
-        """Swap base and live values in place, one temporary tensor at a time. Under FSDP2 the root module's
-        parameters stay gathered between a forward and its backward (plain tensors while the copy is a shard):
-        those get the whole base tensor (an all-gather, the same order on every process) and their live value is
-        kept aside (the root's embeddings and output layer: small). Returns what was kept aside, per parameter."""
-        from flowrl.core.sharded import full, is_sharded
-
-        kept: list[torch.Tensor | None] = []
-        for param, base in zip(params, self.base):
-            live = param.data.clone()
-            if is_sharded(base) and not is_sharded(param.data):
-                param.data.copy_(full(base))
-                kept.append(live)
-            else:
-                param.data.copy_(base)
-                base.copy_(live)
-                kept.append(None)
-        return kept
-
-    @torch.no_grad()
-    def _swap_out(self, params: list[torch.nn.Parameter], kept: list[torch.Tensor | None]) -> None:
-        for param, base, live in zip(params, self.base, kept):
-            if live is not None:
-                param.data.copy_(live)
-                continue
-            original = param.data.clone()
-            param.data.copy_(base)
-            base.copy_(original)
+        # What the modules hold now: under FSDP2 a shard, or the gathered tensor of a root parameter.
+        with weights_swapped(self.parameters(), self.base, one_at_a_time=True):
+            torch.clear_autocast_cache()  # autocast caches a float32 weight's bf16 cast: never reuse the other's
+            try:
+                yield
+            finally:
+                torch.clear_autocast_cache()
 
 
 def make_full_trainable(policy, patterns: Sequence[str] = ()) -> FullWeights:

@@ -37,6 +37,7 @@ from typing import Callable, Sequence
 import torch
 
 from flowrl.config import ConfigError
+from flowrl.core.sharded import write_weights
 from flowrl.data.tasks import paired_task_mean_gain, row_tasks
 from flowrl.training.ema import AdapterSnapshot, LoraEMA
 
@@ -152,8 +153,7 @@ class HeldOutWeights:
     @torch.no_grad()
     def restore(self, optimizer=None) -> None:
         """Put the taken weights (and with ``optimizer`` its moments) back into the live run."""
-        for param, shadow in zip(self.live.parameters, self.live.model.shadow_params):  # one by one: FSDP2's
-            param.data.copy_(shadow)  # DTensors have no foreach copy
+        write_weights(self.live.parameters, self.live.model.shadow_params, exchange=False)  # a load, not a swap
         for copy, best in self.pairs.values():
             copy_shadows(best, copy)
         if optimizer is None or not self.moments:

@@ -132,26 +132,13 @@ class LoraEMA:
     # --- eval with EMA weights ------------------------------------------------------------
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
-        """Temporarily put the EMA weights into the live parameters; the trained ones come back after."""
-        from flowrl.core.sharded import is_sharded
+        """Temporarily put the EMA weights into the live parameters; the trained ones come back after, bit for bit.
+        The live weights wait in the shadows' storage meanwhile (:func:`flowrl.core.sharded.weights_swapped`: no
+        host copy, since recipe nft swaps the old adapter in for every micro-batch)."""
+        from flowrl.core.sharded import weights_swapped
 
-        # DTensor has no sharding rule for aten._foreach_copy_ (FSDP2): copy one by one, the same values.
-        foreach, self.model.foreach = self.model.foreach, self.model.foreach and not is_sharded(self.parameters[0])
-        # The live weights wait on their own device (diffusers' store() copies them to the host, a sync per swap:
-        # recipe nft swaps the old adapter in for every micro-batch).
-        live = [p.detach().clone() for p in self.parameters]
-        self.model.copy_to(self.parameters)
-        try:
+        with weights_swapped(self.parameters, self.model.shadow_params):
             yield
-        finally:
-            with torch.no_grad():
-                if self.model.foreach:
-                    torch._foreach_copy_([p.data for p in self.parameters], live)
-                else:
-                    for param, kept in zip(self.parameters, live):
-                        param.data.copy_(kept)
-            self.model.foreach = foreach
-
 
 
 class AdapterSnapshot(LoraEMA):
