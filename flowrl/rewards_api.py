@@ -60,12 +60,16 @@ class Reward(Protocol):
 
 @runtime_checkable
 class TrainableReward(Protocol):
-    """A reward trained during the run (Adv-GRPO's discriminator): the run extra of
+    """A reward trained during the run (Adv-GRPO's discriminator). The run extra of
     :mod:`flowrl.recipes.reward_updates` calls ``update(images [N,3,H,W], prompts [N], metadata [N]) -> {metric:
-    float}`` with each ``update_every``-th epoch's rollouts, and saves ``state_dict()`` (JSON-safe) in the
-    checkpoint, restored by ``load_state_dict`` on resume, so a resumed run scores as the uninterrupted one."""
+    float}`` with the rollouts of each epoch for which ``updates_on(epoch)`` holds, skips the policy's update on
+    epochs for which ``policy_updates_on(epoch)`` does not (Adv-GRPO alternates: the discriminator trains on 9 of
+    every 10 epochs, the policy on the 10th), and saves ``state_dict()`` (JSON-safe) in the checkpoint, restored
+    by ``load_state_dict`` on resume, so a resumed run scores as the uninterrupted one."""
 
-    update_every: int
+    def updates_on(self, epoch: int) -> bool: ...
+
+    def policy_updates_on(self, epoch: int) -> bool: ...
 
     def update(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> dict[str, float]: ...
 

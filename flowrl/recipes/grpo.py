@@ -132,7 +132,8 @@ def train(cfg: GRPOConfig, *, accelerator: Accelerator | None = None) -> dict[st
             sensitivity=ratio_norm.sensitivities(traj.row_sigmas[0], steps.columns, noise_level=s.noise_level,
                                                  kind=s.kind),  # one window for every row (GRPOConfig.validate)
             reference=run.kl_reference)  # GARDO's resets move it
-        update_policy(run, epoch, update, traj, advantages, mask, kept, steps, settings, per_reward, stats)
+        if run.updates_policy(epoch):  # unless the epoch trains only a trainable reward (Adv-GRPO's schedule)
+            update_policy(run, epoch, update, traj, advantages, mask, kept, steps, settings, per_reward, stats)
         update_metrics = run.after_update(epoch, traj, stats)  # GARDO's reference resets, the trainable rewards
         train_done = time.perf_counter()
 

@@ -21,6 +21,9 @@ the scaffold, the checkpoint code and the other recipe stay as they are. Every m
 - ``after_update(run, epoch, traj, stats)`` -> metrics, after the epoch's policy update and before its checkpoint,
   with its rollouts and the update's statistics (:meth:`Run.after_update`: the trainable rewards learn from the
   rollouts, GARDO's reference moves to the adapter);
+- ``updates_policy(epoch)`` -> bool: whether the policy trains on epoch ``epoch`` (:meth:`Run.updates_policy`:
+  the trainable rewards' schedule, Adv-GRPO's epochs that train only its discriminator); the recipe skips the
+  policy's update where any extra says False;
 - ``shape_rows(run, traj, groups)`` -> :class:`RowShaping`: a scale on each row's positive advantage and the rows
   the KL acts on, from the epoch's scored rollouts (:meth:`Run.shape_rows`: GARDO's diversity weights and KL gate);
 - ``kl_weights(policy)``: the KL reference's weights as a context, where an extra moves them (:attr:`Run.kl_reference`:
@@ -151,6 +154,11 @@ class Run:
         """Each extra's work after the epoch's policy update, on its rollouts ``traj`` and the update's ``stats``
         (trainable rewards, GARDO's reference); returns their metrics."""
         return self.metrics_of("after_update", epoch, traj, stats)
+
+    def updates_policy(self, epoch: int) -> bool:
+        """Whether the policy trains on epoch ``epoch``: unless an extra's schedule keeps the epoch for itself
+        (Adv-GRPO's discriminator epochs); True where no extra has a say."""
+        return all(method(epoch) for method in self.hook("updates_policy"))
 
     def shape_rows(self, traj, groups) -> RowShaping:
         """The shaping of this epoch's rows by the extra that shapes them (GARDO), from its scored rollouts ``traj``
