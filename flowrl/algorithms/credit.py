@@ -180,20 +180,16 @@ def ode_dense_credit(inputs: CreditInputs, advantages: torch.Tensor, mask: torch
 
 def sdpo_credit(inputs: CreditInputs, advantages: torch.Tensor, mask: torch.Tensor, stats):
     """train.credit sdpo: each step's advantage from its discounted dense return, normalised per step over its
-    group; the dense rewards are queried at a few states and predicted by latent similarity at the others. A row
-    with a reward that could not be scored trains nothing."""
+    group; the dense rewards (:func:`sdpo_dense_rewards`) are queried at a few states and predicted by latent
+    similarity at the others. A row with a reward that could not be scored trains nothing."""
     traj, t, accelerator = inputs.traj, inputs.settings, inputs.accelerator
     start = time.perf_counter()
-    x0 = traj.x0_preds[:, 1:].cpu()  # [N, K, ...] the x̂0 of the state each step leads to; the last: the sample
-    queried = query_states(x0, t.sdpo_queries, t.sdpo_anchor, traj.seeds)  # [N, Q]
     keys = list(inputs.weights)
-    with inputs.policy.local_forward():
-        rewards, count = queried_rewards(inputs.policy, inputs.scorer, traj, x0, queried, keys,
-                                         batch_size=inputs.batch_size)
-    similarities = cosine_similarities(x0, queried)  # [N, K, Q]
-    returns = {key: accelerator.gather(discounted_returns(predicted_rewards(rewards[key], similarities, queried),
-                                                          t.sdpo_gamma).float().to(accelerator.device)).cpu()
-               for key in keys}  # {key: [N_all, K]}
+    dense_rewards, count = sdpo_dense_rewards(inputs.policy, inputs.scorer, traj, keys, queries=t.sdpo_queries,
+                                              anchor=t.sdpo_anchor, reward_at=t.sdpo_reward_at,
+                                              batch_size=inputs.batch_size)  # {key: [N, K]}
+    returns = {key: accelerator.gather(discounted_returns(dense_rewards[key], t.sdpo_gamma).float()
+                                       .to(accelerator.device)).cpu() for key in keys}  # {key: [N_all, K]}
     advantages, combined = stepwise_advantages(returns, inputs.weights, inputs.all_groups, inputs.combine,
                                                inputs.estimator, clip=t.advantage_clip)
     mask = mask & torch.isfinite(combined[inputs.local]).all(dim=1, keepdim=True)
@@ -201,6 +197,36 @@ def sdpo_credit(inputs: CreditInputs, advantages: torch.Tensor, mask: torch.Tens
     stats.add_scalar("perf/sdpo_queried_images", float(count))  # images scored for the credit, per process
     stats.add_scalar("perf/sdpo_credit_s", time.perf_counter() - start, reduce="max")
     return advantages[inputs.local], mask  # [N, K]
+
+
+def step_start_states(x0_preds: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+    """The x̂0 of the state each step starts from, [N, K, ...] of the rollout's [N, K+1, ...]; none is the sample."""
+    return x0_preds[:, :-1], None
+
+
+def step_end_states(x0_preds: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+    """The x̂0 of the state each step leads to, [N, K, ...]; the last (index K-1) is the sample itself."""
+    return x0_preds[:, 1:], x0_preds.shape[1] - 2
+
+
+# train.sdpo_reward_at: (x0_preds [N, K+1, ...]) -> (the states whose x̂0 gives each step's dense reward [N, K, ...],
+# the index among them of the sample, whose reward the rollout has, or None).
+SDPO_REWARD_STATES = {"step_start": step_start_states, "step_end": step_end_states}
+
+
+def sdpo_dense_rewards(policy, scorer, traj, keys, *, queries: int, anchor: str, reward_at: str,
+                       batch_size: int) -> tuple[dict[str, torch.Tensor], int]:
+    """SDPO's dense rewards {key: [N, K]} float64 of this process's rows and how many images were scored: step k's
+    reward is that of the x̂0 the rollout stored at the state ``reward_at`` names (``step_start``: the state step k
+    starts from, the reference's), scored at the :func:`query_states` and predicted by latent similarity at the
+    others (:func:`flowrl.algorithms.sdpo.predicted_rewards`)."""
+    states, sample_state = SDPO_REWARD_STATES[reward_at](traj.x0_preds.cpu())  # [N, K, ...]
+    queried = query_states(states, queries, anchor, traj.seeds)  # [N, Q]
+    with policy.local_forward():  # gradient-free decodes need no distributed syncing
+        rewards, count = queried_rewards(policy, scorer, traj, states, queried, keys, sample_state=sample_state,
+                                         batch_size=batch_size)
+    similarities = cosine_similarities(states, queried)  # [N, K, Q]
+    return {key: predicted_rewards(rewards[key], similarities, queried) for key in keys}, count
 
 
 def dense(rule: CreditRule) -> CreditRule:
@@ -273,14 +299,15 @@ def query_states(x0_preds: torch.Tensor, queries: int, anchor: str, seeds: torch
 
 @torch.no_grad()
 def queried_rewards(policy, scorer, traj, x0_preds: torch.Tensor, queried: torch.Tensor, keys, *,
-                    batch_size: int) -> tuple[dict[str, torch.Tensor], int]:
-    """{key: [N, Q]} rewards of the queried states and how many images were scored: the last state's is the
-    rollout's own reward; each other distinct (row, state) is decoded from its x̂0 and scored once, in batches."""
-    n, states = x0_preds.shape[:2]
+                    sample_state: int | None, batch_size: int) -> tuple[dict[str, torch.Tensor], int]:
+    """{key: [N, Q]} rewards of the queried states and how many images were scored: the state ``sample_state`` (the
+    sample itself; None: no state is) takes the rollout's own reward; each other distinct (row, state) is decoded
+    from its x̂0 (``x0_preds`` [N, S, ...]) and scored once, in batches."""
+    n = x0_preds.shape[0]
     out = {key: traj.rewards[key].float().cpu()[:, None].repeat(1, queried.shape[1]) for key in keys}
     pairs = sorted({(row, state) for row, state in zip(
         torch.arange(n).repeat_interleave(queried.shape[1]).tolist(), queried.flatten().tolist())
-        if state != states - 1})
+        if state != sample_state})
     prompts, metadata, futures = traj.row_prompts, traj.row_metadata, []
     for start in range(0, len(pairs), batch_size):
         part = pairs[start:start + batch_size]
@@ -295,7 +322,7 @@ def queried_rewards(policy, scorer, traj, x0_preds: torch.Tensor, queried: torch
             scored[pair] = {key: float(values[key][i]) for key in keys}
     for row in range(n):
         for q, state in enumerate(queried[row].tolist()):
-            if state != states - 1:
+            if state != sample_state:
                 for key in keys:
                     out[key][row, q] = scored[(row, state)][key]
     return out, len(pairs)

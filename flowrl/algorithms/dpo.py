@@ -22,6 +22,36 @@ target ``noise - x0`` and a shared (t, noise) per pair (``scripts/train_sd3_dpo.
 yifan123/flow_grpo_refactor 7be03dc), ``beta`` 100 (``config/dpo.py`` ``pickscore_sd3``, read in the mirror
 ltt0716/flow_grpo_official at a646ae3), and pairs each group's argmax with its argmin (its per-prompt stat
 tracker's ``dpo`` type).
+
+What the recipe feeds this loss, against the references (yifan123/flow_grpo ``scripts/train_sd3_dpo.py`` at ac4c86e;
+X-GenGroup/Flow-Factory ``src/flow_factory/trainers/dpo.py`` at a0b2bc5):
+
+- Timesteps. Both references draw ``t`` logit-normal with mean 0 and std 1 by default: Flow-GRPO hard-codes diffusers'
+  ``compute_density_for_timestep_sampling('logit_normal', logit_mean=0, logit_std=1)`` and indexes its 1000-step
+  shifted training scheduler with it (L890-898), so SD3.5's shift 3 applies (P(sigma < 0.3) = 2.6%); Flow-Factory's
+  ``DPOTrainingArguments`` default ``weighting_scheme='logit_normal'``, ``logit_mean=0``, ``logit_std=1``
+  (``hparams/training_args.py`` L656-667) with ``time_shift=1`` (no shift, L674-677) over ``timestep_range`` 0.99.
+  flowrl's default for loss dpo is therefore ``nft.timestep_schedule: logit_normal``
+  (:func:`flowrl.algorithms.timesteps.logit_normal_timesteps`: Flow-GRPO's draw on the model's own shifted
+  1000-step schedule, the model's shift acting as SD3.5's does there); ``sampling`` (the shifted sampling grid,
+  DiffusionNFT's; on the toy's 10-step grid 1 sigma in 10 is below 0.3) stays available. Left as it is:
+  Flow-Factory draws one t per timestep slot for its whole batch, flowrl and Flow-GRPO one per pair.
+- Guidance. With ``train.cfg: true`` (the config default) ``e`` and ``e_ref`` are the errors of the guided velocity
+  ``v_u + w (v_c - v_u)``, ``w`` the guidance scale, against the flow-matching target. A change of the adapter
+  moves it by ``(1 - w) dv_u + w dv_c``: a change of the conditional branch alone counts ``w`` times, and the
+  margin beta multiplies, a difference of squared errors, grows by ``w`` (its linear term) up to ``w^2``. So a beta
+  set for the conditional velocity acts several to ``w^2`` times as strongly under CFG, and the references' beta
+  values do not carry over. Both references train the conditional velocity: Flow-GRPO's learner and reference
+  passes take the prompt embeddings alone (L905-922), Flow-Factory's SD3.5 DPO example trains at
+  ``guidance_scale: 1.0`` ("no CFG; aligns with DPO train forward", ``examples/dpo/lora/sd3_5/default.yaml`` L7,
+  L96-97). ``train.cfg: false`` is theirs.
+- Reference. By default the base model (adapter off) for the whole run, as both references' defaults (Flow-GRPO's
+  ``ref_update_step`` 10^7, ``config/dpo.py`` L47-48; Flow-Factory keeps a frozen copy). ``nft.dpo_ref_update_every:
+  N`` makes the adapter the reference at the end of every N-th epoch, Flow-GRPO's online variant
+  (``copy_learner_to_ref``, L134-139, called every ``ref_update_step`` optimizer steps at L614-615; here counted in
+  epochs): :mod:`flowrl.recipes.dpo_reference`.
+- Rollouts. flowrl's come from the trained adapter by the ODE; Flow-GRPO samples its reference adapter with SDE
+  noise, so its online variant is on-policy only as often as the reference moves.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ class ForwardLoss:
     """A forward-process loss, built from the config with its own options, and what the recipe does around it.
 
     ``loss(velocity, old_velocity, target, advantage, sigma, ref_velocity=None) -> [U]``: velocities and target
-    [B, ...] (``old_velocity`` None unless ``needs_old``, ``ref_velocity`` the base model's, None unless
+    [B, ...] (``old_velocity`` None unless ``needs_old``, ``ref_velocity`` the reference's, None unless
     ``needs_reference`` or train.beta > 0), the update weight ``advantage`` [U] and the noise level ``sigma`` [B],
     for U units of ``rows_per_unit`` rows each (:meth:`units`). The hooks' defaults are DiffusionNFT's and AWM's:
     one unit per sample, the clipped advantage over the clip is the weight, the KL anchor is the policy's guidance,
@@ -39,7 +39,7 @@ class ForwardLoss:
 
     name = ""
     needs_old = True  # compares with the old adapter's velocity
-    needs_reference = False  # compares with the base model's velocity even at train.beta 0
+    needs_reference = False  # compares with the reference's velocity even at train.beta 0
 
     @classmethod
     def from_config(cls, cfg: NFTConfig) -> ForwardLoss:
@@ -167,8 +167,10 @@ class CrdLoss(ForwardLoss):
 @dataclass
 class DpoLoss(ForwardLoss):
     """Online DPO (:mod:`flowrl.algorithms.dpo`): each unit is a preference pair of one group, winner and loser at
-    one shared (t, noise), scored by their flow-matching errors against the base model's (adapter off). The old
-    adapter plays no part; the advantages only rank a group's rollouts.
+    one shared (t, noise), scored by their flow-matching errors against the reference's: the base model (adapter
+    off), or the adapter of the last refresh with ``nft.dpo_ref_update_every`` (the recipe passes it to
+    :func:`forward_process_loss` as ``reference``). The old adapter plays no part; the advantages only rank a
+    group's rollouts.
 
     ``pairing`` (``nft.dpo_pairs``): ``best_worst`` (one pair per group, Flow-GRPO's; the default) or ``all`` (every
     winner/loser pair, up to g^2 / 4 per group of g on a binary reward, each two trained and two reference rows).
@@ -254,7 +256,7 @@ def forward_process_loss(policy, old, x0, cond, advantage, weights, *, guidance:
                          noise_seed: list[int], stats, sigma: torch.Tensor | None = None,
                          loss: ForwardLoss | None = None, scale: float = 1.0, kl_guidance: float | None = None,
                          kl_weights: torch.Tensor | None = None, strength: float = 1.0,
-                         adaptive: bool = True, rows_per_unit: int = 1) -> torch.Tensor:
+                         adaptive: bool = True, rows_per_unit: int = 1, reference=None) -> torch.Tensor:
     """Summed (not averaged) forward-process loss ``scale * loss + beta * KL`` of clean latents
     ``x0`` [B, C, h, w] at (t, fresh noise), with ``advantage`` [B] the clipped advantage over the clip
     (``2r - 1`` for DiffusionNFT's optimality ``r``: 1 trains toward the samples like plain flow matching)
@@ -265,8 +267,10 @@ def forward_process_loss(policy, old, x0, cond, advantage, weights, *, guidance:
     preference pair's winner and loser (2, loss dpo). ``advantage``, ``weights``, ``sigma`` and ``kl_weights`` are
     per unit [U]; the loss returns [U], and the KL is each unit's mean over its rows.
 
-    The KL is ``||v - v_ref||^2`` to the base model (adapter off) at guidance ``kl_guidance`` (default: the
-    policy's ``guidance``), times ``kl_weights`` [B] when given; ``scale`` does not act on it, as in
+    The KL is ``||v - v_ref||^2`` to the reference at guidance ``kl_guidance`` (default: the policy's
+    ``guidance``), times ``kl_weights`` [B] when given; the reference, the KL's and DPO's alike (one pass), is the
+    context ``reference()`` puts its weights in (DPO's refreshed adapter, ``nft.dpo_ref_update_every``), by
+    default the base model (adapter off, ``policy.reference``); ``scale`` does not act on it, as in
     DiffusionNFT and Flow-Factory's CRD. The noise, and ``t ~ U(0, 1)`` when ``sigma`` [B] is not given, come
     from a generator seeded by ``noise_seed`` (reproducible on any device).
     """
@@ -278,9 +282,9 @@ def forward_process_loss(policy, old, x0, cond, advantage, weights, *, guidance:
         with torch.no_grad(), (old or nullcontext)(), policy.local_forward():
             old_velocity = policy.velocity(noised, sigma, cond, guidance).float()
     velocity = policy.velocity(noised, sigma, cond, guidance).float()
-    ref_velocity = None  # [B, ...] the base model's (adapter off): train.beta's anchor, DPO's reference
+    ref_velocity = None  # [B, ...] the reference's (the base model unless moved): train.beta's anchor, DPO's
     if beta > 0 or loss.needs_reference:
-        with torch.no_grad(), policy.reference():
+        with torch.no_grad(), (reference or policy.reference)():
             anchor_guidance = guidance if kl_guidance is None else kl_guidance
             ref_velocity = policy.velocity(noised, sigma, cond, anchor_guidance).float()
     value = loss(velocity, old_velocity, target, advantage.to(device), sigma, ref_velocity=ref_velocity)  # [U]

@@ -4,20 +4,32 @@ Reference: github.com/ZiyiZhang27/sdpo at commit fcee34db05c0beead0d76b58b09f843
 ``scripts/train_sdpo.py`` (dense rewards, returns, advantages, the loss), ``sdpo_pytorch/diffusers_patch/
 pipeline_with_logprob_sdpo.py`` (the anchor and the latent similarities) and ``sdpo_pytorch/stat_tracking.py``.
 
-Two trajectories of one prompt start from the same noise. Every step keeps its noisy state and the predicted
-clean latent x̂0 (dual state). The reward is queried on a few x̂0s only (the first, the last and an anchor, the
-state least similar to both); every other step's dense reward is the mix of the queried ones weighted by the
-cosine similarity of its x̂0 to theirs (raw similarities, normalised by their sum, as the reference). Returns
-are discounted over steps (``gamma``), advantages are per (prompt, step), and the loss of step ``j`` matches the
-difference of the pair's log-ratios, weighted by ``lam**j / log_scale`` (temporal importance: early steps of a
-few-step schedule weigh more), to the difference of their advantages, PPO-style: the larger of the squared error
-with the log-ratios as they are and clamped to ``+-clip_range``.
+Two trajectories of one prompt start from the same noise (``train_sdpo.py`` L479-498: the second rollout is given
+the first one's initial latents). Every step keeps its noisy state and the predicted clean latent x̂0 (dual state).
+Step k's dense reward is that of the x̂0 predicted at the state step k starts from: the reference's DDIM step returns
+the x̂0 of the ``sample`` it is given (``ddim_with_logprob_sdpo.py`` L81, L139), the pipeline stacks one per step
+(``pipeline_with_logprob_sdpo.py`` L206-211) and decodes the first and the last of them (L213-215), the state
+before the first step and the state before the last. So both rows of a pair get the same reward at step 0. The
+reward is queried on a few x̂0s only (the first, the last and an anchor, the state least similar to both,
+L225-241); every other step's dense reward is the mix of the queried ones weighted by the cosine similarity of its
+x̂0 to theirs (raw similarities, normalised by their sum; queried steps keep their own score, the anchor's last,
+``train_sdpo.py`` L555-562). Returns are discounted over steps, ``G_k = r_k + gamma G_(k+1)`` with no bootstrap
+past the last step and the rewards themselves at ``gamma = 0`` (L631-635); advantages are per (prompt, step)
+(L637-644), and the loss of step ``k`` matches the difference of the pair's log-ratios, weighted by
+``lam**k / log_scale`` (temporal importance: early steps of a few-step schedule weigh more; L249-252, L785), to
+the difference of their advantages, PPO-style: the larger of the squared error with the log-ratios as they are and
+clamped to ``+-clip_range`` (L787-806).
 
-Where flowrl differs, named: a step's reward is that of the x̂0 of the state the step leads to (the last one is
-the sample itself, whose terminal reward the rollout already has), where the reference scores the x̂0 of the
-state before each step (under its DDIM eta=1 with alpha=1 at the end the last action is nearly deterministic; a
-flow SDE's is not); and the advantage is the recipe's estimator per step over the prompt's group (the reference
-keeps a per-(prompt, step) buffer across epochs, falling back to the batch's per-step statistics).
+Where flowrl differs, named:
+
+- the last step. The reference's last DDIM step lands on ``alphas_cumprod[0]`` (about 0.999, nearly no noise), so
+  the x̂0 before it is nearly the sample; a flow SDE's last step to sigma 0 adds noise of its own, which no
+  step-start reward sees. ``train.sdpo_reward_at: step_end`` rewards each step by the x̂0 of the state it leads to
+  instead (the last one is the sample, whose reward the rollout has; a pair's step-0 rewards then differ).
+- the advantage is the recipe's estimator per step over the prompt's group (the reference keeps a
+  per-(prompt, step) buffer of 32 across epochs, ``stat_tracking.py``, falling back to the batch's per-step
+  statistics below 16 entries).
+- the cosine similarities are taken in float64 (the reference's, under autocast, in the sampling dtype).
 """
 
 from __future__ import annotations

@@ -88,8 +88,13 @@ class GRPOTrainConfig(TrainConfig):
     sdpo_log_scale: float = 1.0
     """SDPO: the log-ratio difference is divided by this before it is matched to the advantage difference."""
     sdpo_queries: int = 3
-    """SDPO: states scored per trajectory: the first step's, the last (the sample's own reward) and
-    sdpo_queries - 2 anchors; the others are predicted by latent similarity (reference 3; >= num_steps: all)."""
+    """SDPO: states scored per trajectory: the first, the last and sdpo_queries - 2 anchors; the others are
+    predicted by latent similarity (reference 3; >= num_steps: all). With sdpo_reward_at step_end the last is the
+    sample, whose reward the rollout already has."""
+    sdpo_reward_at: Literal["step_start", "step_end"] = "step_start"
+    """SDPO: which state's clean prediction x0 = x - sigma v gives step k's dense reward: step_start, the state step k
+    starts from (the reference's, so both rows of a pair, one initial noise, share step 0's reward), or step_end, the
+    state it leads to (the last: the sample itself, so the last step's own noise is rewarded)."""
     sdpo_anchor: Literal["least_similar", "random"] = "least_similar"
     """SDPO: the anchors, least_similar (the reference: the state least cosine-similar to those queried so far) or
     random middle states drawn from the row's seed."""
@@ -259,6 +264,11 @@ GRPO_REQUIREMENTS = (
     Requires("train.credit", ("sdpo",), "sampling.window.size", lambda c: c.sampling.window.size is None,
              "train.credit=sdpo rewards and trains every step of a full-SDE rollout (few-step schedules): set the "
              "window to null"),
+    Requires("train.sdpo_reward_at", ("step_start",), "sampling.num_steps",
+             lambda c: c.sampling.num_steps >= 2 or (c.train.loss, c.train.credit) != ("sdpo", "sdpo"),
+             "is 1: train.sdpo_reward_at=step_start scores the state a step starts from, and a 1-step pair shares "
+             "its only one (the initial noise), so no pair could differ; use 2+ steps or "
+             "train.sdpo_reward_at=step_end"),
     Requires("train.credit", _TREE_CREDIT, "train.credit", lambda c: not c.sampling.tree.branch_steps,
              "{cfg.train.credit} is not defined on tree rollouts (sampling.tree.branch_steps), whose edges take their "
              "advantage from the leaves below them; use train.credit=terminal"),

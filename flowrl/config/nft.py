@@ -32,6 +32,10 @@ class NFTSection:
     """DPO: a group's pairs, its best rollout against its worst (Flow-GRPO's) or every winner/loser pair; equal
     advantages give no pair. best_worst: better per second of training on the toy world (flowrl/algorithms/forward_losses.py,
     DpoLoss)."""
+    dpo_ref_update_every: int | None = None
+    """DPO: every this many epochs the reference becomes the adapter as it ends that epoch (Flow-GRPO's online DPO,
+    its ref_update_step, counted there in optimizer steps); null: the reference stays the base model (adapter off),
+    as Flow-GRPO's and Flow-Factory's defaults. train.beta's KL anchor is the same reference."""
     crd_beta: float = 1.0
     """CRD: the KL temperature beta of beta (log-ratio - group mean) ~ (r - group mean), r in [0, 1]
     (Flow-Factory's crd_beta, 1 in its SD3.5 OCR example)."""
@@ -57,11 +61,17 @@ class NFTSection:
     """Divide each squared error by its own detached mean absolute error: loss nft measures its terms in x0-space
     (DiffusionNFT's adaptive weighting, keeps training stable); loss crd its implicit log-ratio's two terms in
     velocity space (Flow-Factory's adaptive_logp)."""
-    timestep_schedule: Literal["sampling", "uniform", "stratified"] | None = None
+    timestep_schedule: Literal["sampling", "uniform", "stratified", "logit_normal"] | None = None
     """Where training t comes from: 'sampling' draws, per sample and without repeats, from the sigmas of
     the (shifted) sampling schedule, as DiffusionNFT does; 'uniform' draws t ~ U(0, 1); 'stratified' is AWM's
     draw, one sigma per stratum of the schedule without its first (sigma 1) and last ones (see
-    nft.stratified_fraction); null: the loss's own (awm: stratified, else sampling)."""
+    nft.stratified_fraction); 'logit_normal' is Flow-GRPO's online DPO draw, sigmoid(logit_mean + logit_std z)
+    indexing the model's own shifted 1000-step schedule; null: the loss's own (awm: stratified, dpo: logit_normal,
+    else sampling)."""
+    logit_mean: float = 0.0
+    """timestep_schedule logit_normal: the mean of the logit (Flow-GRPO's and Flow-Factory's DPO: 0)."""
+    logit_std: float = 1.0
+    """timestep_schedule logit_normal: the standard deviation of the logit (Flow-GRPO's and Flow-Factory's DPO: 1)."""
     stratified_fraction: float = 0.9
     """timestep_schedule stratified: the strata cover schedule indices 1 .. int(num_steps * this) - 1 (AWM: 0.9,
     which leaves out the last two of 14 sigmas)."""
@@ -110,6 +120,11 @@ class NFTSection:
         check(self.strength > 0, "strength", "must be > 0")
         check(self.crd_beta > 0, "crd_beta", "must be > 0")
         check(self.dpo_beta > 0, "dpo_beta", "must be > 0")
+        check(self.dpo_ref_update_every is None or self.dpo_ref_update_every >= 1, "dpo_ref_update_every",
+              "must be >= 1 epoch, or null (the reference stays the base model)")
+        check(self.dpo_ref_update_every is None or self.loss == "dpo", "dpo_ref_update_every",
+              f"moves DPO's reference, and loss {self.loss} has none: remove it or set nft.loss=dpo")
+        check(self.logit_std > 0, "logit_std", "must be > 0")
         check(self.crd_kl_guidance is None or self.crd_kl_guidance >= 1, "crd_kl_guidance", "must be >= 1 or null")
         check(self.loss_scale is None or self.loss_scale > 0, "loss_scale", "must be > 0, or null")
         check(self.awm_kl >= 0, "awm_kl", "must be >= 0 (it pulls v toward the old adapter)")
@@ -152,7 +167,8 @@ NFT_CHOICES = {"timestep_schedule": "sampling", "sampler": "ode", "rollout_weigh
 LOSS_CHOICES = {"awm": {"timestep_schedule": "stratified", "sampler": "sa_solver", "rollout_weights": "trained",
                         "eval_ema_decay": 0.99, "eval_ema_every": "epoch", "old_decay": [0, 0.0, 0.001, 0.3]},
                 "crd": {"old_decay": [0, 0.25, 0.005, 0.999]},
-                "dpo": {"rollout_weights": "trained"}}  # online DPO samples from the policy it trains
+                "dpo": {"rollout_weights": "trained",  # online DPO samples from the policy it trains
+                        "timestep_schedule": "logit_normal"}}  # logit-normal(0, 1): both DPO references' default
 
 
 @dataclass

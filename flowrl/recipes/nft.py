@@ -48,8 +48,10 @@ pulling the velocity toward good samples and away from bad ones. ``nft.loss`` pi
   ties give none); both are noised at one shared (t, eps), and ``-log sigmoid(-nft.dpo_beta / 2 * diff)`` with
   ``diff`` the winner's flow-matching error minus the base model's (adapter off) on it, less the same for the
   loser. Rollouts come from the trained adapter (on-policy, the "online" of online DPO); the old adapter plays no
-  part in the loss. Deviations: Flow-GRPO pairs a tied group's rows 1 and 0 anyway, and can move its reference to
-  the policy every ``ref_update_step`` steps; here ties give no pair and the reference stays the base model.
+  part in the loss. Training t is logit-normal on the model's shifted schedule by default
+  (``nft.timestep_schedule``, the references'). ``nft.dpo_ref_update_every`` makes the adapter the reference every
+  N epochs (Flow-GRPO's ``ref_update_step``; the extra :mod:`flowrl.recipes.dpo_reference`), else it stays the base
+  model. Deviation: Flow-GRPO pairs a tied group's rows 1 and 0 anyway; here ties give no pair.
 
 One epoch:
 1. ODE rollouts of ``group_size`` images per prompt, sampled with the "old" adapter (AWM: SA-Solver with the
@@ -65,7 +67,8 @@ One epoch:
    (DiffusionNFT: clip 5, so ``r = 1/2 + A/10``), loss ``awm`` weights by ``a`` itself.
 3. For each sample and each of ``nft.timesteps_per_sample`` timesteps: a sigma of the sampling
    schedule (``nft.timestep_schedule: sampling``, DiffusionNFT's shifted timesteps; each sample takes its own
-   random order of them, no sigma twice), one per stratum of the schedule (``stratified``, AWM's) or
+   random order of them, no sigma twice), one per stratum of the schedule (``stratified``, AWM's), a
+   logit-normal draw on the model's shifted schedule (``logit_normal``, online DPO's) or
    ``t ~ U(0, 1)`` (``uniform``), fresh noise, ``x_t = (1 - t) x0 + t eps``, target
    ``eps - x0``; the loss compares the trained velocity and the old one (old weights swapped in, no
    grad). DiffusionNFT takes one or two optimizer steps per epoch over every (sample, t) pair
@@ -101,6 +104,7 @@ from flowrl.algorithms.forward_losses import FORWARD_LOSSES, forward_process_los
 from flowrl.algorithms.timesteps import TIMESTEP_SCHEDULES
 from flowrl.config import NFTConfig
 from flowrl.recipes.epoch_end import end_epoch, log_base_model, optimizer_step, out_of_time, progress_bar
+from flowrl.recipes.dpo_reference import dpo_reference
 from flowrl.recipes.finish import finish_run
 from flowrl.recipes.rollouts import (
     GroupAdvantages, each_reward_advantages, group_advantages, sample_and_score,
@@ -119,7 +123,7 @@ def train(cfg: NFTConfig, *, accelerator: Accelerator | None = None) -> dict[str
     """Run the forward-process loop (DiffusionNFT, AWM, CRD or DPO) described by ``cfg``; returns the last epoch's
     metrics as a flat dict."""
     n, t = cfg.nft, cfg.train
-    run = start_run(cfg, accelerator, extras={"adapters": adapter_copies},  # processes, run dir, model, resume
+    run = start_run(cfg, accelerator, extras=NFT_EXTRAS,  # processes, run dir, model, resume
                     eval_ema_decay=n.choice("eval_ema_decay"))
     forward_loss = FORWARD_LOSSES[n.loss].from_config(cfg)
     estimator = ADVANTAGE_ESTIMATORS[t.advantage]
@@ -147,11 +151,12 @@ def train(cfg: NFTConfig, *, accelerator: Accelerator | None = None) -> dict[str
 
         # 3. Update: passes over (unit, fresh t and noise) pairs in shuffled chunks, one optimizer step each.
         stats = StatsAccumulator()
-        update_forward(run, epoch, forward_loss, traj, groups, clipped, keep,
-                       reward_pair_advantages(run, groups, estimator), stats)
+        if run.updates_policy(epoch):  # unless the epoch trains only a trainable reward (Adv-GRPO's schedule)
+            update_forward(run, epoch, forward_loss, traj, groups, clipped, keep,
+                           reward_pair_advantages(run, groups, estimator), stats)
 
-        # 4. The old adapter (and CRD's sampler) follows the trained one; the extras after the update.
-        follow_trained_adapter(run, epoch)
+            # 4. The old adapter (and CRD's sampler) follows the trained one; the extras after the update.
+            follow_trained_adapter(run, epoch)
         update_metrics = run.after_update(epoch, traj, stats)  # trainable rewards learn from these rollouts
         train_done = time.perf_counter()
 
@@ -223,9 +228,10 @@ def update_forward(run: Run, epoch: int, forward_loss, traj, groups: GroupAdvant
     pairs = units * n.timesteps_per_sample
     for inner in range(t.inner_epochs):
         order = np.random.default_rng([cfg.seed, epoch, inner, rank, 0x4F7]).permutation(pairs)
-        # sampling: [N, num_steps]; stratified (AWM's): [N, timesteps_per_sample]; uniform: None, t ~ U(0, 1)
-        # drawn with the noise
-        timesteps = timestep_schedule(schedule, traj.num_rows, n, [cfg.seed, epoch, inner, rank, 0x7153])
+        # sampling: [N, num_steps]; stratified (AWM's), logit_normal (DPO's): [N, timesteps_per_sample]; uniform:
+        # None, t ~ U(0, 1) drawn with the noise
+        timesteps = timestep_schedule(schedule, traj.num_rows, n, [cfg.seed, epoch, inner, rank, 0x7153],
+                                      policy.sigmas)
         for chunk_index, chunk in enumerate(np.array_split(order, t.optimizer_steps_per_epoch)):
             chunk = torch.as_tensor(chunk, dtype=torch.long)
             weight = accelerator.reduce(unit_keep[chunk % units].sum().to(accelerator.device), "sum").item()
@@ -247,7 +253,8 @@ def update_forward(run: Run, epoch: int, forward_loss, traj, groups: GroupAdvant
                             advantage[micro], unit_keep[micro % units], loss=forward_loss, guidance=run.guidance,
                             beta=run.beta, noise_seed=noise_seed, stats=chunk_stats, sigma=sigma, scale=scale,
                             kl_guidance=kl_guidance, rows_per_unit=rows_per_unit,
-                            kl_weights=forward_loss.kl_weights(clipped[rows[:, 0]], run.beta))
+                            kl_weights=forward_loss.kl_weights(clipped[rows[:, 0]], run.beta),
+                            reference=run.kl_reference)  # DPO's refreshed reference, else the base model
                         accelerator.backward(loss_sum * world / max(weight, 1.0))
 
             def log_ratios() -> torch.Tensor:
@@ -295,5 +302,9 @@ def adapter_copies(run: Run) -> AdapterCopies:
     if run.cfg.nft.sampler_schedule() is not None:
         copies["sampler"] = LoraEMA(run.policy.named_trainable_parameters(), decay=0.0)  # blended on its schedule
     return AdapterCopies(copies)
+
+
+# Recipe nft's own extras, built after the common ones (names are trainer-state keys: never rename one).
+NFT_EXTRAS = {"adapters": adapter_copies, "dpo_reference": dpo_reference}
 
 

@@ -5,10 +5,11 @@ reference repository and commit are named there); its dense-reward credit (``tra
 Objective: the rows of a group are paired two by two, and the rollout gives both members of a pair the same
 initial noise (``pairs_share_noise``). Each pair trains its steps in its own shuffled order: position ``j`` of
 every pair's order is one optimizer step per chunk of pairs, as the reference runs ``for j: for batch:
-step``. Each pair's loss at step ``k`` is the squared, clipped mismatch between the difference of its members'
-log-ratios (weighted by ``lam**k / log_scale``) and the difference of their advantages. ``train.timestep_fraction``
-below 1 picks the trained steps per epoch for every pair alike (the reference trains the first positions of each
-pair's own shuffled order).
+step``. Each step's advantage comes from the credit rule; SDPO's own scores the clean latent predicted at the
+state the step starts from, so the two rows of a pair share step 0's reward. Each pair's loss at step ``k`` is the
+squared, clipped mismatch between the difference of its members' log-ratios (weighted by ``lam**k / log_scale``)
+and the difference of their advantages. ``train.timestep_fraction`` below 1 picks the trained steps per epoch for
+every pair alike (the reference trains the first positions of each pair's own shuffled order).
 
 Run: ``flowrl train configs/toy/grpo_sdpo.yaml``.
 """

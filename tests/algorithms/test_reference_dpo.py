@@ -1,18 +1,26 @@
 """Online DPO against Diffusion-DPO's loss (SalesforceAIResearch/DiffusionDPO train.py at 8d3ee5c) in flow-matching
 form: the loss and its gradient by hand on a 2-pair batch, the pairs of a hand-made group (best/worst, all, ties,
-unscored rows), the shared (t, noise) of a pair, and the recipe: a tiny 2-epoch run (finite loss, the LoRA moves,
-the first step measured against the base model, exact resume) and the bad inputs."""
+unscored rows), the shared (t, noise) of a pair, Flow-GRPO's logit-normal timesteps (its formula and their law), and
+the recipe: a tiny 2-epoch run (finite loss, the LoRA moves, the first step measured against the base model, exact
+resume), the reference refreshed to the adapter every N epochs (nft.dpo_ref_update_every) and resumed exactly, and
+the bad inputs."""
 
+import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
+import flowrl.recipes.nft as nft_recipe
 from flowrl.algorithms.dpo import all_pairs, best_worst_pairs, dpo_loss, matching_error
+from flowrl.algorithms.timesteps import TIMESTEP_SCHEDULES, logit_normal_timesteps
 from flowrl.cli import main
 from flowrl.config import Config, ConfigError, load_config
+from flowrl.config.nft import NFTSection
 from flowrl.algorithms.forward_losses import FORWARD_LOSSES, DpoLoss, noised_sample
+from flowrl.models import build_policy
 from flowrl.recipes.nft import train
 from flowrl.training.metrics import read_metrics
 
@@ -124,6 +132,50 @@ def test_a_pair_shares_its_t_and_noise():
     assert not torch.allclose(single_target[0] + x0[0], single_target[1] + x0[1], atol=1e-2)
 
 
+# ---- timesteps -------------------------------------------------------------------------------------------------
+
+def flow_grpo_grid(shift: float) -> torch.Tensor:
+    """[1000] the sigmas of a 1000-step flow-matching training scheduler at ``shift``, from 1 down (diffusers'
+    FlowMatchEulerDiscreteScheduler at init: t = (1000 - i) / 1000, sigma = shift t / (1 + (shift - 1) t))."""
+    t = torch.arange(1000, 0, -1, dtype=torch.float64) / 1000
+    return shift * t / (1 + (shift - 1) * t)
+
+
+def test_logit_normal_timesteps_follow_flow_grpos_formula():
+    # Flow-GRPO (scripts/train_sd3_dpo.py L890-898): u = sigmoid(mean + std z), index = long(u * 1000), sigma =
+    # the shifted scheduler's sigma at that index. Written here with torch on the same normal draws.
+    grid = flow_grpo_grid(3.0)
+    for mean, std, seed in ((0.0, 1.0, [0, 1]), (0.5, 2.0, [3, 4, 5])):
+        drawn = logit_normal_timesteps(grid, 6, 3, mean=mean, std=std, seed=seed)  # [6, 3]
+        z = torch.as_tensor(np.random.default_rng(seed).standard_normal((6, 3)))
+        index = (torch.sigmoid(mean + std * z) * 1000).long()
+        assert drawn.shape == (6, 3) and torch.equal(drawn, grid[index])
+
+
+def test_logit_normal_sigmas_have_the_law_of_a_shifted_logit_normal():
+    # With shift 3, sigma < 0.3 iff t < 0.3 / (3 - 2 * 0.3) = 0.125, and on the grid t = (1000 - i) / 1000 < 0.125
+    # iff i >= 876, i.e. u >= 0.876: P = 1 - Phi(logit 0.876) = Phi(-1.95509) = 0.025287 (Phi(logit 0.125) = 2.58%
+    # without the grid; the toy's 10-step sampling grid puts 1 sigma in 10 there).
+    sigma = logit_normal_timesteps(flow_grpo_grid(3.0), 400_000, 1, mean=0.0, std=1.0, seed=[7])
+    expected = 0.5 * math.erfc(math.log(0.876 / 0.124) / math.sqrt(2))
+    assert expected == pytest.approx(0.025287, abs=1e-6)
+    assert float((sigma < 0.3).double().mean()) == pytest.approx(expected, abs=0.0012)  # 5 standard errors
+    # The median: u = 1/2 -> index 500, t = 0.5 -> sigma = 1.5 / 2 = 0.75.
+    assert float(sigma.median()) == pytest.approx(0.75, abs=0.005)
+
+
+def test_logit_normal_is_dpos_default_on_the_models_own_shift():
+    assert NFTSection(loss="dpo").choice("timestep_schedule") == "logit_normal"
+    assert NFTSection().choice("timestep_schedule") == "sampling"  # DiffusionNFT's stays
+    policy = build_policy("sd3", "tiny", seed=0)  # SD3's static shift 3
+    nft = NFTSection(loss="dpo", timesteps_per_sample=2)
+    drawn = TIMESTEP_SCHEDULES["logit_normal"](None, 100_000, nft, [0, 1], policy.sigmas)  # [100000, 2]
+    assert drawn.shape == (100_000, 2) and drawn.dtype == torch.float32
+    assert float((drawn < 0.3).double().mean()) == pytest.approx(0.0253, abs=0.0015)
+    # The draw is on the model's own 1000-step schedule: every sigma is one of its values.
+    assert torch.isin(drawn, policy.sigmas(1000)[:-1].float()).all()
+
+
 # ---- the recipe ----------------------------------------------------------------------------------------------
 
 def dpo_config(path, *overrides):
@@ -157,10 +209,65 @@ def test_tiny_dpo_run_trains_the_lora_and_resumes_exactly(tmp_path):
                      for r in read_metrics(tmp_path / "resumed")]
 
 
+def test_the_dpo_reference_is_the_base_model_until_a_refresh_then_the_adapter_of_that_epoch(tmp_path, monkeypatch):
+    # nft.dpo_ref_update_every=2 over 3 epochs: epochs 0 and 1 are measured against the base model (adapter off);
+    # at the end of epoch 1 the reference becomes the adapter as it ended epoch 1, which epoch 2 is measured against.
+    ends, seen, epoch = {}, [], [0]
+    real_loss, real_follow = nft_recipe.forward_process_loss, nft_recipe.follow_trained_adapter
+
+    def follow(run, done):
+        ends[done] = {name: p.detach().clone() for name, p in run.policy.named_trainable_parameters()}
+        epoch[0] = done + 1
+        return real_follow(run, done)
+
+    def loss(policy, old, x0, cond, *args, reference=None, guidance, **kwargs):
+        with torch.no_grad():  # a fixed probe: the reference's velocity, and the base model's
+            x, sigma = (0.5 * x0).to(policy.device, policy.dtype), torch.full((len(x0),), 0.5, device=policy.device)
+            with reference():
+                weights = {name: p.detach().clone() for name, p in policy.named_trainable_parameters()}
+                v_ref = policy.velocity(x, sigma, cond, guidance)
+            with policy.reference():
+                v_base = policy.velocity(x, sigma, cond, guidance)
+        seen.append((epoch[0], weights, torch.equal(v_ref, v_base)))
+        return real_loss(policy, old, x0, cond, *args, reference=reference, guidance=guidance, **kwargs)
+
+    monkeypatch.setattr(nft_recipe, "follow_trained_adapter", follow)
+    monkeypatch.setattr(nft_recipe, "forward_process_loss", loss)
+    train(dpo_config(tmp_path / "run", "train.epochs=3", "nft.dpo_ref_update_every=2"))
+    assert {e for e, _, _ in seen} == {0, 1, 2}
+    assert all(is_base for e, _, is_base in seen if e < 2)
+    assert any(not torch.equal(ends[1][name], ends[0][name]) for name in ends[1])  # the adapter moved in epoch 1
+    for _, weights, is_base in (call for call in seen if call[0] == 2):  # the snapshot's copy, s - (s - p), may
+        assert not is_base  # round in the last bit of float32
+        for name in ends[1]:
+            torch.testing.assert_close(weights[name], ends[1][name], rtol=1e-6, atol=1e-7)
+    assert [r["dpo/reference_refreshes"] for r in read_metrics(tmp_path / "run")] == [0.0, 1.0, 1.0]
+
+
+def test_a_run_whose_reference_refreshes_resumes_exactly(tmp_path):
+    # Interrupted right after the first refresh (end of epoch 1), resumed to 4 epochs (a second refresh at the end of
+    # epoch 3): the same metrics and LoRA as the uninterrupted run, in this process (same shapes, same threads).
+    train(dpo_config(tmp_path / "full", "train.epochs=4", "nft.dpo_ref_update_every=2"))
+    train(dpo_config(tmp_path / "resumed", "train.epochs=2", "nft.dpo_ref_update_every=2"))
+    checkpoints = tmp_path / "resumed" / "checkpoints"
+    checkpoint = checkpoints / (checkpoints / "latest").read_text().strip()
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["dpo_reference"] == 1
+    saved = load_file(str(checkpoint / "dpo_reference.safetensors"))
+    assert saved.keys() and any(v.abs().max() > 0 for k, v in saved.items() if "lora_B" in k)  # not the base
+    train(dpo_config(tmp_path / "resumed", "train.epochs=4", "nft.dpo_ref_update_every=2", "train.resume=latest"))
+    full, resumed = lora_weights(tmp_path / "full"), lora_weights(tmp_path / "resumed")
+    assert full.keys() == resumed.keys() and all(torch.equal(full[k], resumed[k]) for k in full)
+    strip = lambda records: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in records]  # noqa: E731
+    assert strip(read_metrics(tmp_path / "full")) == strip(read_metrics(tmp_path / "resumed"))
+    assert [r["dpo/reference_refreshes"] for r in read_metrics(tmp_path / "full")] == [0.0, 1.0, 1.0, 2.0]
+
+
 @pytest.mark.parametrize("overrides, key", [
     (["sampling.group_size=1", "train.advantage=mean"], "sampling.group_size"),
     (["sampling.group_size=1"], "sampling.group_size"),
     (["nft.dpo_beta=0"], "nft.dpo_beta"),
+    (["nft.dpo_ref_update_every=0"], "nft.dpo_ref_update_every"),
+    (["nft.logit_std=0"], "nft.logit_std"),
     (["train.combine=marble", "rewards=[{name: brightness}, {name: jpeg_compressibility}]"], "train.combine"),
 ])
 def test_bad_dpo_input_is_one_line_and_leaves_no_run_dir(overrides, key, tmp_path, capsys):
@@ -181,3 +288,8 @@ def test_the_dpo_presets_load():
                                                                                             20.0, 16)
     real = load_config(Config, "configs/sd35_medium/dpo_pickscore.yaml")
     assert (real.nft.loss, real.nft.dpo_beta, real.sampling.group_size) == ("dpo", 100.0, 24)
+
+
+def test_a_reference_refresh_without_dpo_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"nft\.dpo_ref_update_every.*nft\.loss=dpo"):
+        load_config(Config, SMOKE, [f"run_dir={tmp_path}", "recipe=nft", "nft.dpo_ref_update_every=2"])
