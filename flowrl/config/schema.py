@@ -69,9 +69,9 @@ FLOW_GRPO_PRECISION = {"model.dtype": "float32", "model.text_encoder_dtype": "fl
 @dataclass
 class ModelConfig:
     family: Literal["sd3", "flux", "flux_kontext", "flux2_klein", "flux2_dev", "qwen_image", "z_image",
-                    "wan"] = "sd3"
+                    "wan", "wan22_ti2v"] = "sd3"
     """Model family; picks the policy adapter (SD3/SD3.5, FLUX.1, FLUX.1 Kontext, FLUX.2 [klein], FLUX.2 [dev],
-    Qwen-Image, Z-Image or Wan2.1 video)."""
+    Qwen-Image, Z-Image, Wan2.1 video or Wan2.2 TI2V-5B text-to-video)."""
     path: str = "tiny"
     """Hub id or local pipeline directory; 'tiny' builds the offline tiny pipeline of the family."""
     revision: str | None = None
@@ -97,7 +97,7 @@ class ModelConfig:
     max_sequence_length: int | None = None
     """Text token budget (default: the family's, e.g. 256 for SD3, 512 for FLUX)."""
     num_frames: int | None = None
-    """Frames per clip, video families only (wan: 4k + 1, default 5; Wan2.1's own is 81)."""
+    """Frames per clip, video families only (wan, wan22_ti2v: 4k + 1, default 5; Wan2.1's own is 81, TI2V-5B's 121)."""
     negative_prompt: str = ""
     """The negative prompt of classifier-free guidance, for every prompt (families that run CFG)."""
     gradient_checkpointing: bool = False

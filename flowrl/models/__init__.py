@@ -89,13 +89,17 @@ def check_pipeline_family(family: str, path: str, expected: str) -> None:
     if not index.is_file():
         return  # a hub id, or a directory from_pretrained itself will reject with a clear message
     try:
-        found = json.loads(index.read_text()).get("_class_name")
+        config = json.loads(index.read_text())
+        found = config.get("_class_name")
     except (ValueError, OSError, AttributeError):
         raise ValueError(f"model.path {path}: model_index.json is not a diffusers pipeline index") from None
     if found and found != expected:
         hint = (f"set model.family={PIPELINE_FAMILIES[found]}" if found in PIPELINE_FAMILIES
                 else "point model.path at a matching one")
         raise ValueError(f"model.path {path} holds a {found}, but model.family={family} needs a {expected}: {hint}")
+    mismatch = policy_class(family).index_mismatch(config) if family in FAMILY_CLASSES else None
+    if mismatch:
+        raise ValueError(f"model.path {path} is a {found or expected}, but not model.family={family}'s: {mismatch}")
 
 
 __all__ = ["FAMILIES", "FAMILY_CLASSES", "Policy", "PolicyBase", "TextCond", "build_policy", "policy_class",

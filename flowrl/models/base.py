@@ -249,6 +249,12 @@ class PolicyBase:
         raise NotImplementedError
 
     @classmethod
+    def index_mismatch(cls, index: dict) -> str | None:
+        """Why a model_index.json of this family's pipeline class still is not this family's model (None: it is).
+        Families that share a pipeline class (Wan2.1 and Wan2.2 TI2V) tell their folders apart here."""
+        return None
+
+    @classmethod
     def tiny_pipeline(cls, seed: int = 0):
         """The family's tiny random-weight diffusers pipeline (``model.path=tiny``), built offline."""
         raise NotImplementedError

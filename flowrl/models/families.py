@@ -19,6 +19,7 @@ FAMILY_CLASSES = {
     "qwen_image": "flowrl.models.qwen_image:QwenImagePolicy",  # Qwen-Image
     "z_image": "flowrl.models.z_image:ZImagePolicy",  # Z-Image (Turbo)
     "wan": "flowrl.models.wan:WanPolicy",  # Wan2.1 text-to-video
+    "wan22_ti2v": "flowrl.models.wan22_ti2v:Wan22TI2VPolicy",  # Wan2.2 TI2V-5B, text-to-video
 }
 FAMILIES = tuple(FAMILY_CLASSES)
 
@@ -35,5 +36,5 @@ def policy_class(family: str) -> type:
 PIPELINE_FAMILIES = {
     "StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "FluxKontextPipeline": "flux_kontext",
     "Flux2KleinPipeline": "flux2_klein", "Flux2Pipeline": "flux2_dev", "QwenImagePipeline": "qwen_image",
-    "ZImagePipeline": "z_image", "WanPipeline": "wan",
+    "ZImagePipeline": "z_image", "WanPipeline": "wan",  # Wan2.2 TI2V-5B too: wan22_ti2v by its expand_timesteps
 }

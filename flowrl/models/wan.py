@@ -1,4 +1,11 @@
-"""Wan2.1 text-to-video policy adapter (``WanPipeline``: ``WanTransformer3DModel``, ``AutoencoderKLWan``, UMT5).
+"""Wan text-to-video policy adapter (``WanPipeline``: ``WanTransformer3DModel``, ``AutoencoderKLWan``, UMT5).
+
+One adapter serves Wan2.1 T2V (family ``wan``) and Wan2.2 TI2V-5B (family ``wan22_ti2v``,
+:mod:`flowrl.models.wan22_ti2v`): the flow, the CFG and the text are the same. Their differences are read from the
+loaded pipeline, not assumed: the latent channels (16 or 48) from the transformer, the compression (x8 or x16
+spatial) from the VAE, the latent statistics from the VAE config, and the timestep layout from the pipeline's
+``expand_timesteps`` flag (:meth:`WanPolicy.timesteps`, the one place it is handled). Wan2.2 A14B's two experts
+(``boundary_ratio``, ``transformer_2``) are refused: the policy is one transformer.
 
 What differs from the image families, all hidden here:
 
@@ -30,6 +37,8 @@ from flowrl.models.sd3 import _quiet
 # examples/grpo/lora/wan21/t2v.yaml: ["to_k", "to_q", "to_v", "to_out.0"]), which WanLoraLoaderMixin loads.
 WAN_LORA_TARGETS: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
 WAN_DEFAULT_SHIFT = 3.0  # Wan2.1 T2V 480p (the released UniPC config's flow_shift)
+TWO_EXPERTS = ("a two-expert Wan2.2 A14B pipeline (boundary_ratio set, transformer_2): flowrl trains one "
+               "transformer; use a Wan2.1 T2V (model.family=wan) or Wan2.2 TI2V-5B (model.family=wan22_ti2v) folder")
 
 
 def euler_scheduler_for(scheduler):
@@ -45,6 +54,8 @@ def euler_scheduler_for(scheduler):
 
 
 class WanPolicy(PolicyBase):
+    """Wan2.1 T2V; the base of :class:`~flowrl.models.wan22_ti2v.Wan22TI2VPolicy` (see the module docstring)."""
+
     family = "wan"
     pipeline_class_name = "WanPipeline"
     default_guidance = 5.0  # WanPipeline's default and the Wan2.1 model card's
@@ -55,6 +66,11 @@ class WanPolicy(PolicyBase):
     default_num_frames = 5
     """Frames per video when none is given: Flow-Factory's Wan2.1 GRPO recipe trains on 5-frame clips (2 latent
     frames), and the tiny pipeline uses the same. ``model.num_frames`` sets it (WanPipeline's own default is 81)."""
+    default_height, default_width = 480, 832  # WanPipeline's defaults (Wan2.1 480p)
+    expand_timesteps = False
+    """The family's ``expand_timesteps`` in its model_index.json: a folder with the other value is another Wan
+    family (:meth:`index_mismatch`)."""
+    checkpoint_name = "Wan2.1 T2V"
 
     @classmethod
     def tiny_pipeline(cls, seed: int = 0):
@@ -64,12 +80,25 @@ class WanPolicy(PolicyBase):
 
     def __init__(self, pipeline, *, height: int | None = None, width: int | None = None,
                  max_sequence_length: int = 512, num_frames: int | None = None):
-        # WanPipeline's defaults: 480 x 832 (480p), 512 UMT5 tokens.
-        super().__init__(pipeline, height=height or 480, width=width or 832)
+        if pipeline.config.get("boundary_ratio") is not None or getattr(pipeline, "transformer_2", None) is not None:
+            raise ValueError(f"model.path holds {TWO_EXPERTS}")
+        super().__init__(pipeline, height=height or self.default_height, width=width or self.default_width)
         pipeline.scheduler = euler_scheduler_for(pipeline.scheduler)  # see the module docstring
         self.max_sequence_length = max_sequence_length
         self.num_frames = num_frames or self.default_num_frames
         self.check_size(self.height, self.width, self.num_frames)
+
+    @classmethod
+    def index_mismatch(cls, index: dict) -> str | None:
+        """Why a ``WanPipeline`` model_index.json is not this family's (A14B's two experts, or the other
+        ``expand_timesteps``), with the family that takes it; None when it is."""
+        if index.get("boundary_ratio") is not None or (index.get("transformer_2") or [None])[0] is not None:
+            return f"it holds {TWO_EXPERTS}"
+        if bool(index.get("expand_timesteps", False)) != cls.expand_timesteps:
+            other = "wan22_ti2v" if index.get("expand_timesteps") else "wan"
+            return (f"its expand_timesteps={bool(index.get('expand_timesteps', False))} is not {cls.checkpoint_name}'s "
+                    f"(model.family={cls.family}): set model.family={other}")
+        return None
 
     @property
     def size_multiple(self) -> int:
@@ -87,7 +116,8 @@ class WanPolicy(PolicyBase):
         return WAN_LORA_TARGETS
 
     def latent_shape(self, n: int) -> tuple[int, int, int, int, int]:
-        """``(n, C, F, h, w)``: F = (num_frames - 1) / 4 + 1 latent frames, h, w = pixels / 8 (WanPipeline's)."""
+        """``(n, C, F, h, w)``: F = (num_frames - 1) / 4 + 1 latent frames, h, w = pixels / the VAE's spatial factor
+        (8 for Wan2.1, 16 for the Wan2.2 VAE), C = the transformer's input channels (16 or 48), as WanPipeline's."""
         spatial, temporal = self.pipeline.vae_scale_factor_spatial, self.pipeline.vae_scale_factor_temporal
         frames = (self.num_frames - 1) // temporal + 1
         return (n, self.transformer.config.in_channels, frames, self.height // spatial, self.width // spatial)
@@ -109,10 +139,21 @@ class WanPolicy(PolicyBase):
             )
         return embeds, embeds.new_zeros(embeds.shape[0], 0)
 
+    def timesteps(self, sigma, x: torch.Tensor) -> torch.Tensor:
+        """The transformer's timestep input for latents ``x`` ``[B, C, F, h, w]`` at ``sigma``, in float32 as
+        WanPipeline builds it: ``[B]`` (Wan2.1), or with the pipeline's ``expand_timesteps`` (Wan2.2 TI2V) one per
+        patch token, ``[B, F * h/p * w/p]``, all equal for text-to-video (the pipeline's mask of ones times t)."""
+        batch, _, frames, height, width = x.shape
+        timestep = torch.as_tensor(sigma, dtype=torch.float32, device=x.device) * 1000  # []
+        if not self.pipeline.config.get("expand_timesteps", False):
+            return timestep.expand(batch)  # [B]
+        _, patch_h, patch_w = self.transformer.config.patch_size
+        tokens = frames * -(-height // patch_h) * -(-width // patch_w)  # WanPipeline's mask[:, ::2, ::2].flatten()
+        return timestep.expand(batch, tokens)  # [B, F * h/p * w/p]
+
     def velocity(self, x: torch.Tensor, sigma, cond: TextCond, guidance_scale: float) -> torch.Tensor:
         """v(x, sigma) ``[B, C, F, h, w]``; with ``guidance_scale > 1`` WanPipeline's two-pass CFG mix."""
-        batch = x.shape[0]
-        timestep = (torch.as_tensor(sigma, dtype=torch.float32, device=x.device) * 1000).expand(batch)
+        timestep = self.timesteps(sigma, x)  # [B] or [B, tokens]
         x = x.to(self.dtype)
         text = self.run_transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=cond.prompt_embeds)
         if guidance_scale <= 1:

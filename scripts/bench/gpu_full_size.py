@@ -83,17 +83,17 @@ ROOT = Path(__file__).resolve().parents[2]
 NO_GPU = "needs an NVIDIA GPU (found none); run with --quick --device cpu for a smoke test"
 LABELS = {"sd3": "SD3.5-Medium", "flux": "FLUX.1-dev", "flux_kontext": "FLUX.1-Kontext-dev",
           "flux2_klein": "FLUX.2-klein-4B", "flux2_dev": "FLUX.2-dev", "qwen_image": "Qwen-Image",
-          "z_image": "Z-Image-Turbo", "wan": "Wan2.1-T2V-1.3B"}
+          "z_image": "Z-Image-Turbo", "wan": "Wan2.1-T2V-1.3B", "wan22_ti2v": "Wan2.2-TI2V-5B"}
 MODELS = ROOT / "configs/models"
 SPECS = {"sd3": MODELS / "sd35_medium_transformer.json", "flux": MODELS / "flux1_dev_transformer.json",
          "flux_kontext": MODELS / "flux1_dev_transformer.json",  # Kontext [dev] is FLUX.1 [dev]'s architecture
          "flux2_klein": MODELS / "flux2_klein_4b_transformer.json", "flux2_dev": MODELS / "flux2_dev_transformer.json",
          "qwen_image": MODELS / "qwen_image_transformer.json", "z_image": MODELS / "z_image_turbo_transformer.json",
-         "wan": MODELS / "wan21_t2v_1_3b_transformer.json"}
+         "wan": MODELS / "wan21_t2v_1_3b_transformer.json", "wan22_ti2v": MODELS / "wan22_ti2v_5b_transformer.json"}
 # (guidance_scale, noise_level, resolution) of the shipped configs/<family>/ recipes (sampling.*, model.height).
 SAMPLING = {"sd3": (4.5, 0.7, 512), "flux": (3.5, 0.9, 512), "flux_kontext": (2.5, 0.9, 384),
             "flux2_klein": (1.0, 0.5, 384), "flux2_dev": (4.0, 1.0, 512), "qwen_image": (4.0, 1.2, 512), "z_image": (1.0, 0.7, 512),
-            "wan": (5.0, 0.9, 256)}
+            "wan": (5.0, 0.9, 256), "wan22_ti2v": (4.0, 0.9, 480)}
 QUICK_OVERRIDES = {"sd3": {"dual_attention_layers": [0], "qk_norm": "rms_norm"}}  # MMDiT-X and qk-norm, shrunk
 KL_BETA = 0.04
 STAGES = ("model load", "rollout", "train step (checkpointing off)", "train step (checkpointing on)",

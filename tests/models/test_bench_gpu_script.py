@@ -22,10 +22,11 @@ CONFIGS = {"sd3": REPO / "configs/models/sd35_medium_transformer.json",
            "wan": REPO / "configs/models/wan21_t2v_1_3b_transformer.json",
            "z_image": REPO / "configs/models/z_image_turbo_transformer.json",
            "flux2_klein": REPO / "configs/models/flux2_klein_4b_transformer.json",
-           "flux2_dev": REPO / "configs/models/flux2_dev_transformer.json"}
+           "flux2_dev": REPO / "configs/models/flux2_dev_transformer.json",
+           "wan22_ti2v": REPO / "configs/models/wan22_ti2v_5b_transformer.json"}
 LABELS = {"sd3": "SD3.5-Medium", "flux": "FLUX.1-dev", "flux_kontext": "FLUX.1-Kontext-dev",
           "flux2_klein": "FLUX.2-klein-4B", "flux2_dev": "FLUX.2-dev", "qwen_image": "Qwen-Image",
-          "z_image": "Z-Image-Turbo", "wan": "Wan2.1-T2V-1.3B"}
+          "z_image": "Z-Image-Turbo", "wan": "Wan2.1-T2V-1.3B", "wan22_ti2v": "Wan2.2-TI2V-5B"}
 NO_GPU = "needs an NVIDIA GPU (found none); run with --quick --device cpu for a smoke test"
 STAGES = ("model load", "rollout", "train step (checkpointing off)", "train step (checkpointing on)",
           "train step + KL reference", "attention sdpa", "attention xformers")
@@ -100,6 +101,7 @@ def _meta_model(family: str):
     ("z_image", 6.0e9, 6.3e9, 6_154_908_736),  # Z-Image-Turbo: "6B"
     ("flux2_klein", 3.8e9, 4.1e9, 3_875_544_576),  # FLUX.2 [klein] 4B: "4B"
     ("flux2_dev", 32.0e9, 32.5e9, 32_223_281_152),  # FLUX.2 [dev]: "32B"
+    ("wan22_ti2v", 4.9e9, 5.1e9, 4_999_787_712),  # Wan2.2-TI2V-5B: "5B"
 ])
 def test_published_configs_have_published_sizes(family, low, high, exact):
     spec, model = _meta_model(family)
