@@ -10,16 +10,16 @@ target text; the launch script is valid bash and builds the accelerate command i
 import importlib
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from flowrl.config import Config, load_config
 from flowrl.commands.data import DATASETS
+from flowrl.config import Config, load_config
 from flowrl.data.prompts import load_prompts
 from tests import REPO
+from tests.two_processes import launch_with
 
 ACCELERATE = sorted((REPO / "configs" / "accelerate").glob("*.yaml"))
 # training configs: not the accelerate launchers, provenance tables or reward service configs
@@ -249,8 +249,7 @@ def test_multi_cpu_file_starts_two_cpu_processes(tmp_path):
         "Path(sys.argv[1], f'rank{a.process_index}').write_text("
         "f'{a.num_processes} {a.distributed_type.value} {a.device.type}')\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                             str(REPO / "configs/accelerate/multi_cpu_2proc.yaml"), "--main_process_port", "0",
+    result = subprocess.run([*launch_with("--config_file", str(REPO / "configs/accelerate/multi_cpu_2proc.yaml")),
                              str(script), str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     for rank in (0, 1):

@@ -25,6 +25,7 @@ import torch
 import yaml
 
 from tests import REPO
+from tests.two_processes import TWO_PROCESSES
 
 CONFIG = "configs/toy/nft.yaml"
 TOY_SUITE = REPO / "assets/benchmarks/toy_diversity.jsonl"
@@ -599,8 +600,7 @@ def test_two_processes_render_the_same_images_and_results_as_one(world, tmp_path
     """``accelerate launch flowrl eval``: each process renders whole batches of the suite, the main one scores
     them, and results.json and every image are those of one process."""
     one = _eval(world, [f"trained={world.run}"], tmp_path / "one")
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    launcher = TWO_PROCESSES
     proc = subprocess.run([*launcher, "-m", "flowrl", "eval", CONFIG, *_overrides(world), "--checkpoint",
                            f"trained={world.run}", "--out", str(tmp_path / "two")], cwd=REPO, capture_output=True,
                           text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})

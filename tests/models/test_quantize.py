@@ -27,6 +27,7 @@ from flowrl.models.quantize import check_quantize, is_quantized, quantized_tenso
 from flowrl.models.tiny import tiny_sd3_pipeline
 from flowrl.recipes.grpo import train
 from flowrl.training.metrics import read_metrics
+from tests.two_processes import TWO_PROCESSES
 
 SMOKE = "configs/smoke/sd3_tiny.yaml"
 RUN = ["log.eval_every=0", "log.report_prompts=0", "log.progress=false", "train.epochs=2", "train.learning_rate=1e-2",
@@ -303,8 +304,7 @@ def test_two_ddp_processes_on_a_quantised_base_match_one(tmp_path):
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     common = [SMOKE, *RUN, "model.quantize=int8", "train.beta=0.04", "train.clip_range=0.2"]
-    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    accelerate = TWO_PROCESSES
     for launcher, run, batch in ((accelerate, "two", 2), ([sys.executable], "one", 4)):
         result = subprocess.run([*launcher, "-m", "flowrl", "train", *common, f"run_dir={tmp_path / run}",
                                  f"sampling.prompts_per_batch={batch}"], cwd=REPO, env=env, capture_output=True,

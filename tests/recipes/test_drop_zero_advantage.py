@@ -4,23 +4,22 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import warnings
-
 from functools import partial
 
 import pytest
 import torch
 
 import flowrl.recipes.grpo as grpo
-from flowrl.algorithms.losses import grpo_clip_loss
-from flowrl.config import Config, ConfigError, load_config
-from flowrl.training.stats import StatsAccumulator
 from flowrl.algorithms.credit import zero_advantage_kept
+from flowrl.algorithms.losses import grpo_clip_loss
 from flowrl.algorithms.transition import TransitionSettings, transition_loss
+from flowrl.config import Config, ConfigError, load_config
 from flowrl.recipes.grpo import train
 from flowrl.training.metrics import read_metrics
+from flowrl.training.stats import StatsAccumulator
 from tests import REPO
+from tests.two_processes import TWO_PROCESSES
 from tools.policy_capture import capture_training_policy, lora_and_base
 
 REWARD = "rewards=[{name: 'tests.reward_fixtures:FlatOnSomePrompts'}]"
@@ -139,8 +138,7 @@ def test_two_processes_one_with_every_row_dropped_complete(tmp_path):
     of rank 0's kept rows completes instead of hanging."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red square\na blue circle\n")
-    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    accelerate = TWO_PROCESSES
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     command = [*accelerate, "-m", "flowrl", "train", "configs/smoke/sd3_tiny.yaml", f"run_dir={tmp_path / 'run'}",
                f"data.prompts={prompts}", f"data.test_prompts={prompts}", "sampling.prompts_per_batch=1", *COMMON]

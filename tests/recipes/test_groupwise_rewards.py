@@ -5,7 +5,6 @@ declared group-wise)."""
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from flowrl.config import Config, load_config
 from flowrl.recipes.grpo import train
 from tests import REPO
 from tests.advantage_capture import record_advantages
+from tests.two_processes import TWO_PROCESSES
 
 GROUP_SIZE = 4
 COMMON = ["train.epochs=1", "log.progress=false", "log.eval_every=0", "log.report_prompts=0", "log.test_every=0",
@@ -63,8 +63,7 @@ def test_two_processes_score_whole_groups_where_they_were_sampled(tmp_path, poin
     """2 gloo CPU processes, a group each (the same global batch as the 1-process run): each process's reward
     calls hold one whole group, and the gathered advantages equal the 1-process pointwise run's."""
     seen = tmp_path / "calls.jsonl"
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    launch = TWO_PROCESSES
     command = [*launch, "-m", "tests.advantage_capture", str(tmp_path), "train", "configs/smoke/sd3_tiny.yaml",
                f"run_dir={tmp_path / 'run'}", *COMMON, "sampling.prompts_per_batch=1", groupwise(seen)]
     result = subprocess.run(command, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},

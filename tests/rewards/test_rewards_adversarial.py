@@ -27,6 +27,7 @@ from rewards.adversarial import (
     AdversarialReward, DiscriminatorHead, _decode, feature_tokens, patch_indices, per_prompt_similarity,
     seeded_generator, similarity,
 )
+from tests.two_processes import TWO_PROCESSES
 
 SMOKE = "configs/smoke/sd3_tiny.yaml"
 
@@ -383,8 +384,7 @@ def test_two_processes_train_the_same_head_as_one(tmp_path):
                "patch_weight: 0.0, lr: 0.05, steps: 2, hidden: 32}}]")
     common = [SMOKE, "train.epochs=2", "log.progress=false", "log.eval_every=0", "log.report_prompts=0",
               "train.learning_rate=1e-2", "train.clip_range=0.2", "train.checkpoint_every=1", rewards]
-    two = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    two = TWO_PROCESSES
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     for launcher, name, batch in ((two, "two", "sampling.prompts_per_batch=2"),
                                   ([sys.executable], "one", "sampling.prompts_per_batch=4")):

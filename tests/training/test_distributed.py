@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from flowrl.training.metrics import read_metrics
 from tests import REPO
 from tests.checkpoint_asserts import assert_same_optimizer_state, assert_same_safetensors
+from tests.two_processes import TWO_PROCESSES, launch_with
 
 COMMON = ["configs/smoke/sd3_tiny.yaml", "train.epochs=2", "log.progress=false", "log.eval_every=0",
           "train.beta=0.04", "train.learning_rate=1e-2", "train.clip_range=0.2"]
@@ -30,8 +31,7 @@ def _run(launcher: list[str], run_dir: Path, *overrides: str) -> None:
 ], ids=["prompts_per_batch", "groups_per_epoch"])
 def test_two_processes_match_one(tmp_path, two_processes, one_process):
     # --multi_gpu selects accelerate's torchrun launcher; without CUDA each process joins a gloo group.
-    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    accelerate = TWO_PROCESSES
     _run(accelerate, tmp_path / "two", *two_processes)
     _run([sys.executable], tmp_path / "one", *one_process)
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
@@ -51,8 +51,7 @@ def test_two_processes_match_one(tmp_path, two_processes, one_process):
         assert difference < 1e-2, (key, float(difference))
 
 
-FSDP2_CPU = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-             "configs/accelerate/fsdp2_cpu_2proc.yaml"]
+FSDP2_CPU = launch_with("--config_file", "configs/accelerate/fsdp2_cpu_2proc.yaml")
 
 
 def _without_timings(records):

@@ -6,7 +6,6 @@ gives the trained model's images, the SVD LoRA is exact on a low-rank difference
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from flowrl.cli import main
 from flowrl.training.metrics import read_metrics
 from tests import REPO
 from tests.checkpoint_asserts import assert_same_optimizer_state, assert_same_safetensors
+from tests.two_processes import launch_with
 
 COMMON = ["configs/smoke/sd3_tiny.yaml", "log.progress=false", "log.eval_every=0", "train.beta=0.04",
           "train.learning_rate=1e-3", "model.trainable=full", "log.report_prompts=0"]
@@ -176,7 +176,7 @@ LAUNCHERS = {  # 2 CPU processes: FSDP2 (accelerate's fully_shard path over gloo
 def test_two_processes_match_one(tmp_path, launcher):
     overrides = ["train.epochs=2", "sampling.groups_per_epoch=4"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    launch = [sys.executable, "-m", "accelerate.commands.launch", *LAUNCHERS[launcher], "-m", "flowrl", "train"]
+    launch = [*launch_with(*LAUNCHERS[launcher]), "-m", "flowrl", "train"]
     result = subprocess.run([*launch, *COMMON, f"run_dir={tmp_path / 'two'}", *overrides], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
