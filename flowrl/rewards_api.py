@@ -328,14 +328,15 @@ def _failure(name: str, prompts: Sequence[str], err: BaseException) -> str:
 
 def with_source_pixels(images: torch.Tensor, metadata: Sequence[Any]) -> list[Any]:
     """Editing: each row whose metadata names a ``source_image`` gets a copy with ``source_pixels``, that source
-    as a float tensor [3, H, W] in [0, 1] at the images' size (for edit rewards). The caller's dicts are left as
-    they are, so nothing that writes metadata (reports, JSON) ever sees a tensor."""
+    (the first, where a prompt has several) as a float tensor [3, H, W] in [0, 1] at the images' size (for edit
+    rewards). The caller's dicts are left as they are, so nothing that writes metadata (reports, JSON) ever sees a
+    tensor."""
     if not any(isinstance(m, Mapping) and m.get("source_image") and "source_pixels" not in m for m in metadata):
         return list(metadata)
-    from flowrl.data.edit_sources import source_pixels  # only editing runs pay for the import
+    from flowrl.data.edit_sources import first_source, source_pixels  # only editing runs pay for the import
 
     height, width = images.shape[-2:]
-    return [{**m, "source_pixels": source_pixels(str(m["source_image"]), height, width)}
+    return [{**m, "source_pixels": source_pixels(first_source(m["source_image"]), height, width)}
             if isinstance(m, Mapping) and m.get("source_image") and "source_pixels" not in m else m for m in metadata]
 
 

@@ -68,10 +68,11 @@ FLOW_GRPO_PRECISION = {"model.dtype": "float32", "model.text_encoder_dtype": "fl
 
 @dataclass
 class ModelConfig:
-    family: Literal["sd3", "flux", "flux_kontext", "flux2_klein", "flux2_dev", "qwen_image", "z_image",
-                    "wan", "wan22_ti2v"] = "sd3"
+    family: Literal["sd3", "flux", "flux_kontext", "flux2_klein", "flux2_dev", "qwen_image", "qwen_image_edit",
+                    "qwen_image_edit_plus", "z_image",
+                    "wan", "wan22_ti2v", "wan22_t2v"] = "sd3"
     """Model family; picks the policy adapter (SD3/SD3.5, FLUX.1, FLUX.1 Kontext, FLUX.2 [klein], FLUX.2 [dev],
-    Qwen-Image, Z-Image, Wan2.1 video or Wan2.2 TI2V-5B text-to-video)."""
+    Qwen-Image, Z-Image, Wan2.1 video, Wan2.2 TI2V-5B or Wan2.2 T2V A14B (two experts) text-to-video)."""
     path: str = "tiny"
     """Hub id or local pipeline directory; 'tiny' builds the offline tiny pipeline of the family."""
     revision: str | None = None
@@ -98,6 +99,9 @@ class ModelConfig:
     """Text token budget (default: the family's, e.g. 256 for SD3, 512 for FLUX)."""
     num_frames: int | None = None
     """Frames per clip, video families only (wan, wan22_ti2v: 4k + 1, default 5; Wan2.1's own is 81, TI2V-5B's 121)."""
+    guidance_scale_2: float | None = None
+    """CFG scale of the low-noise expert, two-expert families only (wan22_t2v: WanPipeline's guidance_scale_2); null:
+    the high-noise expert's scale, as WanPipeline. Applies wherever guidance does (sampling, training, eval)."""
     negative_prompt: str = ""
     """The negative prompt of classifier-free guidance, for every prompt (families that run CFG)."""
     gradient_checkpointing: bool = False
@@ -162,6 +166,9 @@ class LoraConfig:
     """LoRA dropout."""
     init_from: str | None = None
     """Start from an existing LoRA: a diffusers .safetensors file or a peft directory."""
+    experts: list[str] | None = None
+    """Two-expert families only (wan22_t2v): the experts that carry the LoRA, [high, low] by default (high: the
+    high-noise `transformer`, low: `transformer_2`); only their LoRA parameters train."""
 
     def validate(self):
         check(self.rank >= 1, "rank", "must be >= 1")
@@ -347,6 +354,25 @@ class HrfConfig:
 
 
 @dataclass
+class ContextParallelSection:
+    ulysses: int = 1
+    """Processes that split each row's attention sequence by Ulysses all-to-all (1: off); multiplies with ring."""
+    ring: int = 1
+    """Processes that split each row's attention sequence by ring attention (1: off)."""
+
+    def validate(self):
+        for key in ("ulysses", "ring"):
+            check(1 <= getattr(self, key) <= 64, key, "must be in [1, 64] (1: off)")
+
+
+@dataclass
+class ParallelConfig:
+    context: ContextParallelSection = field(default_factory=ContextParallelSection)
+    """Sequence (context) parallelism through diffusers: ulysses x ring processes hold one row, so the world is
+    data x ulysses x ring (docs/scaling.md)."""
+
+
+@dataclass
 class Config:
     """The sections every recipe reads. A run's config is its recipe's subclass (:class:`flowrl.config.grpo.GRPOConfig`,
     :class:`flowrl.config.nft.NFTConfig`), which adds the recipe's own sections and checks; the loader builds the
@@ -387,6 +413,8 @@ class Config:
     """HRF's per-phase parameter anchor (both recipes)."""
     guard: GuardConfig = field(default_factory=GuardConfig)
     """The diversity guard: in-group diversity of the rollouts against its start value (both recipes)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """How processes split the work beyond data parallelism: parallel.context (sequence parallelism)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Recipe-specific settings the recipe validates itself."""
 

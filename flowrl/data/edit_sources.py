@@ -67,3 +67,31 @@ def source_paths(metadata: Sequence[dict] | None, num_prompts: int) -> list[str]
         raise ValueError(f"flux_kontext: prompt {missing[0]} of the batch has no metadata '{SOURCE_KEY}' (a path) "
                          "while others do; give every prompt of the file a source image")
     return [str(p) for p in paths]
+
+
+def first_source(source: str | Path | Sequence[str | Path]) -> str:
+    """The source a reward compares the output with: the path itself, or the first of several (Picture 1 of a
+    multi-image edit, the image the instruction edits)."""
+    return str(source if isinstance(source, (str, Path)) else source[0])
+
+
+def source_path_lists(metadata: Sequence[dict] | None, num_prompts: int, family: str, *,
+                      several: bool) -> list[tuple[str, ...]]:
+    """Every prompt's source paths, for a family that cannot run without one: ``metadata["source_image"]`` as one
+    path, or (``several``) a list of paths. A prompt without one is a one-line error naming it."""
+    if metadata is not None and len(metadata) != num_prompts:
+        raise ValueError(f"got {len(metadata)} metadata for {num_prompts} prompts")
+    rows = list(metadata) if metadata is not None else [None] * num_prompts
+    paths = []
+    for i, meta in enumerate(rows):
+        source = (meta or {}).get(SOURCE_KEY)
+        if isinstance(source, (str, Path)) and str(source):
+            paths.append((str(source),))
+        elif several and isinstance(source, (list, tuple)) and source and all(
+                isinstance(s, (str, Path)) and str(s) for s in source):
+            paths.append(tuple(str(s) for s in source))
+        else:
+            form = "a path or a list of paths" if several else "a path"
+            raise ValueError(f"{family}: prompt {i} of the batch has no metadata '{SOURCE_KEY}' ({form}); an editing "
+                             "family needs the source image of every prompt")
+    return paths

@@ -65,9 +65,12 @@ def load_prompts(path: str | Path) -> PromptSet:
                 raise ValueError(f"{path}:{number}: 'metadata' must be a JSON object {{...}}, got "
                                  f"{type(meta).__name__}")
             meta = dict(meta or {})
-            source = meta.get("source_image")  # an editing prompt's source image: relative to this file
+            source = meta.get("source_image")  # an editing prompt's source image(s): relative to this file
             if isinstance(source, str) and source and not Path(source).is_absolute():
                 meta["source_image"] = os.path.normpath(path.parent / source)
+            elif isinstance(source, list):  # several sources (qwen_image_edit_plus)
+                meta["source_image"] = [os.path.normpath(path.parent / s) if isinstance(s, str) and s
+                                        and not Path(s).is_absolute() else s for s in source]
             prompts.append(record["prompt"])
             metadata.append(meta)
         result = PromptSet(prompts, metadata)

@@ -20,7 +20,7 @@ def build_policy(family: str, path: str, *, dtype: str = "float32", device="cpu"
                  text_encoder_device: str = "gpu", revision: str | None = None,
                  variant: str | None = None, num_frames: int | None = None, negative_prompt: str = "",
                  quantize: str = "none", text_encoder_dtype: str | None = None,
-                 vae_dtype: str | None = None) -> PolicyBase:
+                 vae_dtype: str | None = None, guidance_scale_2: float | None = None) -> PolicyBase:
     """Load the pipeline of ``family`` from ``path`` (at ``revision``, with ``variant`` weight files) and wrap it in
     its policy adapter.
 
@@ -31,7 +31,8 @@ def build_policy(family: str, path: str, *, dtype: str = "float32", device="cpu"
     ``text_encoder_device="cpu"`` keeps the text encoders on the CPU (they never reach ``device``).
     ``num_frames`` (video families) is the clip length; ``negative_prompt`` the CFG negative of every prompt.
     ``quantize`` (none | int8 | nf4 | fp8) quantises the frozen transformer (:mod:`flowrl.models.quantize`); a
-    scheme this machine cannot run is one line before anything loads."""
+    scheme this machine cannot run is one line before anything loads. ``guidance_scale_2`` is the low-noise expert's
+    CFG scale of a two-expert family (wan22_t2v)."""
     cls = policy_class(family)
     check_quantize(quantize, device)
     dtypes = component_dtypes(dtype, text_encoder_dtype=text_encoder_dtype, vae_dtype=vae_dtype)
@@ -42,6 +43,11 @@ def build_policy(family: str, path: str, *, dtype: str = "float32", device="cpu"
             raise ValueError(f"model.num_frames is for video families ({', '.join(video)}); {family} makes "
                              "images: remove it")
         extra["num_frames"] = num_frames
+    if guidance_scale_2 is not None:
+        if not getattr(cls, "two_experts", False):
+            raise ValueError(f"model.guidance_scale_2 is for two-expert families (wan22_t2v); {family} has one "
+                             "transformer: remove it")
+        extra["guidance_scale_2"] = guidance_scale_2
     if path == "tiny":
         pipeline = cls.tiny_pipeline(seed)
         height, width = height or cls.tiny_size[0], width or cls.tiny_size[1]
@@ -76,7 +82,8 @@ def policy_from_config(model, *, device="cpu", seed: int = 0) -> PolicyBase:
                         width=model.width, max_sequence_length=model.max_sequence_length, seed=seed,
                         text_encoder_device=model.text_encoder_device, revision=model.revision, variant=model.variant,
                         num_frames=model.num_frames, negative_prompt=model.negative_prompt, quantize=model.quantize,
-                        text_encoder_dtype=model.text_encoder_dtype, vae_dtype=model.vae_dtype)
+                        text_encoder_dtype=model.text_encoder_dtype, vae_dtype=model.vae_dtype,
+                        guidance_scale_2=model.guidance_scale_2)
 
 
 def check_pipeline_family(family: str, path: str, expected: str) -> None:

@@ -259,6 +259,12 @@ class PolicyBase:
         """The family's tiny random-weight diffusers pipeline (``model.path=tiny``), built offline."""
         raise NotImplementedError
 
+    @classmethod
+    def load_exported_lora(cls, pipeline, directory) -> None:
+        """Load a flowrl LoRA export (``directory``) into a plain diffusers ``pipeline`` of the family, as its users
+        do: ``load_lora_weights(directory)``. Two-expert families load a file per expert."""
+        pipeline.load_lora_weights(directory)
+
     def pipeline_images(self, prompts: Sequence[str], *, group_size: int, num_steps: int, guidance_scale: float,
                         seeds: Sequence[int], metadata: Sequence[dict] | None = None) -> torch.Tensor:
         """The family's own diffusers pipeline, called for the images an ODE :func:`flowrl.sampling.rollout` of
@@ -300,8 +306,9 @@ class PolicyBase:
 
     # --- LoRA ----------------------------------------------------------------------------
     def add_lora(self, *, rank: int = 32, alpha: float = 64.0, target_modules: Sequence[str] | None = None,
-                 dropout: float = 0.0, init_seed: int | None = None) -> None:
-        """Freeze the base transformer and attach a trainable peft LoRA (kept in float32)."""
+                 dropout: float = 0.0, init_seed: int | None = None, experts: Sequence[str] | None = None) -> None:
+        """Freeze the base transformer and attach a trainable peft LoRA (kept in float32); ``experts``
+        (``lora.experts``) picks which experts of a two-expert family carry it."""
         from peft import LoraConfig
 
         self.transformer.requires_grad_(False)
@@ -319,10 +326,17 @@ class PolicyBase:
         with fork:
             if init_seed is not None:
                 torch.manual_seed(init_seed)
-            self.transformer.add_adapter(config)
+            self.attach_adapter(config, experts)
         for param in self.trainable_parameters():
             param.data = param.data.float()
         self.has_lora = True
+
+    def attach_adapter(self, config, experts: Sequence[str] | None) -> None:
+        """Attach the peft LoRA ``config`` to the transformer. One transformer here: ``experts`` is refused."""
+        if experts is not None:
+            raise ValueError(f"lora.experts: {self.family} has one transformer; the key is for two-expert families "
+                             "(wan22_t2v): remove it")
+        self.transformer.add_adapter(config)
 
     def default_lora_targets(self) -> tuple[str, ...]:
         raise NotImplementedError

@@ -17,9 +17,12 @@ FAMILY_CLASSES = {
     "flux2_klein": "flowrl.models.flux2:Flux2KleinPolicy",  # FLUX.2 [klein]
     "flux2_dev": "flowrl.models.flux2_dev:Flux2DevPolicy",  # FLUX.2 [dev]
     "qwen_image": "flowrl.models.qwen_image:QwenImagePolicy",  # Qwen-Image
+    "qwen_image_edit": "flowrl.models.qwen_image_edit:QwenImageEditPolicy",  # Qwen-Image-Edit (editing)
+    "qwen_image_edit_plus": "flowrl.models.qwen_image_edit_plus:QwenImageEditPlusPolicy",  # Qwen-Image-Edit-2509
     "z_image": "flowrl.models.z_image:ZImagePolicy",  # Z-Image (Turbo)
     "wan": "flowrl.models.wan:WanPolicy",  # Wan2.1 text-to-video
     "wan22_ti2v": "flowrl.models.wan22_ti2v:Wan22TI2VPolicy",  # Wan2.2 TI2V-5B, text-to-video
+    "wan22_t2v": "flowrl.models.wan22_t2v:Wan22T2VPolicy",  # Wan2.2 T2V A14B, two experts
 }
 FAMILIES = tuple(FAMILY_CLASSES)
 
@@ -36,5 +39,6 @@ def policy_class(family: str) -> type:
 PIPELINE_FAMILIES = {
     "StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "FluxKontextPipeline": "flux_kontext",
     "Flux2KleinPipeline": "flux2_klein", "Flux2Pipeline": "flux2_dev", "QwenImagePipeline": "qwen_image",
-    "ZImagePipeline": "z_image", "WanPipeline": "wan",  # Wan2.2 TI2V-5B too: wan22_ti2v by its expand_timesteps
+    "QwenImageEditPipeline": "qwen_image_edit", "QwenImageEditPlusPipeline": "qwen_image_edit_plus",
+    "ZImagePipeline": "z_image", "WanPipeline": "wan",  # Wan2.2 too: wan22_ti2v by expand_timesteps, wan22_t2v by boundary_ratio
 }

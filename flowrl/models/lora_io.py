@@ -31,10 +31,28 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from flowrl.core.safe_io import shared_mode
+from flowrl.models.wan_experts import EXPERTS
 
 DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 COMFYUI_WEIGHT_NAME = "pytorch_lora_weights_comfyui.safetensors"
 KOHYA_WEIGHT_NAME = "pytorch_lora_weights_kohya.safetensors"
+TRANSFORMER_2_WEIGHT_NAME = "pytorch_lora_weights_transformer_2.safetensors"
+EXPERT_WEIGHT_NAMES = {"transformer": DIFFUSERS_WEIGHT_NAME, "transformer_2": TRANSFORMER_2_WEIGHT_NAME}
+"""A two-expert model's diffusers files (Wan2.2 A14B): one per pipeline component, each with ``transformer.*`` keys,
+as ``WanPipeline.load_lora_weights`` takes them (the second with ``load_into_transformer_2=True``)."""
+
+
+def expert_states(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]] | None:
+    """A two-expert adapter state (keys ``transformer.*`` and ``transformer_2.*``, the submodules of
+    :class:`~flowrl.models.wan_experts.WanExperts`) split per component, keys relative to its transformer; None for
+    one transformer's state (whose keys start with its own modules: ``blocks.``, ``transformer_blocks.``, ...)."""
+    experts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in state.items():
+        component, _, rest = key.partition(".")
+        if component not in EXPERT_WEIGHT_NAMES:
+            return None
+        experts.setdefault(component, {})[rest] = value
+    return experts or None
 
 
 def lora_state_dict(transformer, *, keep: bool = True) -> dict[str, torch.Tensor]:
@@ -262,6 +280,8 @@ def read_lora(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     if path.is_dir():
         if (path / DIFFUSERS_WEIGHT_NAME).is_file():
             return read_lora(path / DIFFUSERS_WEIGHT_NAME)
+        if (path / TRANSFORMER_2_WEIGHT_NAME).is_file():  # a two-expert export of the low-noise expert alone
+            return read_lora(path / TRANSFORMER_2_WEIGHT_NAME)
         if (path / "adapter_config.json").is_file() and (path / "adapter_model.safetensors").is_file():
             config = json.loads((path / "adapter_config.json").read_text())
             raw = load_file(str(path / "adapter_model.safetensors"))
@@ -294,6 +314,12 @@ def read_lora(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
         unfold = int(config["r"]) / alpha
         state = {k: v * unfold if ".lora_B." in k else v for k, v in state.items()}
         config["lora_alpha"] = alpha
+    expert = header.get("flowrl.expert")  # one file of a two-expert export: keys under its component again
+    if expert:
+        state = {f"{expert}.{k}": v for k, v in state.items()}
+        sibling = path.with_name(TRANSFORMER_2_WEIGHT_NAME)
+        if expert == "transformer" and sibling.is_file():  # the export is both files
+            state.update(read_lora(sibling)[0])
     return state, config
 
 
@@ -311,8 +337,10 @@ def load_lora_into(policy, path: str | Path) -> None:
 
     state, config = read_lora(path)
     if not policy.has_lora:
+        experts = expert_states(state)  # a two-expert LoRA: the adapter goes on the experts it holds
+        chosen = {"experts": [n for n, c in EXPERTS.items() if c in experts]} if experts else {}
         policy.add_lora(rank=int(config["r"]), alpha=float(config["lora_alpha"]),
-                        target_modules=list(config["target_modules"]))
+                        target_modules=list(config["target_modules"]), **chosen)
     try:
         result = set_peft_model_state_dict(policy.transformer, state)
     except RuntimeError as error:  # torch's "size mismatch for ...": a LoRA trained on another model
@@ -344,6 +372,8 @@ ROWS = {
     "preference_embedding.safetensors": "ParetoSlider's preference embedding (keys `preference.*`, its rewards in "
                                         "the metadata): `flowrl.models.preference.load_preference(pipe, DIR)`, then "
                                         "`set_preference(pipe, w)`",
+    TRANSFORMER_2_WEIGHT_NAME: "the low-noise expert of a two-expert model: diffusers `pipe.load_lora_weights(DIR, "
+                               f"weight_name=\"{TRANSFORMER_2_WEIGHT_NAME}\", load_into_transformer_2=True)`",
     KOHYA_WEIGHT_NAME: "kohya sd-scripts-style loaders (Forge, A1111-style UIs) and ComfyUI (native `lora_unet_` "
                        f"names, q/k/v fused); not for diffusers: use {DIFFUSERS_WEIGHT_NAME} there",
 }
@@ -371,6 +401,10 @@ def write_lora_files(out_dir: str | Path, state: dict[str, torch.Tensor], config
              "comfyui": [COMFYUI_WEIGHT_NAME], "kohya": [KOHYA_WEIGHT_NAME]}[format]
     names = [*names[:-1], PREFERENCE_WEIGHT_NAME, names[-1]] if embedding and format == "all" else \
         [*names, PREFERENCE_WEIGHT_NAME] if embedding else names
+    experts = expert_states(state)  # two experts: a diffusers file per expert in place of the one
+    if experts:
+        names = [m for n in names for m in ([EXPERT_WEIGHT_NAMES[c] for c in experts] if n == DIFFUSERS_WEIGHT_NAME
+                                             else [n])]
     existing = [n for n in names if (out_dir / n).exists()]
     if existing and not force:
         raise ValueError(f"{out_dir / existing[0]} already exists; pass --force to overwrite")
@@ -394,6 +428,13 @@ def write_lora_files(out_dir: str | Path, state: dict[str, torch.Tensor], config
             written.append(out_dir / name)
         elif name == PREFERENCE_WEIGHT_NAME:
             written.append(save_preference(out_dir, embedding, preference))
+        elif experts and name in EXPERT_WEIGHT_NAMES.values():
+            component = next(c for c, n in EXPERT_WEIGHT_NAMES.items() if n == name)
+            written.append(save_diffusers_lora(None, out_dir, experts[component], config, weight_name=name,
+                                               metadata={**metadata, "flowrl.expert": component}))
+        elif experts:
+            raise ValueError(f"a two-expert LoRA exports as {DIFFUSERS_WEIGHT_NAME} and {TRANSFORMER_2_WEIGHT_NAME}: "
+                             "use --format diffusers or all")
         else:
             written.append(save_diffusers_lora(None, out_dir, state, config, metadata=metadata, weight_name=name))
     shared_mode(*written)

@@ -104,23 +104,33 @@ class QwenImagePolicy(PolicyBase):
         return embeds, (None if bool(mask.all()) else mask)
 
     def velocity(self, x: torch.Tensor, sigma, cond: TextCond, guidance_scale: float) -> torch.Tensor:
-        """v(x, sigma) ``[B, C, h, w]``; with ``guidance_scale > 1`` the pipeline's true CFG: a second pass on the
-        negative, v_n + w (v_c - v_n), rescaled per token to the norm of v_c."""
-        batch, _, h, w = x.shape
-        timestep = (torch.as_tensor(sigma, dtype=torch.float32, device=x.device) * 1000).expand(batch)
+        """v(x, sigma) ``[B, C, h, w]``; with ``guidance_scale > 1`` the true CFG of :meth:`token_velocity`."""
+        _, _, h, w = x.shape
+        out = self.token_velocity(self.pack(x.to(self.dtype)), [(1, h // 2, w // 2)], sigma, cond, guidance_scale)
+        return self.unpack(out, h, w)
+
+    def token_velocity(self, tokens: torch.Tensor, img_shapes: list[tuple[int, int, int]], sigma, cond: TextCond,
+                       guidance_scale: float, num_noisy: int | None = None) -> torch.Tensor:
+        """The transformer on packed image tokens ``[B, S, 4C]`` (the noisy ones first, then any conditioning
+        image's, one ``(frames, h, w)`` grid each in ``img_shapes``) -> the velocity of the first ``num_noisy``
+        (default all) ``[B, num_noisy, 4C]``. With ``guidance_scale > 1`` the pipeline's true CFG: a second pass
+        on the negative, v_n + w (v_c - v_n), rescaled per token to the norm of v_c."""
+        batch, num_noisy = tokens.shape[0], num_noisy or tokens.shape[1]
+        timestep = (torch.as_tensor(sigma, dtype=torch.float32, device=tokens.device) * 1000).expand(batch)
         timestep = timestep.to(self.dtype) / 1000  # as the pipeline: t (= 1000 sigma) in the latents' dtype, / 1000
-        common = dict(hidden_states=self.pack(x.to(self.dtype)), timestep=timestep,
-                      img_shapes=[[(1, h // 2, w // 2)]] * batch)
+        common = dict(hidden_states=tokens, timestep=timestep, img_shapes=[list(img_shapes)] * batch)
         embeds, mask = self.trim_text(cond.prompt_embeds, cond.prompt_mask)
         out = self.run_transformer(encoder_hidden_states=embeds, encoder_hidden_states_mask=mask, **common)
+        out = out[:, :num_noisy]  # [B, num_noisy, 4C]
         if guidance_scale > 1:
             if not cond.has_negative:
                 raise ValueError("guidance_scale > 1 needs negative embeddings: encode(prompts, negative=True)")
             embeds, mask = self.trim_text(cond.negative_prompt_embeds, cond.negative_prompt_mask)
             negative = self.run_transformer(encoder_hidden_states=embeds, encoder_hidden_states_mask=mask, **common)
-            combined = negative + guidance_scale * (out - negative)  # [B, S, 4C]
+            negative = negative[:, :num_noisy]
+            combined = negative + guidance_scale * (out - negative)  # [B, num_noisy, 4C]
             out = combined * (torch.norm(out, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
-        return self.unpack(out, h, w)
+        return out
 
     # --- images ----------------------------------------------------------------------------
     @torch.no_grad()

@@ -5,7 +5,9 @@ One adapter serves Wan2.1 T2V (family ``wan``) and Wan2.2 TI2V-5B (family ``wan2
 loaded pipeline, not assumed: the latent channels (16 or 48) from the transformer, the compression (x8 or x16
 spatial) from the VAE, the latent statistics from the VAE config, and the timestep layout from the pipeline's
 ``expand_timesteps`` flag (:meth:`WanPolicy.timesteps`, the one place it is handled). Wan2.2 A14B's two experts
-(``boundary_ratio``, ``transformer_2``) are refused: the policy is one transformer.
+(``boundary_ratio``, ``transformer_2``) are their own family, ``wan22_t2v`` (:mod:`flowrl.models.wan22_t2v`), which
+picks the expert of each step and runs it through :meth:`WanPolicy.guided_velocity`; a two-expert folder is refused
+here in one line.
 
 What differs from the image families, all hidden here:
 
@@ -37,8 +39,9 @@ from flowrl.models.sd3 import _quiet
 # examples/grpo/lora/wan21/t2v.yaml: ["to_k", "to_q", "to_v", "to_out.0"]), which WanLoraLoaderMixin loads.
 WAN_LORA_TARGETS: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
 WAN_DEFAULT_SHIFT = 3.0  # Wan2.1 T2V 480p (the released UniPC config's flow_shift)
-TWO_EXPERTS = ("a two-expert Wan2.2 A14B pipeline (boundary_ratio set, transformer_2): flowrl trains one "
-               "transformer; use a Wan2.1 T2V (model.family=wan) or Wan2.2 TI2V-5B (model.family=wan22_ti2v) folder")
+TWO_EXPERTS = ("a two-expert Wan2.2 A14B pipeline (boundary_ratio set, transformer_2): set model.family=wan22_t2v")
+ONE_EXPERT = ("a one-transformer WanPipeline (no boundary_ratio): set model.family=wan (Wan2.1 T2V) or "
+              "model.family=wan22_ti2v (Wan2.2 TI2V-5B)")
 
 
 def euler_scheduler_for(scheduler):
@@ -51,6 +54,11 @@ def euler_scheduler_for(scheduler):
     config = scheduler.config
     return FlowMatchEulerDiscreteScheduler(num_train_timesteps=config.get("num_train_timesteps", 1000),
                                            shift=float(config.get("flow_shift") or WAN_DEFAULT_SHIFT))
+
+
+def has_two_experts(pipeline) -> bool:
+    """Whether a ``WanPipeline`` is Wan2.2 A14B's layout: ``boundary_ratio`` set or a ``transformer_2``."""
+    return pipeline.config.get("boundary_ratio") is not None or getattr(pipeline, "transformer_2", None) is not None
 
 
 class WanPolicy(PolicyBase):
@@ -71,6 +79,8 @@ class WanPolicy(PolicyBase):
     """The family's ``expand_timesteps`` in its model_index.json: a folder with the other value is another Wan
     family (:meth:`index_mismatch`)."""
     checkpoint_name = "Wan2.1 T2V"
+    two_experts = False
+    """True for Wan2.2 A14B (``boundary_ratio`` and ``transformer_2``): a folder with the other layout is refused."""
 
     @classmethod
     def tiny_pipeline(cls, seed: int = 0):
@@ -80,8 +90,8 @@ class WanPolicy(PolicyBase):
 
     def __init__(self, pipeline, *, height: int | None = None, width: int | None = None,
                  max_sequence_length: int = 512, num_frames: int | None = None):
-        if pipeline.config.get("boundary_ratio") is not None or getattr(pipeline, "transformer_2", None) is not None:
-            raise ValueError(f"model.path holds {TWO_EXPERTS}")
+        if has_two_experts(pipeline) != self.two_experts:
+            raise ValueError(f"model.path holds {TWO_EXPERTS if has_two_experts(pipeline) else ONE_EXPERT}")
         super().__init__(pipeline, height=height or self.default_height, width=width or self.default_width)
         pipeline.scheduler = euler_scheduler_for(pipeline.scheduler)  # see the module docstring
         self.max_sequence_length = max_sequence_length
@@ -92,8 +102,9 @@ class WanPolicy(PolicyBase):
     def index_mismatch(cls, index: dict) -> str | None:
         """Why a ``WanPipeline`` model_index.json is not this family's (A14B's two experts, or the other
         ``expand_timesteps``), with the family that takes it; None when it is."""
-        if index.get("boundary_ratio") is not None or (index.get("transformer_2") or [None])[0] is not None:
-            return f"it holds {TWO_EXPERTS}"
+        two_experts = index.get("boundary_ratio") is not None or (index.get("transformer_2") or [None])[0] is not None
+        if two_experts != cls.two_experts:
+            return f"it holds {TWO_EXPERTS if two_experts else ONE_EXPERT}"
         if bool(index.get("expand_timesteps", False)) != cls.expand_timesteps:
             other = "wan22_ti2v" if index.get("expand_timesteps") else "wan"
             return (f"its expand_timesteps={bool(index.get('expand_timesteps', False))} is not {cls.checkpoint_name}'s "
@@ -153,15 +164,22 @@ class WanPolicy(PolicyBase):
 
     def velocity(self, x: torch.Tensor, sigma, cond: TextCond, guidance_scale: float) -> torch.Tensor:
         """v(x, sigma) ``[B, C, F, h, w]``; with ``guidance_scale > 1`` WanPipeline's two-pass CFG mix."""
-        timestep = self.timesteps(sigma, x)  # [B] or [B, tokens]
+        return self.guided_velocity(x, self.timesteps(sigma, x), cond, guidance_scale, cfg=guidance_scale > 1)
+
+    def guided_velocity(self, x: torch.Tensor, timestep: torch.Tensor, cond: TextCond, guidance_scale: float, *,
+                        cfg: bool, **expert) -> torch.Tensor:
+        """One transformer's v ``[B, C, F, h, w]`` at ``timestep`` (:meth:`timesteps`): the conditional pass, and with
+        ``cfg`` WanPipeline's mix ``v_u + w (v_c - v_u)`` at ``guidance_scale``. ``expert`` (a two-expert family's
+        ``expert="transformer_2"``) goes to the forward as it is."""
         x = x.to(self.dtype)
-        text = self.run_transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=cond.prompt_embeds)
-        if guidance_scale <= 1:
+        text = self.run_transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=cond.prompt_embeds,
+                                    **expert)
+        if not cfg:
             return text
         if not cond.has_negative:
             raise ValueError("guidance_scale > 1 needs negative embeddings: encode(prompts, negative=True)")
         uncond = self.run_transformer(hidden_states=x, timestep=timestep,
-                                      encoder_hidden_states=cond.negative_prompt_embeds)
+                                      encoder_hidden_states=cond.negative_prompt_embeds, **expert)
         return uncond + guidance_scale * (text - uncond)
 
     @torch.no_grad()
@@ -183,5 +201,9 @@ class WanPolicy(PolicyBase):
             prompt=list(prompts), negative_prompt=self.negative_prompts(len(prompts)), num_videos_per_prompt=group_size, num_inference_steps=num_steps,
             guidance_scale=guidance_scale, height=self.height, width=self.width, num_frames=self.num_frames,
             generator=generators(list(seeds), device=self.device), output_type="pt",
-            max_sequence_length=self.max_sequence_length,
+            max_sequence_length=self.max_sequence_length, **self.pipeline_guidance(),
         ).frames.float()
+
+    def pipeline_guidance(self) -> dict:
+        """Extra guidance arguments of the pipeline call (a two-expert family's ``guidance_scale_2``)."""
+        return {}

@@ -43,8 +43,14 @@ def build_training_policy(cfg: Config, device):
     elif cfg.lora.init_from:
         load_lora_into(policy, cfg.lora.init_from)
     else:
-        policy.add_lora(rank=cfg.lora.rank, alpha=cfg.lora.alpha, target_modules=cfg.lora.target_modules,
-                        dropout=cfg.lora.dropout, init_seed=cfg.seed)
+        try:
+            policy.add_lora(rank=cfg.lora.rank, alpha=cfg.lora.alpha, target_modules=cfg.lora.target_modules,
+                            dropout=cfg.lora.dropout, init_seed=cfg.seed, experts=cfg.lora.experts)
+        except ValueError as error:  # lora.experts naming an expert the family does not have
+            if not str(error).startswith("lora.experts"):
+                raise
+            raise ConfigError(f"config key 'lora.experts': {str(error).partition(': ')[2]}",
+                              key="lora.experts") from None
     if m.preference.rewards:
         attach_preference(policy, m.preference.rewards, hidden=m.preference.hidden, where=m.preference.where,
                           seed=cfg.seed, blocks=m.preference.blocks)

@@ -83,17 +83,23 @@ ROOT = Path(__file__).resolve().parents[2]
 NO_GPU = "needs an NVIDIA GPU (found none); run with --quick --device cpu for a smoke test"
 LABELS = {"sd3": "SD3.5-Medium", "flux": "FLUX.1-dev", "flux_kontext": "FLUX.1-Kontext-dev",
           "flux2_klein": "FLUX.2-klein-4B", "flux2_dev": "FLUX.2-dev", "qwen_image": "Qwen-Image",
-          "z_image": "Z-Image-Turbo", "wan": "Wan2.1-T2V-1.3B", "wan22_ti2v": "Wan2.2-TI2V-5B"}
+          "z_image": "Z-Image-Turbo", "wan": "Wan2.1-T2V-1.3B", "wan22_ti2v": "Wan2.2-TI2V-5B",
+          "wan22_t2v": "Wan2.2-T2V-A14B", "qwen_image_edit": "Qwen-Image-Edit",
+          "qwen_image_edit_plus": "Qwen-Image-Edit-2509"}
 MODELS = ROOT / "configs/models"
 SPECS = {"sd3": MODELS / "sd35_medium_transformer.json", "flux": MODELS / "flux1_dev_transformer.json",
          "flux_kontext": MODELS / "flux1_dev_transformer.json",  # Kontext [dev] is FLUX.1 [dev]'s architecture
          "flux2_klein": MODELS / "flux2_klein_4b_transformer.json", "flux2_dev": MODELS / "flux2_dev_transformer.json",
          "qwen_image": MODELS / "qwen_image_transformer.json", "z_image": MODELS / "z_image_turbo_transformer.json",
-         "wan": MODELS / "wan21_t2v_1_3b_transformer.json", "wan22_ti2v": MODELS / "wan22_ti2v_5b_transformer.json"}
+         "wan": MODELS / "wan21_t2v_1_3b_transformer.json", "wan22_ti2v": MODELS / "wan22_ti2v_5b_transformer.json",
+         "wan22_t2v": MODELS / "wan22_t2v_a14b_transformer.json",  # each of its two experts
+         "qwen_image_edit": MODELS / "qwen_image_transformer.json",  # the Edit models run Qwen-Image's architecture
+         "qwen_image_edit_plus": MODELS / "qwen_image_transformer.json"}
 # (guidance_scale, noise_level, resolution) of the shipped configs/<family>/ recipes (sampling.*, model.height).
 SAMPLING = {"sd3": (4.5, 0.7, 512), "flux": (3.5, 0.9, 512), "flux_kontext": (2.5, 0.9, 384),
             "flux2_klein": (1.0, 0.5, 384), "flux2_dev": (4.0, 1.0, 512), "qwen_image": (4.0, 1.2, 512), "z_image": (1.0, 0.7, 512),
-            "wan": (5.0, 0.9, 256), "wan22_ti2v": (4.0, 0.9, 480)}
+            "wan": (5.0, 0.9, 256), "wan22_ti2v": (4.0, 0.9, 480), "wan22_t2v": (4.0, 0.9, 480),
+            "qwen_image_edit": (4.0, 1.0, 384), "qwen_image_edit_plus": (4.0, 1.0, 384)}
 QUICK_OVERRIDES = {"sd3": {"dual_attention_layers": [0], "qk_norm": "rms_norm"}}  # MMDiT-X and qk-norm, shrunk
 KL_BETA = 0.04
 STAGES = ("model load", "rollout", "train step (checkpointing off)", "train step (checkpointing on)",
@@ -116,6 +122,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (only with --quick)")
     p.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--out", type=Path, default=None, help="also write the table and raw figures as JSON here")
+    p.add_argument("--context-parallel", action="store_true",
+                   help="only check context parallelism (Ulysses, ring) on every GPU against one: needs 2 or more")
     args = p.parse_args(argv)
     q, light = args.quick, args.family == "all" and not args.quick
     args.steps = args.steps or (3 if q else ALL_DEFAULTS["steps"] if light else 10)
@@ -183,7 +191,13 @@ def build_bench_policy(family: str, spec: dict, tiny, *, device: torch.device, d
         if name in components:
             components[name] = None
     components["transformer"] = build_transformer(spec, device, dtype)
+    if components.get("transformer_2") is not None:  # Wan2.2 A14B: the low-noise expert, the same architecture
+        components["transformer_2"] = build_transformer(spec, device, dtype)
     components["scheduler"] = FlowMatchEulerDiscreteScheduler.from_config(spec["scheduler"]["config"])
+    if family.startswith("qwen_image_edit"):  # the tests' tiny edit VAE downsamples x32 (short source token runs);
+        from flowrl.models.tiny_qwen_image import tiny_qwen_image_pipeline  # Qwen-Image's tiny VAE has the real x8
+
+        components["vae"] = tiny_qwen_image_pipeline(0).vae
     components["vae"] = components["vae"].to(device=device, dtype=dtype)
     pipeline = type(tiny)(**components, **spec.get("pipeline", {}))
     text = spec["text"]
@@ -200,7 +214,7 @@ def random_cond(policy, spec: dict, device):
     """A one-prompt TextCond of the family's real shapes: ``tokens`` x ``width`` embeddings (rows past
     ``real_tokens`` zero: the padding the adapter masks or trims), pooled ``[1, pooled_dim]`` (0 where none),
     the negative likewise, the adapter's own ``finish_cond`` (FLUX ids, masks); Kontext adds a source of the
-    output's size."""
+    output's size, Qwen-Image-Edit one (Plus two) of the output's size."""
     from flowrl.models.base import TextCond
 
     text = spec["text"]
@@ -219,6 +233,8 @@ def random_cond(policy, spec: dict, device):
     cond = policy.finish_cond(cond)
     if policy.family == "flux_kontext":
         cond.image_latents = draw(*policy.latent_shape(1))
+    if policy.family.startswith("qwen_image_edit"):  # sources of the output's size (real ones are ~1024 px)
+        cond.image_latents = draw(1, 2 if policy.several_sources else 1, *policy.latent_shape(1)[1:])
     return cond
 
 
@@ -407,11 +423,42 @@ def meta_flops(families, resolution: int | None) -> list[str]:
     return lines
 
 
+def context_parallel_section(out: Path | None) -> int:
+    """Context parallelism on this machine's GPUs (NCCL) against one process, per kind: the rollout's velocities and
+    log-probs, one GRPO step's LoRA gradients summed over the group (scripts/bench/context_parallel_check.py)."""
+    import subprocess
+    import tempfile
+
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        print(f"context parallelism needs 2 or more GPUs on this machine (found {gpus}); nothing checked")
+        return 1
+    lines = ["| kind | GPUs | dtype | velocity max diff | log-prob max diff | LoRA grad rel. diff |", "|---|---|---|---|---|---|"]
+    results = {}
+    for kind in ("ulysses", "ring"):
+        with tempfile.TemporaryDirectory() as folder:
+            proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus),
+                                   str(ROOT / "scripts/bench/context_parallel_check.py"), folder, kind, "cuda"],
+                                  cwd=ROOT, capture_output=True, text=True, timeout=600)
+            if proc.returncode:
+                lines.append(f"| {kind} | {gpus} | failed: {proc.stderr.strip().splitlines()[-1][:120]} | | | |")
+                continue
+            r = results[kind] = json.loads((Path(folder) / "rank0.json").read_text())
+        lines.append(f"| {kind} | {gpus} | {r['dtype']} | {r['velocity']:.3g} | {r['log_prob']:.3g} | "
+                     f"{r['grad_relative']:.3g} |")
+    print("\n".join(lines))
+    if out is not None:
+        out.write_text(json.dumps({"context_parallel": results, "table": lines}, indent=1))
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.count_flops:
         meta_flops(args.families, args.resolution)
         return 0
+    if args.context_parallel:
+        return context_parallel_section(args.out)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available() or device.type == "cpu" and not args.quick:
         print(NO_GPU)

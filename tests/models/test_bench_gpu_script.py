@@ -23,10 +23,15 @@ CONFIGS = {"sd3": REPO / "configs/models/sd35_medium_transformer.json",
            "z_image": REPO / "configs/models/z_image_turbo_transformer.json",
            "flux2_klein": REPO / "configs/models/flux2_klein_4b_transformer.json",
            "flux2_dev": REPO / "configs/models/flux2_dev_transformer.json",
-           "wan22_ti2v": REPO / "configs/models/wan22_ti2v_5b_transformer.json"}
+           "wan22_ti2v": REPO / "configs/models/wan22_ti2v_5b_transformer.json",
+           "wan22_t2v": REPO / "configs/models/wan22_t2v_a14b_transformer.json",
+           "qwen_image_edit": REPO / "configs/models/qwen_image_transformer.json",
+           "qwen_image_edit_plus": REPO / "configs/models/qwen_image_transformer.json"}
 LABELS = {"sd3": "SD3.5-Medium", "flux": "FLUX.1-dev", "flux_kontext": "FLUX.1-Kontext-dev",
           "flux2_klein": "FLUX.2-klein-4B", "flux2_dev": "FLUX.2-dev", "qwen_image": "Qwen-Image",
-          "z_image": "Z-Image-Turbo", "wan": "Wan2.1-T2V-1.3B", "wan22_ti2v": "Wan2.2-TI2V-5B"}
+          "z_image": "Z-Image-Turbo", "wan": "Wan2.1-T2V-1.3B", "wan22_ti2v": "Wan2.2-TI2V-5B",
+          "wan22_t2v": "Wan2.2-T2V-A14B", "qwen_image_edit": "Qwen-Image-Edit",
+          "qwen_image_edit_plus": "Qwen-Image-Edit-2509"}
 NO_GPU = "needs an NVIDIA GPU (found none); run with --quick --device cpu for a smoke test"
 STAGES = ("model load", "rollout", "train step (checkpointing off)", "train step (checkpointing on)",
           "train step + KL reference", "attention sdpa", "attention xformers")

@@ -114,7 +114,7 @@ def test_exported_lora_gives_the_same_images_in_plain_diffusers(family, tmp_path
     write_lora_files(tmp_path, lora_state_dict(trained.transformer), lora_config_dict(trained.transformer),
                      family=family, base_model="tiny", config_text=None, format="diffusers")
     plain = policy_class(family).tiny_pipeline(0)
-    plain.load_lora_weights(tmp_path)
+    policy_class(family).load_exported_lora(plain, tmp_path)  # a file per expert for a two-expert family
     ours = _ode_images(trained)
     torch.testing.assert_close(_pipeline_images(_wrap(trained, plain)), ours, rtol=0, atol=1e-5)
     base = _ode_images(build_policy(family, "tiny", seed=0))
@@ -152,9 +152,10 @@ def test_family_parity_script_prints_the_readme_figure():
     assert line.startswith("flux_kontext") and float(line.rsplit("=", 1)[1]) < 1e-5
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", [f for f in FAMILIES if not f.startswith("qwen_image_edit")])
 def test_every_family_encodes_text_to_model_max_sequence_length(name):
-    """The text tokens follow model.max_sequence_length (SD3: T5's part, after CLIP's 77)."""
+    """The text tokens follow model.max_sequence_length (SD3: T5's part, after CLIP's 77). Qwen-Image-Edit's text
+    holds its source's vision tokens and needs a source: tests/models/test_family_qwen_image_edit.py."""
     prompt = ["a red circle on a blue square beside a green triangle under a yellow star in a grey room"]
     lengths = [build_policy(name, "tiny", seed=0, max_sequence_length=n).encode(prompt, negative=False)
                .prompt_embeds.shape[1] for n in (8, 12)]
