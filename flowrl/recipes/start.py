@@ -11,6 +11,12 @@ from accelerate import Accelerator
 from tqdm.auto import tqdm
 
 from flowrl.config import Config, ConfigError, check, save_config
+from flowrl.core.context_parallel import (
+    ContextLayout,
+    accelerator_missing,
+    check_context_plan,
+    latent_tokens,
+)
 from flowrl.data.prompts import prompts_per_batch
 from flowrl.data.tasks import stratified_prefix
 from flowrl.models.quantize import ignore_quantized_in_ddp
@@ -47,6 +53,7 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, extras: di
     resolve_combine(cfg)  # before the accelerator: a DeepSpeed launch refuses marble
     accelerator = accelerator or make_accelerator(cfg)  # checks that the configured device is there
     check_memory_options(cfg, accelerator)
+    layout = context_layout(cfg, accelerator.num_processes)  # before the model loads: the degrees fit the launch
     run_dir = Path(cfg.run_dir)
     check_run_dir(run_dir, resume=bool(cfg.train.resume), overwrite=cfg.train.overwrite)
     accelerator.wait_for_everyone()  # every process has looked before the main one claims the directory
@@ -63,6 +70,7 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, extras: di
               f"must be >= the {sampling.prompts_per_batch} prompts per batch that sampling.groups_per_epoch gives")
     t = cfg.train
     policy = build_training_policy(cfg, accelerator.device)
+    check_context_parallel(cfg, layout, policy, device_type=accelerator.device.type)
     check_eval_size(policy, cfg)
     params = policy.trainable_parameters()
     optimizer = build_optimizer(cfg, params, accelerator.device)
@@ -131,3 +139,37 @@ def resolve_combine(cfg: Config) -> None:
         warnings.warn(f"train.combine=marble balances several rewards, but only {trained} trains (nonzero weight); "
                       "using train.combine=weighted", stacklevel=3)
         cfg.train.combine = "weighted"
+
+
+def context_layout(cfg: Config, world: int) -> ContextLayout:
+    """The launch's processes as data x ``parallel.context`` (ulysses x ring); one line where the degrees do not
+    divide the process count."""
+    context = cfg.parallel.context
+    layout = ContextLayout(world=world, ulysses=context.ulysses, ring=context.ring)
+    try:
+        layout.check_world()
+    except ValueError as error:
+        raise ConfigError(str(error), key="parallel.context") from None
+    return layout
+
+
+def check_context_parallel(cfg: Config, layout: ContextLayout, policy, *, device_type: str) -> None:
+    """With ``parallel.context`` on, the checks that need the built model, each one line: diffusers has a
+    context-parallel plan for the family's transformer, a row's latent tokens split evenly over a context group,
+    and there is an accelerator per process. The recipes do not yet give a context group's processes one row shard
+    (:meth:`ContextLayout.data_rank`) nor sum their partial gradients, so a run with it stops here with that line
+    rather than train on inconsistent rows."""
+    if not layout.enabled:
+        return
+    transformer = policy.transformer
+    try:
+        check_context_plan(type(transformer), cfg.model.family)
+        patch = getattr(getattr(transformer, "config", None), "patch_size", None)
+        layout.check_sequence(latent_tokens(policy.latent_shape(1), patch))
+    except ValueError as error:
+        raise ConfigError(str(error), key="parallel.context") from None
+    missing = accelerator_missing(device_type)
+    if missing:
+        raise ConfigError(missing, key="parallel.context")
+    raise ConfigError("parallel.context: the training recipes do not yet shard rows by context group (docs/scaling.md, "
+                      "section 8); set ulysses and ring to 1", key="parallel.context")
