@@ -245,6 +245,9 @@ def attach_preference(policy, rewards: Sequence[str], *, hidden: int = 64, where
     sites = getattr(policy, "preference_sites", {})
     if where not in WHERE:
         raise ValueError(f"model.preference.where must be one of {', '.join(WHERE)}, got {where!r}")
+    if not sites:
+        raise ValueError(f"model.preference: the {policy.family} family takes no preference embedding yet (ParetoSlider "
+                         "runs on every other family); remove model.preference")
     if where not in sites:
         raise ValueError(f"model.preference.where={where}: the {policy.family} family has no such embedding "
                          f"(it has {', '.join(w for w in WHERE if w in sites) or 'none'}); use where: timestep")
