@@ -242,3 +242,12 @@ def test_the_pareto_front_experiment_dry_runs(capsys):
     assert TABLES[exp.table](exp) is None
     out = capsys.readouterr().out
     assert out.count("python -m flowrl train") == 18 and "--preference w1,1-w1" in out
+
+
+def test_table_only_over_runs_never_trained_is_one_line(tmp_path, capsys):
+    code = main([str(REPO / "experiments/algorithms.yaml"), "--seeds", "0", "--out", str(tmp_path / "runs"),
+                 "--results", str(tmp_path / "results.md"), "--table-only", "--methods", "nft"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "has no metrics.jsonl" in err and "--table-only" in err and "--tune-budget-s 0" in err
+    assert not (tmp_path / "results.md").exists()

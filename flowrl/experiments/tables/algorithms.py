@@ -26,7 +26,7 @@ from flowrl.config import Config, load_config
 from flowrl.experiments.cells import fmt_mean_se
 from flowrl.experiments.markdown import replace_head, replace_section, slug
 from flowrl.experiments.runs import finished_seeds, gather, seed_dir
-from flowrl.experiments.spec import Experiment
+from flowrl.experiments.spec import Experiment, ExperimentError
 from flowrl.training.metrics import read_metrics
 
 TASKS = ("single_object", "counting", "two_object", "position")
@@ -42,7 +42,11 @@ FILE_KEYS = frozenset({"budget_s", "claims", "gain", "images", "lr_factors", "re
 
 
 def curve(run_dir: Path) -> list[dict]:
-    """The held-out points of a run: epoch, rollouts, train wall-clock, task mean, per task, diversity."""
+    """The held-out points of a run: epoch, rollouts, train wall-clock, task mean, per task, diversity; a one-line
+    ExperimentError for a run never trained (``--table-only`` reads only what ran)."""
+    if not (Path(run_dir) / "metrics.jsonl").is_file():
+        raise ExperimentError(f"{run_dir} has no metrics.jsonl: that run was never trained; run the experiment without "
+                              "--table-only (or, for the tuning runs, pass --tune-budget-s 0)")
     points = []
     for r in read_metrics(run_dir):
         if "test/toyeval/task_mean" not in r:
