@@ -200,6 +200,21 @@ def _t5_vocab() -> tuple[tuple[str, float], ...]:
     return tuple(pieces.items())
 
 
+@functools.lru_cache(maxsize=None)
+def trained_byte_bpe_json(corpus: tuple[str, ...], vocab_size: int, special_tokens: tuple[str, ...]) -> str:
+    """A byte-level BPE (the kind Qwen's and Mistral's tokenizers are) trained offline on ``corpus`` with
+    ``special_tokens`` first, as ``tokenizers`` JSON: the same bytes on every machine, one training per arguments."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(list(corpus) * 4, trainer=trainer)
+    return tokenizer.to_str()
+
+
 def tiny_t5_tokenizer() -> T5TokenizerFast:
     return T5TokenizerFast(vocab=list(_t5_vocab()), extra_ids=100, model_max_length=T5_MODEL_MAX_LENGTH)
 

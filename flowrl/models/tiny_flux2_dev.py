@@ -16,7 +16,6 @@ Weights are a pure function of ``seed`` (``flowrl.models.tiny._seeded``); everyt
 
 from __future__ import annotations
 
-import functools
 
 from diffusers import Flux2Pipeline
 from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
@@ -30,7 +29,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from flowrl.models.tiny import _T5_WORDS, _seeded
+from flowrl.models.tiny import _T5_WORDS, _seeded, trained_byte_bpe_json
 from flowrl.models.tiny_flux2 import tiny_flux2_scheduler, tiny_flux2_transformer, tiny_flux2_vae
 
 MISTRAL_HIDDEN = 16
@@ -56,24 +55,12 @@ MISTRAL_CHAT_TEMPLATE = (
 _CORPUS = (SYSTEM_MESSAGE, " ".join(_T5_WORDS), "circle square triangle star left right top bottom")
 
 
-@functools.lru_cache(maxsize=1)
-def _trained_tokenizer_json() -> str:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TINY_MISTRAL_VOCAB, special_tokens=list(MISTRAL_SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(list(_CORPUS) * 4, trainer=trainer)
-    return tokenizer.to_str()
-
-
 def tiny_pixtral_processor() -> PixtralProcessor:
     """A ``PixtralProcessor`` around the tiny BPE tokenizer, with the Mistral chat template."""
     from tokenizers import Tokenizer
 
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_trained_tokenizer_json()),
+    bpe = trained_byte_bpe_json(_CORPUS, TINY_MISTRAL_VOCAB, tuple(MISTRAL_SPECIAL_TOKENS))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(bpe),
                                         bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
                                         model_max_length=1024)
     image_processor = PixtralImageProcessor(patch_size=PATCH, size={"longest_edge": 4 * PATCH})

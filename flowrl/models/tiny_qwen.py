@@ -11,11 +11,10 @@ tokenizer saves and reloads as a plain ``Qwen2Tokenizer``.
 
 from __future__ import annotations
 
-import functools
 
 from transformers import Qwen2Tokenizer
 
-from flowrl.models.tiny import _T5_WORDS
+from flowrl.models.tiny import _T5_WORDS, trained_byte_bpe_json
 
 QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
                        "<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
@@ -40,24 +39,11 @@ _CORPUS = (
 TINY_QWEN_VOCAB = 700
 
 
-@functools.lru_cache(maxsize=1)
-def _trained_tokenizer_json() -> str:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TINY_QWEN_VOCAB, special_tokens=list(QWEN_SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(list(_CORPUS) * 4, trainer=trainer)
-    return tokenizer.to_str()
-
-
 def tiny_qwen_tokenizer(model_max_length: int = 1024) -> Qwen2Tokenizer:
     """A Qwen2 tokenizer (byte-level BPE, Qwen special tokens and chat template), same object every call."""
     from tokenizers import Tokenizer
 
-    backend = Tokenizer.from_str(_trained_tokenizer_json())
+    backend = Tokenizer.from_str(trained_byte_bpe_json(_CORPUS, TINY_QWEN_VOCAB, tuple(QWEN_SPECIAL_TOKENS)))
     tokenizer = Qwen2Tokenizer(tokenizer_object=backend, pad_token="<|endoftext|>", eos_token="<|im_end|>",
                                unk_token=None, model_max_length=model_max_length)
     tokenizer.chat_template = QWEN_CHAT_TEMPLATE
