@@ -1,16 +1,15 @@
 """FLUX.2 [dev] specifics the shared family tests do not pin down: the pipeline's noise draw and Mistral-3 text at
-hidden layers 10/20/30, the guidance embedding (one pass, guidance a real input at any value), the empirical time
-shift, the DreamBooth LoRA targets, and a model folder of another FLUX.2 pipeline refused in one line."""
+hidden layers 10/20/30, the guidance embedding (one pass, guidance a real input at any value), the DreamBooth LoRA
+targets, and a model folder of another FLUX.2 pipeline refused in one line. Its empirical time shift is tested
+beside klein's (test_family_flux2_klein.py)."""
 
 import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import numpy as np
 import pytest
 import torch
-from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu, retrieve_timesteps
 
 from flowrl.core.seeding import generators
 from flowrl.models import build_policy, check_pipeline_family
@@ -60,16 +59,6 @@ def test_ode_rollout_matches_the_pipeline_at_another_guidance(policy):
                    group_size=2, seeds=seeds).images
     theirs = policy.pipeline_images(prompts, group_size=2, num_steps=2, guidance_scale=2.5, seeds=seeds)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
-
-
-def test_sigmas_follow_the_empirical_mu(policy):
-    scheduler = policy.pipeline.scheduler
-    for steps in (4, 50):
-        mu = compute_empirical_mu(image_seq_len=policy.image_seq_len(), num_steps=steps)
-        timesteps, _ = retrieve_timesteps(scheduler, steps, "cpu", sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
-        sigmas = policy.sigmas(steps)
-        assert sigmas.shape == (steps + 1,) and sigmas[-1] == 0
-        torch.testing.assert_close(sigmas[:-1] * 1000, timesteps.float(), rtol=0, atol=0)
 
 
 def test_lora_targets_are_the_dreambooth_scripts():

@@ -1,5 +1,5 @@
 """FLUX.2 [klein] specifics the shared family tests do not pin down: the pipeline's noise draw and text position
-ids, its empirical time shift, the batch-norm latent de-normalisation, the distilled models' ignored guidance, and
+ids, its empirical time shift (and FLUX.2 [dev]'s, the same code), the batch-norm latent de-normalisation, the distilled models' ignored guidance, and
 the DreamBooth LoRA targets."""
 
 import os
@@ -9,7 +9,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import pytest
 import torch
-from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu, retrieve_timesteps
+from diffusers.pipelines.flux2 import pipeline_flux2, pipeline_flux2_klein
 
 from flowrl.models import build_policy
 from flowrl.core.seeding import generators
@@ -34,13 +34,18 @@ def test_noise_and_text_ids_are_the_pipelines(policy):
     torch.testing.assert_close(cond.prompt_embeds, embeds, rtol=0, atol=1e-6)
 
 
-def test_sigmas_follow_the_empirical_mu(policy):
-    scheduler = policy.pipeline.scheduler
-    for steps in (4, 28):
-        mu = compute_empirical_mu(image_seq_len=policy.image_seq_len(), num_steps=steps)
-        timesteps, _ = retrieve_timesteps(scheduler, steps, "cpu", sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
-        sigmas = policy.sigmas(steps)
-        assert sigmas.shape == (steps + 1,) and sigmas[-1] == 0
+@pytest.mark.parametrize("family, pipeline_module, steps", [
+    ("flux2_klein", pipeline_flux2_klein, (4, 28)), ("flux2_dev", pipeline_flux2, (4, 50)),
+])
+def test_sigmas_follow_the_empirical_mu(family, pipeline_module, steps):
+    """Both FLUX.2 families share the time shift (flowrl/models/flux2_base.py); each is held to its own pipeline's."""
+    policy = build_policy(family, "tiny", seed=0)
+    for n in steps:
+        mu = pipeline_module.compute_empirical_mu(image_seq_len=policy.image_seq_len(), num_steps=n)
+        timesteps, _ = pipeline_module.retrieve_timesteps(policy.pipeline.scheduler, n, "cpu",
+                                                          sigmas=np.linspace(1.0, 1 / n, n), mu=mu)
+        sigmas = policy.sigmas(n)
+        assert sigmas.shape == (n + 1,) and sigmas[-1] == 0
         torch.testing.assert_close(sigmas[:-1] * 1000, timesteps.float(), rtol=0, atol=0)
 
 
