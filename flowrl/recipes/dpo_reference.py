@@ -19,41 +19,28 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from flowrl.recipes.extras import snapshot
-from flowrl.training.ema import AdapterSnapshot, ema_weights
+from flowrl.recipes.snapshots import MovingReference
+from flowrl.training.ema import AdapterSnapshot
 
 if TYPE_CHECKING:
     from flowrl.recipes.run import Run
     from flowrl.training.stats import StatsAccumulator
 
 
-class DpoReference:
-    """DPO's reference: the base model (adapter off) until the first refresh, then the adapter snapshot taken at the
-    last one. Its trainer state is the refresh count."""
+class DpoReference(MovingReference):
+    """DPO's reference, moved to the adapter at the end of every ``every``-th epoch (``dpo_reference.safetensors``;
+    the trainer state is the refresh count)."""
 
     def __init__(self, snapshot: AdapterSnapshot, *, every: int):
-        self.snapshot, self.every = snapshot, every
-        self.refreshes = 0  # 0: the reference is still the base model
-
-    def snapshots(self) -> dict[str, AdapterSnapshot]:
-        return {"dpo_reference": self.snapshot}
-
-    def state_dict(self) -> int:
-        return self.refreshes
-
-    def load_state_dict(self, state: int) -> None:
-        self.refreshes = int(state)
-
-    def kl_weights(self, policy):
-        """The reference's weights as a context: the base model (adapter off), or the snapshot after a refresh."""
-        return ema_weights(self.snapshot) if self.refreshes else policy.reference()
+        super().__init__(snapshot, file="dpo_reference")
+        self.every = every
 
     def after_update(self, run: Run, epoch: int, traj, stats: StatsAccumulator) -> dict[str, float]:
-        """After epoch ``epoch``'s update, at the end of every ``every``-th epoch: the reference becomes the adapter
-        (before the checkpoint, so a resumed run has the same reference). Returns the refresh count, to log."""
+        """After epoch ``epoch``'s update, at the end of every ``every``-th epoch: the reference becomes the adapter.
+        Returns the refresh count, to log."""
         if (epoch + 1) % self.every == 0:
-            self.snapshot.take()
-            self.refreshes += 1
-        return {"dpo/reference_refreshes": float(self.refreshes)}
+            self.move()
+        return {"dpo/reference_refreshes": float(self.moves)}
 
 
 def dpo_reference(run: Run) -> DpoReference | None:

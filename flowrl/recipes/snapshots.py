@@ -43,34 +43,47 @@ class PhaseAnchor:
                 param.grad.add_(param.detach() - anchor, alpha=2 * self.weight * scale)
 
 
-class GardoReference:
-    """GARDO's adaptive KL reference: the base model (adapter off) until the first reset, then the adapter
-    snapshot taken at the last one. Its trainer state is the reset count (``reference_resets``)."""
+class MovingReference:
+    """A KL or DPO reference that moves: the base model (adapter off) until the first move, then the adapter snapshot
+    taken at the last one. Its trainer state is the number of moves; its snapshot is saved as ``<file>.safetensors``.
+    A subclass decides when to :meth:`move` (in its ``after_update``)."""
 
-    def __init__(self, snapshot: AdapterSnapshot, *, reset_every: int | None, reset_kl: float | None):
-        self.snapshot, self.reset_every, self.reset_kl = snapshot, reset_every, reset_kl
-        self.resets = 0  # 0: the reference is still the base model
+    def __init__(self, snapshot: AdapterSnapshot, *, file: str):
+        self.snapshot, self.file = snapshot, file
+        self.moves = 0  # 0: the reference is still the base model
 
     def snapshots(self) -> dict[str, AdapterSnapshot]:
-        return {"reference": self.snapshot}
+        return {self.file: self.snapshot}
 
     def state_dict(self) -> int:
-        return self.resets
+        return self.moves
 
     def load_state_dict(self, state: int) -> None:
-        self.resets = int(state)
+        self.moves = int(state)
 
     def kl_weights(self, policy):
-        """The KL reference as a context: the base model (adapter off), or the snapshot after the first reset."""
-        return ema_weights(self.snapshot) if self.resets else policy.reference()
+        """The reference's weights as a context: the base model (adapter off), or the snapshot after a move."""
+        return ema_weights(self.snapshot) if self.moves else policy.reference()
+
+    def move(self) -> None:
+        """The reference becomes the adapter as it is now (after an update, before the checkpoint, so a resumed run
+        has the same reference)."""
+        self.snapshot.take()
+        self.moves += 1
+
+
+class GardoReference(MovingReference):
+    """GARDO's adaptive KL reference (``reference_resets`` in the trainer state, ``reference.safetensors``)."""
+
+    def __init__(self, snapshot: AdapterSnapshot, *, reset_every: int | None, reset_kl: float | None):
+        super().__init__(snapshot, file="reference")
+        self.reset_every, self.reset_kl = reset_every, reset_kl
 
     def after_update(self, run: Run, epoch: int, traj, stats: StatsAccumulator) -> dict[str, float]:
         """After epoch ``epoch``'s update: move the reference to the current adapter when ``gardo.reset_every``
-        epochs have passed or the epoch's mean KL exceeds ``gardo.reset_kl`` (before the checkpoint, so a resumed
-        run has the same reference). Returns the metric to log."""
+        epochs have passed or the epoch's mean KL exceeds ``gardo.reset_kl``. Returns the metric to log."""
         kl = stats.reduce(run.accelerator).get("loss/kl", 0.0)
         if (self.reset_every is not None and (epoch + 1) % self.reset_every == 0) or (
                 self.reset_kl is not None and kl > self.reset_kl):
-            self.snapshot.take()
-            self.resets += 1
-        return {"gardo/reference_resets": float(self.resets)}
+            self.move()
+        return {"gardo/reference_resets": float(self.moves)}
