@@ -70,9 +70,13 @@ FLOW_GRPO_PRECISION = {"model.dtype": "float32", "model.text_encoder_dtype": "fl
 class ModelConfig:
     family: Literal["sd3", "flux", "flux_kontext", "flux2_klein", "flux2_dev", "qwen_image", "qwen_image_edit",
                     "qwen_image_edit_plus", "z_image",
-                    "wan", "wan22_ti2v", "wan22_t2v"] = "sd3"
+                    "wan", "wan22_ti2v", "wan22_t2v", "wan_i2v", "wan22_i2v", "ltx2",
+                    "hunyuan_video15", "hunyuan_video15_i2v"] = "sd3"
     """Model family; picks the policy adapter (SD3/SD3.5, FLUX.1, FLUX.1 Kontext, FLUX.2 [klein], FLUX.2 [dev],
-    Qwen-Image, Z-Image, Wan2.1 video, Wan2.2 TI2V-5B or Wan2.2 T2V A14B (two experts) text-to-video)."""
+    Qwen-Image, Z-Image, Wan2.1 video, Wan2.2 TI2V-5B or Wan2.2 T2V A14B (two experts) text-to-video, Wan2.1 I2V-14B
+    or Wan2.2 I2V A14B (two experts) image-to-video: wan_i2v, wan22_i2v; LTX-2 text-to-video with its audio stream
+    denoised alongside: ltx2; HunyuanVideo-1.5 text-to-video or image-to-video: hunyuan_video15,
+    hunyuan_video15_i2v)."""
     path: str = "tiny"
     """Hub id or local pipeline directory; 'tiny' builds the offline tiny pipeline of the family."""
     revision: str | None = None
@@ -100,8 +104,9 @@ class ModelConfig:
     num_frames: int | None = None
     """Frames per clip, video families only (wan, wan22_ti2v: 4k + 1, default 5; Wan2.1's own is 81, TI2V-5B's 121)."""
     guidance_scale_2: float | None = None
-    """CFG scale of the low-noise expert, two-expert families only (wan22_t2v: WanPipeline's guidance_scale_2); null:
-    the high-noise expert's scale, as WanPipeline. Applies wherever guidance does (sampling, training, eval)."""
+    """CFG scale of the low-noise expert, two-expert families only (wan22_t2v, wan22_i2v: the pipeline's
+    guidance_scale_2); null: the high-noise expert's scale, as WanPipeline. Applies wherever guidance does
+    (sampling, training, eval)."""
     negative_prompt: str = ""
     """The negative prompt of classifier-free guidance, for every prompt (families that run CFG)."""
     gradient_checkpointing: bool = False
@@ -167,8 +172,8 @@ class LoraConfig:
     init_from: str | None = None
     """Start from an existing LoRA: a diffusers .safetensors file or a peft directory."""
     experts: list[str] | None = None
-    """Two-expert families only (wan22_t2v): the experts that carry the LoRA, [high, low] by default (high: the
-    high-noise `transformer`, low: `transformer_2`); only their LoRA parameters train."""
+    """Two-expert families only (wan22_t2v, wan22_i2v): the experts that carry the LoRA, [high, low] by default
+    (high: the high-noise `transformer`, low: `transformer_2`); only their LoRA parameters train."""
 
     def validate(self):
         check(self.rank >= 1, "rank", "must be >= 1")

@@ -2,8 +2,9 @@
 
 An editing prompt names its source in ``metadata["source_image"]`` (a path; ``flowrl.data.load_prompts``
 makes a relative one relative to the prompt file). The editing policy (``flowrl.models.flux_kontext``) encodes
-it; the scorer (``flowrl.rewards_api``) hands edit rewards its pixels, ``metadata["source_pixels"]``, at the
-output size. Both resize it the same way, here.
+it, and an image-to-video policy (``flowrl.models.wan_i2v``) starts its clip from it; the scorer
+(``flowrl.rewards_api``) hands edit rewards its pixels, ``metadata["source_pixels"]``, at the output size. Both
+resize it the same way, here.
 """
 
 from __future__ import annotations
@@ -75,10 +76,12 @@ def first_source(source: str | Path | Sequence[str | Path]) -> str:
     return str(source if isinstance(source, (str, Path)) else source[0])
 
 
-def source_path_lists(metadata: Sequence[dict] | None, num_prompts: int, family: str, *,
-                      several: bool) -> list[tuple[str, ...]]:
+def source_path_lists(metadata: Sequence[dict] | None, num_prompts: int, family: str, *, several: bool,
+                      needs: str = "an editing family needs the source image of every prompt"
+                      ) -> list[tuple[str, ...]]:
     """Every prompt's source paths, for a family that cannot run without one: ``metadata["source_image"]`` as one
-    path, or (``several``) a list of paths. A prompt without one is a one-line error naming it."""
+    path, or (``several``) a list of paths. A prompt without one is a one-line error naming it, ending with
+    ``needs`` (why the family needs it)."""
     if metadata is not None and len(metadata) != num_prompts:
         raise ValueError(f"got {len(metadata)} metadata for {num_prompts} prompts")
     rows = list(metadata) if metadata is not None else [None] * num_prompts
@@ -92,6 +95,5 @@ def source_path_lists(metadata: Sequence[dict] | None, num_prompts: int, family:
             paths.append(tuple(str(s) for s in source))
         else:
             form = "a path or a list of paths" if several else "a path"
-            raise ValueError(f"{family}: prompt {i} of the batch has no metadata '{SOURCE_KEY}' ({form}); an editing "
-                             "family needs the source image of every prompt")
+            raise ValueError(f"{family}: prompt {i} of the batch has no metadata '{SOURCE_KEY}' ({form}); {needs}")
     return paths

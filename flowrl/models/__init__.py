@@ -32,7 +32,7 @@ def build_policy(family: str, path: str, *, dtype: str = "float32", device="cpu"
     ``num_frames`` (video families) is the clip length; ``negative_prompt`` the CFG negative of every prompt.
     ``quantize`` (none | int8 | nf4 | fp8) quantises the frozen transformer (:mod:`flowrl.models.quantize`); a
     scheme this machine cannot run is one line before anything loads. ``guidance_scale_2`` is the low-noise expert's
-    CFG scale of a two-expert family (wan22_t2v)."""
+    CFG scale of a two-expert family (wan22_t2v, wan22_i2v)."""
     cls = policy_class(family)
     check_quantize(quantize, device)
     dtypes = component_dtypes(dtype, text_encoder_dtype=text_encoder_dtype, vae_dtype=vae_dtype)
@@ -45,8 +45,8 @@ def build_policy(family: str, path: str, *, dtype: str = "float32", device="cpu"
         extra["num_frames"] = num_frames
     if guidance_scale_2 is not None:
         if not getattr(cls, "two_experts", False):
-            raise ValueError(f"model.guidance_scale_2 is for two-expert families (wan22_t2v); {family} has one "
-                             "transformer: remove it")
+            raise ValueError(f"model.guidance_scale_2 is for two-expert families (wan22_t2v, wan22_i2v); {family} "
+                             "has one transformer: remove it")
         extra["guidance_scale_2"] = guidance_scale_2
     if path == "tiny":
         pipeline = cls.tiny_pipeline(seed)

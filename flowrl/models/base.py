@@ -57,6 +57,7 @@ class TextCond:
     prompt_mask: torch.Tensor | None = None  # [B, L] bool, True on real tokens (families whose transformer masks)
     negative_prompt_mask: torch.Tensor | None = None  # [B, L] bool
     image_latents: torch.Tensor | None = None  # [B, ...] latents of a conditioning image (editing: Kontext)
+    image_embeds: torch.Tensor | None = None  # [B, T, D] image-encoder states of it (Wan2.1 I2V: CLIP's penultimate)
     preference: torch.Tensor | None = None  # [B, K] ParetoSlider's reward weights per row (flowrl.models.preference)
 
     SHARED = ("text_ids",)  # one value for the whole batch: neither indexed nor concatenated
@@ -335,7 +336,7 @@ class PolicyBase:
         """Attach the peft LoRA ``config`` to the transformer. One transformer here: ``experts`` is refused."""
         if experts is not None:
             raise ValueError(f"lora.experts: {self.family} has one transformer; the key is for two-expert families "
-                             "(wan22_t2v): remove it")
+                             "(wan22_t2v, wan22_i2v): remove it")
         self.transformer.add_adapter(config)
 
     def default_lora_targets(self) -> tuple[str, ...]:

@@ -23,6 +23,11 @@ FAMILY_CLASSES = {
     "wan": "flowrl.models.wan:WanPolicy",  # Wan2.1 text-to-video
     "wan22_ti2v": "flowrl.models.wan22_ti2v:Wan22TI2VPolicy",  # Wan2.2 TI2V-5B, text-to-video
     "wan22_t2v": "flowrl.models.wan22_t2v:Wan22T2VPolicy",  # Wan2.2 T2V A14B, two experts
+    "wan_i2v": "flowrl.models.wan_i2v:WanI2VPolicy",  # Wan2.1 I2V-14B, image-to-video
+    "wan22_i2v": "flowrl.models.wan22_i2v:Wan22I2VPolicy",  # Wan2.2 I2V A14B, image-to-video, two experts
+    "ltx2": "flowrl.models.ltx2:LTX2Policy",  # LTX-2 text-to-video (audio denoised alongside, untrained)
+    "hunyuan_video15": "flowrl.models.hunyuan_video15:HunyuanVideo15Policy",  # HunyuanVideo-1.5 text-to-video
+    "hunyuan_video15_i2v": "flowrl.models.hunyuan_video15_i2v:HunyuanVideo15I2VPolicy",  # HunyuanVideo-1.5 I2V
 }
 FAMILIES = tuple(FAMILY_CLASSES)
 
@@ -41,4 +46,7 @@ PIPELINE_FAMILIES = {
     "Flux2KleinPipeline": "flux2_klein", "Flux2Pipeline": "flux2_dev", "QwenImagePipeline": "qwen_image",
     "QwenImageEditPipeline": "qwen_image_edit", "QwenImageEditPlusPipeline": "qwen_image_edit_plus",
     "ZImagePipeline": "z_image", "WanPipeline": "wan",  # Wan2.2 too: wan22_ti2v by expand_timesteps, wan22_t2v by boundary_ratio
+    "WanImageToVideoPipeline": "wan_i2v",  # Wan2.2 I2V A14B too: wan22_i2v by boundary_ratio
+    "LTX2Pipeline": "ltx2",
+    "HunyuanVideo15Pipeline": "hunyuan_video15", "HunyuanVideo15ImageToVideoPipeline": "hunyuan_video15_i2v",
 }

@@ -41,13 +41,19 @@ def _wan_vae() -> AutoencoderKLWan:
                             temperal_downsample=[False, True, True], dropout=0.0)
 
 
+def tiny_wan_transformer(**config) -> WanTransformer3DModel:
+    """The tiny Wan2.1 transformer (2 blocks of 2 heads of 16); ``config`` overrides keys (image-to-video: 36 input
+    channels, the CLIP image layers)."""
+    return WanTransformer3DModel(**{
+        "patch_size": (1, 2, 2), "num_attention_heads": 2, "attention_head_dim": 16, "in_channels": 16,
+        "out_channels": 16, "text_dim": _TEXT_DIM, "freq_dim": 32, "ffn_dim": 64, "num_layers": 2,
+        "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 64, **config,
+    })
+
+
 def tiny_wan_pipeline(seed: int = 0) -> WanPipeline:
     """Wan2.1 T2V layout with tiny random weights (call it with num_frames=5, 32x32 px)."""
-    transformer = _seeded(seed, 0, lambda: WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16, out_channels=16,
-        text_dim=_TEXT_DIM, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=64,
-    ))
+    transformer = _seeded(seed, 0, tiny_wan_transformer)
     vae = _seeded(seed, 1, _wan_vae)
     text_encoder = _seeded(seed, 2, _umt5_encoder)
     return WanPipeline(

@@ -91,7 +91,7 @@ class WanPolicy(PolicyBase):
     def __init__(self, pipeline, *, height: int | None = None, width: int | None = None,
                  max_sequence_length: int = 512, num_frames: int | None = None):
         if has_two_experts(pipeline) != self.two_experts:
-            raise ValueError(f"model.path holds {TWO_EXPERTS if has_two_experts(pipeline) else ONE_EXPERT}")
+            raise ValueError(f"model.path holds {self.layout(has_two_experts(pipeline))}")
         super().__init__(pipeline, height=height or self.default_height, width=width or self.default_width)
         pipeline.scheduler = euler_scheduler_for(pipeline.scheduler)  # see the module docstring
         self.max_sequence_length = max_sequence_length
@@ -99,12 +99,18 @@ class WanPolicy(PolicyBase):
         self.check_size(self.height, self.width, self.num_frames)
 
     @classmethod
+    def layout(cls, two_experts: bool) -> str:
+        """The layout of a pipeline of this class with (or without) two experts, and the family that takes it: the
+        refusal of a folder of the other layout (image-to-video names its own families)."""
+        return TWO_EXPERTS if two_experts else ONE_EXPERT
+
+    @classmethod
     def index_mismatch(cls, index: dict) -> str | None:
         """Why a ``WanPipeline`` model_index.json is not this family's (A14B's two experts, or the other
         ``expand_timesteps``), with the family that takes it; None when it is."""
         two_experts = index.get("boundary_ratio") is not None or (index.get("transformer_2") or [None])[0] is not None
         if two_experts != cls.two_experts:
-            return f"it holds {TWO_EXPERTS if two_experts else ONE_EXPERT}"
+            return f"it holds {cls.layout(two_experts)}"
         if bool(index.get("expand_timesteps", False)) != cls.expand_timesteps:
             other = "wan22_ti2v" if index.get("expand_timesteps") else "wan"
             return (f"its expand_timesteps={bool(index.get('expand_timesteps', False))} is not {cls.checkpoint_name}'s "

@@ -86,6 +86,9 @@ LABELS = {"sd3": "SD3.5-Medium", "flux": "FLUX.1-dev", "flux_kontext": "FLUX.1-K
           "z_image": "Z-Image-Turbo", "wan": "Wan2.1-T2V-1.3B", "wan22_ti2v": "Wan2.2-TI2V-5B",
           "wan22_t2v": "Wan2.2-T2V-A14B", "qwen_image_edit": "Qwen-Image-Edit",
           "qwen_image_edit_plus": "Qwen-Image-Edit-2509"}
+LABELS.update({"wan_i2v": "Wan2.1-I2V-14B", "wan22_i2v": "Wan2.2-I2V-A14B"})
+LABELS.update({"ltx2": "LTX-2"})
+LABELS.update({"hunyuan_video15": "HunyuanVideo-1.5-480p-T2V", "hunyuan_video15_i2v": "HunyuanVideo-1.5-480p-I2V"})
 MODELS = ROOT / "configs/models"
 SPECS = {"sd3": MODELS / "sd35_medium_transformer.json", "flux": MODELS / "flux1_dev_transformer.json",
          "flux_kontext": MODELS / "flux1_dev_transformer.json",  # Kontext [dev] is FLUX.1 [dev]'s architecture
@@ -95,11 +98,19 @@ SPECS = {"sd3": MODELS / "sd35_medium_transformer.json", "flux": MODELS / "flux1
          "wan22_t2v": MODELS / "wan22_t2v_a14b_transformer.json",  # each of its two experts
          "qwen_image_edit": MODELS / "qwen_image_transformer.json",  # the Edit models run Qwen-Image's architecture
          "qwen_image_edit_plus": MODELS / "qwen_image_transformer.json"}
+SPECS.update({"wan_i2v": MODELS / "wan21_i2v_14b_transformer.json",
+              "wan22_i2v": MODELS / "wan22_i2v_a14b_transformer.json"})  # each of its two experts
+SPECS.update({"ltx2": MODELS / "ltx2_transformer.json"})
+SPECS.update({"hunyuan_video15": MODELS / "hunyuan_video15_480p_transformer.json",
+              "hunyuan_video15_i2v": MODELS / "hunyuan_video15_480p_transformer.json"})  # one architecture
 # (guidance_scale, noise_level, resolution) of the shipped configs/<family>/ recipes (sampling.*, model.height).
 SAMPLING = {"sd3": (4.5, 0.7, 512), "flux": (3.5, 0.9, 512), "flux_kontext": (2.5, 0.9, 384),
             "flux2_klein": (1.0, 0.5, 384), "flux2_dev": (4.0, 1.0, 512), "qwen_image": (4.0, 1.2, 512), "z_image": (1.0, 0.7, 512),
             "wan": (5.0, 0.9, 256), "wan22_ti2v": (4.0, 0.9, 480), "wan22_t2v": (4.0, 0.9, 480),
             "qwen_image_edit": (4.0, 1.0, 384), "qwen_image_edit_plus": (4.0, 1.0, 384)}
+SAMPLING.update({"wan_i2v": (5.0, 0.9, 240), "wan22_i2v": (3.5, 0.9, 480)})
+SAMPLING.update({"ltx2": (1.0, 0.8, 512)})
+SAMPLING.update({"hunyuan_video15": (1.0, 0.25, 480), "hunyuan_video15_i2v": (1.0, 0.25, 480)})
 QUICK_OVERRIDES = {"sd3": {"dual_attention_layers": [0], "qk_norm": "rms_norm"}}  # MMDiT-X and qk-norm, shrunk
 KL_BETA = 0.04
 STAGES = ("model load", "rollout", "train step (checkpointing off)", "train step (checkpointing on)",
@@ -156,8 +167,12 @@ def load_spec(family: str, quick: bool, tiny) -> dict:
             if key in text:
                 text[key] = min(text[key], short // 2)
     config = spec["transformer"]["config"]
-    text["width"] = config.get("joint_attention_dim") or config.get("text_dim") or config.get("cap_feat_dim")
+    text["width"] = (config.get("joint_attention_dim") or config.get("text_dim") or config.get("cap_feat_dim")
+                     or 2 * config.get("caption_channels", 0)
+                     or config.get("text_embed_dim"))  # HunyuanVideo-1.5: its Qwen2.5-VL states  # LTX-2: its video and audio streams' text, joined
     text["pooled_dim"] = config.get("pooled_projection_dim") or 0
+    if "text_embed_2_dim" in config:  # HunyuanVideo-1.5: the pooled slot holds its 256 byT5 glyph states, flattened
+        text["pooled_dim"] = 256 * config["text_embed_2_dim"]
     return spec
 
 
@@ -201,8 +216,10 @@ def build_bench_policy(family: str, spec: dict, tiny, *, device: torch.device, d
     components["vae"] = components["vae"].to(device=device, dtype=dtype)
     pipeline = type(tiny)(**components, **spec.get("pipeline", {}))
     text = spec["text"]
-    scale = getattr(pipeline, "vae_scale_factor", None) or pipeline.vae_scale_factor_spatial  # Wan: spatial
-    assert scale == text["vae_scale_factor"], (family, scale, text)  # the tiny VAE has the real factors
+    scale = (getattr(pipeline, "vae_scale_factor", None) or getattr(pipeline, "vae_scale_factor_spatial", None)
+             or pipeline.vae_spatial_compression_ratio)  # Wan: spatial; LTX-2: its compression ratio
+    if family != "ltx2":  # LTX-2's tiny VAE compresses x8, the released one x32 (and its audio VAE is tiny too)
+        assert scale == text["vae_scale_factor"], (family, scale, text)  # the tiny VAE has the real factors
     extra = {"num_frames": text["num_frames"]} if cls.video else {}
     policy = cls(pipeline, height=resolution, width=resolution, max_sequence_length=text["tokens"], **extra)
     if lora:
@@ -214,7 +231,7 @@ def random_cond(policy, spec: dict, device):
     """A one-prompt TextCond of the family's real shapes: ``tokens`` x ``width`` embeddings (rows past
     ``real_tokens`` zero: the padding the adapter masks or trims), pooled ``[1, pooled_dim]`` (0 where none),
     the negative likewise, the adapter's own ``finish_cond`` (FLUX ids, masks); Kontext adds a source of the
-    output's size, Qwen-Image-Edit one (Plus two) of the output's size."""
+    output's size, Qwen-Image-Edit one (Plus two) of the output's size, Wan I2V a first frame's condition."""
     from flowrl.models.base import TextCond
 
     text = spec["text"]
@@ -235,6 +252,16 @@ def random_cond(policy, spec: dict, device):
         cond.image_latents = draw(*policy.latent_shape(1))
     if policy.family.startswith("qwen_image_edit"):  # sources of the output's size (real ones are ~1024 px)
         cond.image_latents = draw(1, 2 if policy.several_sources else 1, *policy.latent_shape(1)[1:])
+    if policy.family in ("wan_i2v", "wan22_i2v"):  # the first frame: mask + latents [1, T + C, F, h, w], CLIP states
+        _, channels, *grid = policy.latent_shape(1)
+        cond.image_latents = draw(1, policy.transformer.config.in_channels - channels, *grid)
+        image_dim = policy.pipeline.transformer.config.image_dim
+        if image_dim is not None:
+            cond.image_embeds = draw(1, text.get("image_tokens", 257), image_dim)
+    if policy.family == "hunyuan_video15_i2v":  # the first frame: latents [1, C, 1, h, w], SigLIP states [1, T, Di]
+        _, channels, _, *grid = policy.latent_shape(1)
+        cond.image_latents = draw(1, channels, 1, *grid)
+        cond.image_embeds = draw(1, policy.pipeline.vision_num_semantic_tokens, policy.pipeline.vision_states_dim)
     return cond
 
 

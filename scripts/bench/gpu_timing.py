@@ -151,6 +151,8 @@ def capture_calls(policy, x: torch.Tensor, sigma, cond, guidance: float) -> list
     def record(**kwargs):
         calls.append(_detached(kwargs))
         sample = kwargs["hidden_states"] if "hidden_states" in kwargs else kwargs["x"]
+        if "audio_hidden_states" in kwargs:  # LTX-2's joint transformer: a video and an audio output
+            return torch.zeros_like(sample), torch.zeros_like(kwargs["audio_hidden_states"])
         return [torch.zeros_like(s) for s in sample] if isinstance(sample, list) else torch.zeros_like(sample)
 
     policy.run_transformer = record  # an instance attribute over the class's method, deleted below

@@ -27,11 +27,19 @@ CONFIGS = {"sd3": REPO / "configs/models/sd35_medium_transformer.json",
            "wan22_t2v": REPO / "configs/models/wan22_t2v_a14b_transformer.json",
            "qwen_image_edit": REPO / "configs/models/qwen_image_transformer.json",
            "qwen_image_edit_plus": REPO / "configs/models/qwen_image_transformer.json"}
+CONFIGS.update({"wan_i2v": REPO / "configs/models/wan21_i2v_14b_transformer.json",
+                "wan22_i2v": REPO / "configs/models/wan22_i2v_a14b_transformer.json"})
+CONFIGS.update({"ltx2": REPO / "configs/models/ltx2_transformer.json"})
+CONFIGS.update({"hunyuan_video15": REPO / "configs/models/hunyuan_video15_480p_transformer.json",
+                "hunyuan_video15_i2v": REPO / "configs/models/hunyuan_video15_480p_transformer.json"})
 LABELS = {"sd3": "SD3.5-Medium", "flux": "FLUX.1-dev", "flux_kontext": "FLUX.1-Kontext-dev",
           "flux2_klein": "FLUX.2-klein-4B", "flux2_dev": "FLUX.2-dev", "qwen_image": "Qwen-Image",
           "z_image": "Z-Image-Turbo", "wan": "Wan2.1-T2V-1.3B", "wan22_ti2v": "Wan2.2-TI2V-5B",
           "wan22_t2v": "Wan2.2-T2V-A14B", "qwen_image_edit": "Qwen-Image-Edit",
           "qwen_image_edit_plus": "Qwen-Image-Edit-2509"}
+LABELS.update({"wan_i2v": "Wan2.1-I2V-14B", "wan22_i2v": "Wan2.2-I2V-A14B"})
+LABELS.update({"ltx2": "LTX-2"})
+LABELS.update({"hunyuan_video15": "HunyuanVideo-1.5-480p-T2V", "hunyuan_video15_i2v": "HunyuanVideo-1.5-480p-I2V"})
 NO_GPU = "needs an NVIDIA GPU (found none); run with --quick --device cpu for a smoke test"
 STAGES = ("model load", "rollout", "train step (checkpointing off)", "train step (checkpointing on)",
           "train step + KL reference", "attention sdpa", "attention xformers")
@@ -107,6 +115,10 @@ def _meta_model(family: str):
     ("flux2_klein", 3.8e9, 4.1e9, 3_875_544_576),  # FLUX.2 [klein] 4B: "4B"
     ("flux2_dev", 32.0e9, 32.5e9, 32_223_281_152),  # FLUX.2 [dev]: "32B"
     ("wan22_ti2v", 4.9e9, 5.1e9, 4_999_787_712),  # Wan2.2-TI2V-5B: "5B"
+    ("wan_i2v", 16.3e9, 16.5e9, 16_394_878_784),  # Wan2.1-I2V-14B: "14B" (the model card's; 16.4B with its CLIP layers)
+    ("ltx2", 18.8e9, 19.0e9, 18_876_174_592),  # LTX-2: "19B" (video and audio streams together)
+    ("hunyuan_video15", 8.3e9, 8.35e9, 8_326_608_160),  # HunyuanVideo-1.5: "8.3B" (T2V and I2V: one architecture)
+    ("wan22_i2v", 14.2e9, 14.4e9, 14_288_901_184),  # Wan2.2-I2V-A14B: "A14B", 14B per expert
 ])
 def test_published_configs_have_published_sizes(family, low, high, exact):
     spec, model = _meta_model(family)
@@ -114,7 +126,8 @@ def test_published_configs_have_published_sizes(family, low, high, exact):
     assert low <= params <= high and params == exact
     config = model.config
     if family not in ("sd3", "flux"):
-        assert spec["text"]["tokens"] == 512  # every new family pads (or trims from) 512 text tokens
+        # every new family pads (or trims from) 512 text tokens; LTX-2 1024 (its Gemma text, registers 128)
+        assert spec["text"]["tokens"] == {"ltx2": 1024, "hunyuan_video15": 1000}.get(family, 512)  # HunyuanVideo-1.5: 1000
         return
     if family == "sd3":
         assert (config.num_layers, config.num_attention_heads, config.attention_head_dim) == (24, 24, 64)
