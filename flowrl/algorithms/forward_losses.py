@@ -247,7 +247,7 @@ def noised_sample(x0, noise_seed: list[int], sigma: torch.Tensor | None, policy,
     noise = noise.repeat_interleave(rows_per_unit, dim=0)  # [B, ...]
     x0 = x0.to(device=device, dtype=torch.float32)
     noise, sigma = noise.to(device), sigma.to(device)
-    column = sigma.reshape(-1, 1, 1, 1)
+    column = sigma.reshape(-1, *(1,) * (x0.ndim - 1))  # [B, 1, ...]: image [B, C, h, w] or video [B, C, F, h, w]
     noised = ((1 - column) * x0 + column * noise).to(policy.dtype)  # x_t = (1 - t) x0 + t eps
     return noised, noise - x0, sigma
 

@@ -12,10 +12,12 @@ arithmetic, one place for it:
   errors.
 * :func:`build_mesh` makes the torch ``DeviceMesh`` ("data", "ring", "ulysses"), the data dimension outermost, so a
   context group is consecutive ranks: the ranks of one node, whose links carry the all-to-all.
-* :func:`enable_context_parallel` hands the ring/ulysses sub-mesh to the transformer's ``enable_parallelism``.
+* :func:`enable_context_parallel` hands the ring/ulysses sub-mesh to the transformer's ``enable_parallelism``
+  (on CPU processes too: Ulysses over gloo, how the tests run it).
 
 The row shards and seeds are then taken per *data* rank (:meth:`ContextLayout.data_rank`, ``data_world``):
-the rows a one-context-process run gives its rank ``r`` are those every process of data rank ``r`` samples.
+the rows a one-context-process run gives its rank ``r`` are those every process of data rank ``r`` samples;
+:class:`flowrl.training.row_shards.RowShards` answers that for the recipes.
 
 A bottom leaf: it imports torch and diffusers, nothing else of flowrl.
 """
@@ -23,7 +25,9 @@ A bottom leaf: it imports torch and diffusers, nothing else of flowrl.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -98,20 +102,50 @@ def has_context_plan(transformer_class: type) -> bool:
     return getattr(transformer_class, "_cp_plan", None) is not None
 
 
-def check_context_plan(transformer_class: type, family: str) -> None:
-    if not has_context_plan(transformer_class):
+def context_parallel_models(transformer) -> list:
+    """The diffusers models whose sequence is split: ``transformer`` itself where it has a context-parallel plan,
+    else its direct submodules that have one (a two-expert Wan2.2 family's ``WanExperts``: both experts); empty
+    where none has one."""
+    if has_context_plan(type(transformer)):
+        return [transformer]
+    return [child for child in transformer.children() if has_context_plan(type(child))]
+
+
+def check_context_plan(transformer, family: str) -> None:
+    """One line where diffusers cannot split ``transformer``'s sequence (no ``_cp_plan``)."""
+    if not context_parallel_models(transformer):
         raise ValueError(f"model family {family!r}: diffusers has no context-parallel plan (_cp_plan) for "
-                         f"{transformer_class.__name__}, so its sequence cannot be split; set parallel.context "
+                         f"{type(transformer).__name__}, so its sequence cannot be split; set parallel.context "
                          "ulysses and ring to 1")
 
 
-def accelerator_missing(device_type: str) -> str | None:
-    """Why diffusers' context parallelism cannot start for processes on ``device_type``, or None where it can:
-    diffusers picks each process's device as ``rank % torch.accelerator.device_count()``, which has no value
-    without an accelerator, and its attention all-to-all then runs on that device."""
-    if device_type == "cpu" or not torch.accelerator.is_available() or torch.accelerator.device_count() == 0:
-        return ("context parallelism needs a GPU per process: diffusers' enable_parallelism picks each process's "
-                "device among the accelerators, and this run has none")
+def check_heads(transformer, layout: ContextLayout) -> None:
+    """One line where the Ulysses degree does not divide the attention heads (Ulysses hands each process a slice of
+    the heads)."""
+    for model in context_parallel_models(transformer):
+        heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
+        if isinstance(heads, int) and heads % layout.ulysses:
+            raise ValueError(f"Ulysses degree {layout.ulysses} does not divide the {heads} attention heads of "
+                             f"{type(model).__name__}: Ulysses gives each process a slice of the heads; pick a "
+                             "Ulysses degree that divides them, or ring for the rest")
+
+
+RING_BACKEND = "_native_flash"  # torch's flash kernel: returns the log-sum-exp ring attention merges by
+
+
+def device_refusal(layout: ContextLayout, device_type: str, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Why context parallelism of ``layout`` cannot run on processes of ``device_type`` with a transformer in
+    ``dtype``, or None where it can.
+
+    On CPU processes (gloo) Ulysses runs with diffusers' native (SDPA) attention, which is how it is tested; ring
+    attention merges each process's partial attention by its log-sum-exp, which that backend does not return, so ring
+    runs on torch's flash kernel (:data:`RING_BACKEND`), which needs a GPU and a 16-bit transformer."""
+    if device_type == "cpu" and layout.ring > 1:
+        return (f"ring attention (parallel.context.ring={layout.ring}) needs a GPU per process: it merges partial "
+                "attention by its log-sum-exp, which the CPU's attention does not return; use ulysses on CPU")
+    if layout.ring > 1 and dtype not in (torch.bfloat16, torch.float16):
+        return (f"ring attention (parallel.context.ring={layout.ring}) runs on the flash kernel, which takes bfloat16 "
+                f"or float16, and the transformer is {dtype}: set model.dtype bf16, or use ulysses")
     return None
 
 
@@ -123,15 +157,38 @@ def build_mesh(layout: ContextLayout, device_type: str):
     return init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=MESH_DIMS)
 
 
+@contextmanager
+def _device_pick(device_type: str) -> Iterator[None]:
+    """diffusers' ``enable_parallelism`` records each process's device as ``rank %
+    torch.accelerator.device_count()``, which divides by zero on a machine without an accelerator. For CPU
+    processes the count reads 1 (device ``cpu:0``) while it runs; nothing after it reads that device (the mesh,
+    the gloo all-to-all and the attention are torch's own). Accelerator processes are left as they are."""
+    if device_type != "cpu":
+        yield
+        return
+    count = torch.accelerator.device_count
+    torch.accelerator.device_count = lambda: max(count(), 1)
+    try:
+        yield
+    finally:
+        torch.accelerator.device_count = count
+
+
 def enable_context_parallel(transformer, layout: ContextLayout, mesh) -> None:
     """Split ``transformer``'s sequence over this process's context group: diffusers' ``ContextParallelConfig`` on
-    the mesh's ("ring", "ulysses") sub-mesh. The transformer must then be called with ``return_dict=False`` (the
-    plan gathers a tensor output) and every process of a group must feed it the same inputs. Gradients of a
-    group's processes are partial (each holds its tokens' share): they are summed over the group."""
+    the mesh's ("ring", "ulysses") sub-mesh, for each of its models with a plan (:func:`context_parallel_models`).
+    The transformer must then be called with ``return_dict=False`` (the plan gathers a tensor output) and every
+    process of a group must feed it the same inputs. Gradients of a group's processes are partial (each holds its
+    tokens' share): they sum over the group to the rows' gradient."""
     from diffusers import ContextParallelConfig
 
-    if not has_context_plan(type(transformer)):
+    models = context_parallel_models(transformer)
+    if not models:
         raise ValueError(f"diffusers has no context-parallel plan (_cp_plan) for {type(transformer).__name__}")
-    config = ContextParallelConfig(ulysses_degree=layout.ulysses, ring_degree=layout.ring,
-                                   mesh=mesh["ring", "ulysses"])
-    transformer.enable_parallelism(config=config)
+    with _device_pick(mesh.device_type):
+        for model in models:
+            if layout.ring > 1:  # the native (SDPA) backend returns no log-sum-exp (device_refusal checks the dtype)
+                model.set_attention_backend(RING_BACKEND)
+            config = ContextParallelConfig(ulysses_degree=layout.ulysses, ring_degree=layout.ring,
+                                           mesh=mesh["ring", "ulysses"])
+            model.enable_parallelism(config=config)

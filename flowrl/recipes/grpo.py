@@ -74,6 +74,7 @@ from flowrl.rewards_api import AsyncScorer
 from flowrl.sampling.epoch_plan import beta_split_scheduler, step_plan
 from flowrl.training.accumulate import micro_batch
 from flowrl.training.lr import skip_scheduled_step
+from flowrl.training.row_shards import RowShards
 from flowrl.training.stats import StatsAccumulator
 
 
@@ -225,7 +226,8 @@ def credit_inputs(run: Run, traj, scorer, groups: GroupAdvantages, steps: Traine
                   estimator) -> CreditInputs:
     t = run.cfg.train
     return CreditInputs(
-        policy=run.policy, accelerator=run.accelerator, traj=traj, scorer=scorer, settings=t, weights=run.weights,
+        # accelerator: the row shards, so the rules' gathers take every row once (a context group's copy once)
+        policy=run.policy, accelerator=run.shards, traj=traj, scorer=scorer, settings=t, weights=run.weights,
         combine=COMBINERS[t.combine], estimator=partial(estimator, std_scope=t.std_scope), guidance=run.guidance,
         num_steps=run.cfg.sampling.num_steps, row_advantages=edges.row_advantages, trained=steps.mask,
         columns=steps.columns, all_groups=groups.all_groups, local=groups.local,
@@ -238,7 +240,7 @@ def drop_zero_advantage_rows(run: Run, advantages: torch.Tensor, mask: torch.Ten
     if not run.cfg.train.drop_zero_advantage:
         return None, mask, {}
     kept = zero_advantage_kept(advantages, mask)  # [N]
-    dropped = run.accelerator.reduce((~kept).sum().float().to(run.accelerator.device), "sum").item()
+    dropped = run.shards.reduce((~kept).sum().float().to(run.shards.device), "sum").item()
     return kept, mask & kept[:, None], {"policy/dropped_rows": dropped}
 
 
@@ -257,8 +259,8 @@ def update_policy(run: Run, epoch: int, update, traj, advantages: torch.Tensor, 
     """``train.inner_epochs`` passes over the epoch's rows in shuffled chunks, one optimizer step per chunk: the
     objective's gradient (per transition: micro-batches of rows at one trained step each), clipped and stepped;
     the EMA follows its schedule of the step index."""
-    cfg, t, accelerator, ema = run.cfg, run.cfg.train, run.accelerator, run.ema
-    rank, world = accelerator.process_index, accelerator.num_processes
+    cfg, t, accelerator, ema, shards = run.cfg, run.cfg.train, run.accelerator, run.ema, run.shards
+    rank = shards.process_index  # the data rank: a context group shuffles its rows alike
     for inner in range(t.inner_epochs):
         order = np.random.default_rng([cfg.seed, epoch, inner, rank, 0x7EA1]).permutation(traj.num_rows)
         if kept is not None:  # the kept rows, in the same shuffled order, share the optimizer steps
@@ -266,13 +268,13 @@ def update_policy(run: Run, epoch: int, update, traj, advantages: torch.Tensor, 
         chunks = update.chunks(order, t.optimizer_steps_per_epoch)  # TMPO: whole groups
         for chunk_index, chunk in enumerate(chunks):
             chunk = torch.as_tensor(chunk, dtype=torch.long)
-            weight = accelerator.reduce(mask[chunk].sum().float().to(accelerator.device), "sum").item()
+            weight = shards.reduce(mask[chunk].sum().float().to(shards.device), "sum").item()  # each row once
             done = (epoch * t.inner_epochs + inner) * len(chunks) + chunk_index + 1  # SDPO: steps x chunks
             on_policy = inner == 0 and chunk_index == 0
             if kept is not None and weight == 0:  # every process dropped this step's rows: nothing to learn
                 skip_scheduled_step(run.extras["lr_scheduler"])  # no pass, no step; the LR schedule advances
             else:
-                work = transition_work(chunk, steps, mask, t.micro_batch_size, accelerator, padded=kept is not None)
+                work = transition_work(chunk, steps, mask, t.micro_batch_size, shards, padded=kept is not None)
 
                 def chunk_backward(chunk_advantages: torch.Tensor, chunk_stats: StatsAccumulator) -> None:
                     for i, (rows, k, sigmas, weights) in enumerate(work):
@@ -281,7 +283,7 @@ def update_policy(run: Run, epoch: int, update, traj, advantages: torch.Tensor, 
                                                        settings=settings, accelerator=accelerator, sigmas=sigmas,
                                                        noise_level=steps.levels[k],
                                                        stats=chunk_stats, on_policy=on_policy)
-                            accelerator.backward(loss_sum * world / max(weight, 1.0))
+                            accelerator.backward(loss_sum * shards.gradient_scale / max(weight, 1.0))
 
                 def transitions_backward() -> None:  # the per-transition update, reward-balanced where an extra does
                     step = (epoch * t.inner_epochs + inner) * t.optimizer_steps_per_epoch + chunk_index
@@ -293,7 +295,7 @@ def update_policy(run: Run, epoch: int, update, traj, advantages: torch.Tensor, 
                 ema.scheduled_step(done, start=t.ema_start_step, every=t.ema_every, warmup=t.ema_warmup)
 
 
-def transition_work(chunk: torch.Tensor, steps: TrainedSteps, mask: torch.Tensor, micro: int, accelerator, *,
+def transition_work(chunk: torch.Tensor, steps: TrainedSteps, mask: torch.Tensor, micro: int, shards: RowShards, *,
                     padded: bool) -> list[tuple]:
     """One chunk's model passes: (rows, stored step k, (sigma, sigma_next), mask) per micro-batch of rows at one
     trained step (rows of one step share its sigma). ``padded`` (rows dropped per process): every process runs as
@@ -305,18 +307,18 @@ def transition_work(chunk: torch.Tensor, steps: TrainedSteps, mask: torch.Tensor
     if not padded:
         return work
     first = steps.columns[0]  # a pass of row 0 at a trained step, weighted 0
-    return matched_work(work, accelerator, idle=(torch.tensor([0]), first, tuple(host_sigmas[0][first:first + 2]),
-                                                 torch.zeros_like(mask)))
+    return matched_work(work, shards, idle=(torch.tensor([0]), first, tuple(host_sigmas[0][first:first + 2]),
+                                            torch.zeros_like(mask)))
 
 
-def matched_work(work: list[tuple], accelerator: Accelerator, *, idle: tuple) -> list[tuple]:
+def matched_work(work: list[tuple], shards: RowShards, *, idle: tuple) -> list[tuple]:
     """``work`` (one model pass per item) padded with ``idle`` items, passes with an all-zero weight mask, to the
     longest list of any process. Dropped rows leave the processes with different numbers of passes, but DDP
     all-reduces the gradients in the last backward of each and FSDP2 gathers the weights in every forward, so
     every process must run the same number; a process with no kept row still runs one (its loss 0 on the whole
     graph), so it joins the all-reduce instead of leaving the others waiting."""
-    count = torch.tensor([len(work)], device=accelerator.device)
-    longest = int(accelerator.gather(count).max()) if accelerator.num_processes > 1 else len(work)
+    count = torch.tensor([len(work)], device=shards.device)
+    longest = int(shards.gather(count).max()) if shards.accelerator.num_processes > 1 else len(work)
     return work + [idle] * (max(longest, 1) - len(work))
 
 

@@ -121,7 +121,7 @@ class DiversityGuard:
         if self.features is None or not self.due(epoch):
             return {}
         diversity = in_group_diversity(self.features(traj.images, traj.final_latents), traj.group_ids,
-                                       run.accelerator)
+                                       run.shards)
         return self.observe(epoch, diversity, reward=finite_mean(combined),
                             weights=lambda: exported_weights(run.policy, run.exported_ema))
 

@@ -215,14 +215,15 @@ def update_forward(run: Run, epoch: int, forward_loss, traj, groups: GroupAdvant
     schedule's sigmas (no sigma twice for one sample). The eval EMA follows every optimizer step where DiffusionNFT's
     does (``nft.eval_ema_every: step``)."""
     cfg, n, t, accelerator, policy = run.cfg, run.cfg.nft, run.cfg.train, run.accelerator, run.policy
-    rank, world = accelerator.process_index, accelerator.num_processes
+    shards = run.shards
+    rank = shards.process_index  # the data rank: a context group draws the same order, timesteps and noise
     scale = n.policy_loss_scale(t.advantage_clip)  # DiffusionNFT's and CRD's advantage_clip / beta
     kl_guidance = forward_loss.kl_guidance(run.guidance)  # CRD: a guided anchor
     timestep_schedule = TIMESTEP_SCHEDULES[n.choice("timestep_schedule")]  # how each pass draws its t
     schedule = policy.sigmas(cfg.sampling.num_steps)[:-1]  # [num_steps] the sampling schedule's (uniform: unused)
     old = functools.partial(ema_weights, run.ema)  # the old adapter's weights, swapped in
     unit_rows, unit_keep = forward_loss.units(groups.advantages[groups.local], traj.group_ids, keep,
-                                              accelerator)  # [U, R], [U]
+                                              shards)  # [U, R], [U]
     units, rows_per_unit = unit_rows.shape
     unit_advantage = clipped[unit_rows[:, 0]]  # [U]
     pairs = units * n.timesteps_per_sample
@@ -234,7 +235,7 @@ def update_forward(run: Run, epoch: int, forward_loss, traj, groups: GroupAdvant
                                       policy.sigmas)
         for chunk_index, chunk in enumerate(np.array_split(order, t.optimizer_steps_per_epoch)):
             chunk = torch.as_tensor(chunk, dtype=torch.long)
-            weight = accelerator.reduce(unit_keep[chunk % units].sum().to(accelerator.device), "sum").item()
+            weight = shards.reduce(unit_keep[chunk % units].sum().to(shards.device), "sum").item()  # each unit once
             micro_batches = list(chunk.split(t.micro_batch_size))
 
             def micro_inputs(i: int, micro: torch.Tensor):
@@ -255,7 +256,7 @@ def update_forward(run: Run, epoch: int, forward_loss, traj, groups: GroupAdvant
                             kl_guidance=kl_guidance, rows_per_unit=rows_per_unit,
                             kl_weights=forward_loss.kl_weights(clipped[rows[:, 0]], run.beta),
                             reference=run.kl_reference)  # DPO's refreshed reference, else the base model
-                        accelerator.backward(loss_sum * world / max(weight, 1.0))
+                        accelerator.backward(loss_sum * shards.gradient_scale / max(weight, 1.0))
 
             def log_ratios() -> torch.Tensor:
                 """[pairs] the chunk's implicit log-ratios to the old adapter, at the noise its update uses."""

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from accelerate.utils import gather_object
-
 from flowrl.rewards_api import TrainableReward
 from flowrl.training.lr import skip_scheduled_step
 
@@ -52,11 +50,11 @@ class RewardUpdates:
         due = {name: r for name, r in self.rewards.items() if r.updates_on(epoch)}
         if not due or traj.images is None:
             return metrics
-        accelerator = run.accelerator
+        shards = run.shards  # every row once: a context group's processes hold the same rows
         images, prompts, metadata = traj.images, list(traj.row_prompts), list(traj.row_metadata)
-        if accelerator.num_processes > 1:
-            images = accelerator.gather(images.to(accelerator.device)).cpu()  # [N_all, 3, H, W]
-            prompts, metadata = gather_object(prompts), gather_object(metadata)
+        if run.accelerator.num_processes > 1:
+            images = shards.gather(images.to(shards.device)).cpu()  # [N_all, 3, H, W]
+            prompts, metadata = shards.gather_object(prompts), shards.gather_object(metadata)
         for name, reward in due.items():
             metrics.update({f"reward/{name}/{key}": value for key, value in reward.update(images, prompts,
                                                                                            metadata).items()})

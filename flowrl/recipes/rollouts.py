@@ -42,15 +42,16 @@ def sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, noise_leve
     drawn from (seed, epoch, batch, process) (:func:`step_plan`), as Flow-GRPO-Fast draws one per sampling
     call; otherwise every batch uses ``plan``.
 
-    Prompts are sharded over processes and row seeds come from global row indices, so N processes reproduce one.
+    Prompts are sharded over data ranks (``run.shards``: a context group's processes sample the same rows) and row
+    seeds come from global row indices, so N data ranks reproduce one.
     A prompt's group_size rows are sampled on one process, in one batch, so a group-wise reward scores whole groups
     with no gather (``check_whole_groups`` holds it). With ``sampling.pilot.candidates`` the batches are allocated by
     Pilot-Commit (:func:`pilot_sample_and_score`). Returns (trajectory with rewards, time sampling ended, time scoring
     ended); it also carries ``rollouts_sampled`` (rollouts of every process this epoch, dropped pilot ones included)
     and ``sampling_metrics`` (``perf/*``). ``rollout_fn`` samples (None: :func:`rollout`; Pilot-Commit's is its own).
     """
-    cfg, accelerator, policy = run.cfg, run.accelerator, run.policy
-    s, rank, world = cfg.sampling, accelerator.process_index, accelerator.num_processes
+    cfg, policy = run.cfg, run.policy
+    s, rank, world = cfg.sampling, run.shards.process_index, run.shards.num_processes  # this data rank of data_world
     key = cfg.data.balance_by  # equal shares of each batch per metadata value (checked in load_prompt_splits)
     strata = [m[key] for m in run.train_prompts.metadata] if key else None
     if s.pilot.candidates:
@@ -121,8 +122,8 @@ def normalising_groups(run: Run, traj, all_groups: torch.Tensor) -> tuple[torch.
     names, subgroups = run.cfg.model.preference.rewards, preference_subgroups(run)
     if not names:
         return all_groups, run.weights
-    accelerator = run.accelerator
-    slots = accelerator.gather((traj.prompt_ids % subgroups).to(accelerator.device)).cpu()  # [N_all] entry p*S+s -> s
+    shards = run.shards
+    slots = shards.gather((traj.prompt_ids % subgroups).to(shards.device)).cpu()  # [N_all] entry p*S+s -> s
     ids = subgroup_ids(all_groups, slots, subgroups)
     unique, inverse = torch.unique(ids, return_inverse=True)
     w = draw_preferences(run.cfg.seed, unique // subgroups, len(names), unique % subgroups)[inverse]  # [N_all, K]
@@ -145,8 +146,8 @@ def pilot_sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, nois
     had), ``perf/pilot_dropped`` (pilot rollouts not trained on) and ``perf/pilot_zero_std`` (the
     fraction of candidates whose pilot rewards did not vary).
     """
-    cfg, accelerator, policy = run.cfg, run.accelerator, run.policy
-    s, rank, world = cfg.sampling, accelerator.process_index, accelerator.num_processes
+    cfg, shards, policy = run.cfg, run.shards, run.policy
+    s, rank, world = cfg.sampling, shards.process_index, shards.num_processes  # this data rank of data_world
     candidates, pilot_size, commit_size = s.pilot.candidates, s.pilot.group_size, s.group_size - s.pilot.group_size
     settings = RolloutSettings(num_steps=s.num_steps, guidance_scale=run.guidance, noise_level=noise_level, kind=kind,
                                ode_solver=s.ode_solver, store_x0_preds=store_x0_preds, store_means=store_means)
@@ -198,8 +199,7 @@ def pilot_sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, nois
         parts.append(join_committed(pilot, commit, committed, group_ids))
     traj = concat_trajectories(parts)
     batches = cfg.train.batches_per_epoch
-    counts = accelerator.reduce(torch.tensor([skipped, flat], dtype=torch.float64, device=accelerator.device),
-                                "sum").cpu()
+    counts = shards.reduce(torch.tensor([skipped, flat], dtype=torch.float64, device=shards.device), "sum").cpu()
     traj.rollouts_sampled = (candidates * pilot_size + s.prompts_per_batch * commit_size) * batches * world
     traj.sampling_metrics = {"perf/rollouts_saved": float(counts[0]) * commit_size,
                              "perf/pilot_dropped": float(counts[0]) * pilot_size,
@@ -208,24 +208,24 @@ def pilot_sample_and_score(run: Run, scorer, epoch: int, *, plan: StepPlan, nois
 
 
 class GroupAdvantages(NamedTuple):
-    """One epoch's advantages over whole groups, every process's rows gathered."""
+    """One epoch's advantages over whole groups, every row gathered once (one copy per context group)."""
 
     gathered: dict[str, torch.Tensor]  # {reward: [N_all]}
     advantages: torch.Tensor  # [N_all] combined, normalised per group (NaN where unscored)
     combined: torch.Tensor  # [N_all] the combined reward
-    local: slice  # this process's rows of N_all
+    local: slice  # this process's rows of N_all (its data rank's)
     all_groups: torch.Tensor  # [N_all] group ids
 
 
 def group_advantages(run: Run, traj, estimator) -> GroupAdvantages:
-    """Advantages over whole groups: gather every process's rewards, combine them, normalise per group."""
-    accelerator, t = run.accelerator, run.cfg.train
-    gathered = {k: accelerator.gather(v.to(accelerator.device)).cpu() for k, v in traj.rewards.items()}
-    all_groups = accelerator.gather(traj.group_ids.to(accelerator.device)).cpu()
+    """Advantages over whole groups: gather every row's rewards once, combine them, normalise per group."""
+    shards, t = run.shards, run.cfg.train
+    gathered = {k: shards.gather(v.to(shards.device)).cpu() for k, v in traj.rewards.items()}
+    all_groups = shards.gather(traj.group_ids.to(shards.device)).cpu()
     ids, weights = normalising_groups(run, traj, all_groups)
     advantages, combined = COMBINERS[t.combine]({key: gathered[key] for key in run.weights}, weights, ids,
                                                 lambda r, g: estimator(r, g, std_scope=t.std_scope))
-    rank = accelerator.process_index
+    rank = shards.process_index
     return GroupAdvantages(gathered, advantages, combined, slice(rank * traj.num_rows, (rank + 1) * traj.num_rows),
                            all_groups)
 

@@ -58,6 +58,7 @@ from flowrl.data.prompts import PromptSet
 from flowrl.training.ema import LoraEMA
 from flowrl.training.faults import FaultCounter
 from flowrl.training.metrics import MetricsLogger
+from flowrl.training.row_shards import RowShards
 
 
 class RowShaping(NamedTuple):
@@ -91,10 +92,15 @@ class Run:
     counters: dict[str, float] = field(default_factory=dict)
     extras: dict[str, Any] = field(default_factory=dict)  # name -> stateful extra (see the module docstring)
     exported_ema: LoraEMA | None = None  # what eval, the report, the export and ema.safetensors hold (None: ema)
+    # Which rows this process holds and how every row is gathered once (context groups hold one shard); None: one
+    # shard per process, the accelerator's own answers.
+    shards: RowShards | None = None
 
     def __post_init__(self):
         if self.exported_ema is None:
             self.exported_ema = self.ema
+        if self.shards is None:
+            self.shards = RowShards(self.accelerator)
 
     # --- the extras, as the checkpoint and the loop see them ----------------------------------------------------
     @property

@@ -82,15 +82,15 @@ class SdpoPairs:
     def backward(self, rows: torch.Tensor, stats: StatsAccumulator, *, on_policy: bool, transitions=None) -> None:
         """Accumulate one chunk's gradient: each of its pairs at the step its shuffled order puts at this chunk's
         position, the loss averaged over the pairs of every process; ``transitions`` is not used."""
-        run, accelerator, mask = self.run, self.run.accelerator, self.mask
+        run, accelerator, shards, mask = self.run, self.run.accelerator, self.run.shards, self.mask
         pairs, position = self.plan.popleft()
         columns = self.steps[pairs, position]  # [B] index into self.columns
         members = self.pairs[pairs]  # [B, 2]
         keep = torch.tensor([bool(mask[m, self.columns[c]].all()) for m, c in zip(members, columns.tolist())],
                             dtype=torch.bool)
         pairs, columns, members = pairs[keep], columns[keep], members[keep]
-        total = accelerator.reduce(torch.tensor(float(len(pairs)), device=accelerator.device), "sum").item()
-        scale = accelerator.num_processes / max(total, 1.0)
+        total = shards.reduce(torch.tensor(float(len(pairs)), device=shards.device), "sum").item()  # each pair once
+        scale = shards.gradient_scale / max(total, 1.0)
         per_batch = max(1, self.t.micro_batch_size // 2)
         work = []  # (pairs [b, 2], column, weight): every process makes as many model calls per column (FSDP
         for c in range(len(self.columns)):  # gathers weights in each), padding with a weight-0 pair

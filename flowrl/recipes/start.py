@@ -13,8 +13,11 @@ from tqdm.auto import tqdm
 from flowrl.config import Config, ConfigError, check, save_config
 from flowrl.core.context_parallel import (
     ContextLayout,
-    accelerator_missing,
+    build_mesh,
     check_context_plan,
+    check_heads,
+    device_refusal,
+    enable_context_parallel,
     latent_tokens,
 )
 from flowrl.data.prompts import prompts_per_batch
@@ -38,6 +41,7 @@ from flowrl.recipes.run import Run
 from flowrl.rewards_api import build_rewards
 from flowrl.training.ema import LoraEMA
 from flowrl.training.metrics import MetricsLogger
+from flowrl.training.row_shards import RowShards
 from flowrl.training.run_dir import check_run_dir, claim_run_dir
 
 
@@ -60,7 +64,7 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, extras: di
     sampling = cfg.sampling
     if sampling.groups_per_epoch is not None:  # a global epoch: this process's share, read by every step below
         try:
-            world, batches = accelerator.num_processes, cfg.train.batches_per_epoch
+            world, batches = layout.data_world, cfg.train.batches_per_epoch  # a context group samples one share
             sampling.prompts_per_batch = prompts_per_batch(sampling.groups_per_epoch, world_size=world,
                                                            batches_per_epoch=batches)
         except ValueError as error:
@@ -71,6 +75,8 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, extras: di
     t = cfg.train
     policy = build_training_policy(cfg, accelerator.device)
     check_context_parallel(cfg, layout, policy, device_type=accelerator.device.type)
+    if layout.enabled:  # after the LoRA is attached, before DDP / FSDP2 wrap the transformer
+        enable_context_parallel(policy.transformer, layout, build_mesh(layout, accelerator.device.type))
     check_eval_size(policy, cfg)
     params = policy.trainable_parameters()
     optimizer = build_optimizer(cfg, params, accelerator.device)
@@ -115,7 +121,7 @@ def start_run(cfg: Config, accelerator: Accelerator | None = None, *, extras: di
         eval_prompts=eval_prompt_set(cfg, test_prompts),
         test_set=stratified_prefix(test_prompts, cfg.log.test_prompts), logger=logger,
         guidance=cfg.sampling.guidance_scale if (t.cfg or policy.guidance_in_model) else 1.0, start_epoch=0,
-        exported_ema=eval_ema,
+        exported_ema=eval_ema, shards=RowShards(accelerator, layout),
     )
     for name, build in {**COMMON_EXTRAS, **(extras or {}), **LAST_EXTRAS}.items():
         extra = build(run)
@@ -155,21 +161,19 @@ def context_layout(cfg: Config, world: int) -> ContextLayout:
 
 def check_context_parallel(cfg: Config, layout: ContextLayout, policy, *, device_type: str) -> None:
     """With ``parallel.context`` on, the checks that need the built model, each one line: diffusers has a
-    context-parallel plan for the family's transformer, a row's latent tokens split evenly over a context group,
-    and there is an accelerator per process. The recipes do not yet give a context group's processes one row shard
-    (:meth:`ContextLayout.data_rank`) nor sum their partial gradients, so a run with it stops here with that line
-    rather than train on inconsistent rows."""
+    context-parallel plan for the family's transformer, the Ulysses degree divides its attention heads, a row's
+    latent tokens split evenly over a context group, and the processes' device runs the attention kind (ring needs
+    a GPU; Ulysses also runs on CPU processes over gloo)."""
     if not layout.enabled:
         return
     transformer = policy.transformer
     try:
-        check_context_plan(type(transformer), cfg.model.family)
+        check_context_plan(transformer, cfg.model.family)
+        check_heads(transformer, layout)
         patch = getattr(getattr(transformer, "config", None), "patch_size", None)
         layout.check_sequence(latent_tokens(policy.latent_shape(1), patch))
     except ValueError as error:
         raise ConfigError(str(error), key="parallel.context") from None
-    missing = accelerator_missing(device_type)
-    if missing:
-        raise ConfigError(missing, key="parallel.context")
-    raise ConfigError("parallel.context: the training recipes do not yet shard rows by context group (docs/scaling.md, "
-                      "section 8); set ulysses and ring to 1", key="parallel.context")
+    refusal = device_refusal(layout, device_type, next(transformer.parameters()).dtype)
+    if refusal:
+        raise ConfigError(refusal, key="parallel.context")

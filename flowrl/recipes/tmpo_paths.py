@@ -136,7 +136,7 @@ class TmpoPaths:
         """Accumulate the gradient of the mean group loss of the groups of ``rows`` (one optimizer step's chunk);
         ``transitions``, the recipe's per-transition update, is not used (unscored rows are left out by their
         reward)."""
-        run, t, accelerator = self.run, self.t, self.run.accelerator
+        run, t, accelerator, shards = self.run, self.t, self.run.accelerator, self.run.shards
         rows = rows[torch.isfinite(self.rewards[rows])]
         slots = self.index[rows].flatten().unique()
         if on_policy:
@@ -144,8 +144,8 @@ class TmpoPaths:
         else:
             current, current_means = self._edges(slots)
         groups = self.traj.group_ids.cpu()[rows]
-        weight = accelerator.reduce(torch.tensor(float(groups.unique().numel()), device=accelerator.device), "sum")
-        scale = accelerator.num_processes / max(float(weight), 1.0)
+        weight = shards.reduce(torch.tensor(float(groups.unique().numel()), device=shards.device), "sum")  # once
+        scale = shards.gradient_scale / max(float(weight), 1.0)
         paths = self._paths(current)
         advantages = self._targets(paths)  # [N], from the current path log-probs, as the release recomputes them
         dims = tuple(range(1, current_means.ndim))

@@ -68,11 +68,7 @@ def main(out: str, kind: str, device_type: str) -> None:
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl")
     else:
-        dist.init_process_group("gloo")
-        # diffusers' enable_parallelism picks the device index as rank % torch.accelerator.device_count(), which is
-        # 0 on a machine without an accelerator; this stand-in gives it cpu:0. The mesh, the gloo all-to-all and the
-        # attention are diffusers' and torch's own.
-        torch.accelerator.device_count = lambda: 1
+        dist.init_process_group("gloo")  # enable_context_parallel gives diffusers' device pick cpu:0 on CPU
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     dtype = torch.bfloat16 if kind == "ring" and device_type == "cuda" else torch.float32
     torch.manual_seed(0)

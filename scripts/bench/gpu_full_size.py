@@ -473,10 +473,43 @@ def context_parallel_section(out: Path | None) -> int:
             r = results[kind] = json.loads((Path(folder) / "rank0.json").read_text())
         lines.append(f"| {kind} | {gpus} | {r['dtype']} | {r['velocity']:.3g} | {r['log_prob']:.3g} | "
                      f"{r['grad_relative']:.3g} |")
+    lines += ["", context_parallel_training(gpus)]
     print("\n".join(lines))
     if out is not None:
         out.write_text(json.dumps({"context_parallel": results, "table": lines}, indent=1))
     return 0
+
+
+def context_parallel_training(gpus: int) -> str:
+    """Two epochs of GRPO on the tiny Wan smoke config with Ulysses 2 on 2 GPUs against 1 GPU without it, as
+    tests/training/test_context_parallel_training.py runs them on CPU processes: the largest relative difference
+    of the logged metrics and of the exported LoRA tensors."""
+    import subprocess
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    from flowrl.training.metrics import read_metrics
+
+    common = ["-m", "flowrl", "train", "configs/smoke/wan_tiny.yaml", "device=cuda", "train.epochs=2",
+              "log.progress=false", "log.eval_every=0", "log.report_prompts=0", "train.learning_rate=1e-2"]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", "0", "--multi_gpu",
+              "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    with tempfile.TemporaryDirectory() as folder:
+        runs = {"context": [*launch, *common, f"run_dir={folder}/context", "parallel.context.ulysses=2"],
+                "one": [sys.executable, *common, f"run_dir={folder}/one"]}
+        for name, command in runs.items():
+            proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                                  env={**os.environ, "CUDA_VISIBLE_DEVICES": "0,1" if name == "context" else "0"})
+            if proc.returncode:
+                return f"training with Ulysses 2 ({name} run) failed: {proc.stderr.strip().splitlines()[-1][:160]}"
+        metrics = [read_metrics(Path(folder) / name) for name in runs]
+        worst = max((abs(b[k] - a[k]) / max(abs(a[k]), 1e-6), k) for a, b in zip(*metrics[::-1]) for k in a
+                    if k != "step" and not k.startswith("perf/") and isinstance(a[k], float))
+        lora = [load_file(Path(folder) / name / "lora" / "pytorch_lora_weights.safetensors") for name in runs]
+        lora_diff = max(float((lora[0][k] - lora[1][k]).norm() / lora[1][k].norm().clamp(min=1e-12)) for k in lora[1])
+    return (f"GRPO training, Ulysses 2 on 2 GPUs vs 1 GPU (tiny Wan, 2 epochs): metrics max rel. diff {worst[0]:.3g} "
+            f"({worst[1]}), LoRA max rel. diff {lora_diff:.3g}")
 
 
 def main(argv=None) -> int:

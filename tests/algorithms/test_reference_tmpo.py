@@ -23,6 +23,7 @@ from flowrl.algorithms.tmpo import (
 from flowrl.config import Config, ConfigError, load_config
 from flowrl.sampling.epoch_plan import step_plan
 from flowrl.sampling.split_schedule import BetaSplitScheduler
+from flowrl.training.row_shards import RowShards
 
 SMOKE = "configs/smoke/sd3_tiny.yaml"
 
@@ -183,7 +184,7 @@ def test_path_update_counts_a_shared_edge_once_per_leaf_like_the_release(new_w, 
     policy = LinearPolicy(0.5)
     accelerator = Accelerator(cpu=True)
     run = SimpleNamespace(cfg=SimpleNamespace(sampling=SimpleNamespace(kind="cps"), train=train), policy=policy,
-                          accelerator=accelerator, guidance=1.0)
+                          accelerator=accelerator, shards=RowShards(accelerator), guidance=1.0)
     paths = TmpoPaths(run, traj, [0, 1], etas, rewards)  # the rollout pass at w = 0.5
     with torch.no_grad():
         policy.w.fill_(new_w)  # an update happened: the next chunk is off-policy

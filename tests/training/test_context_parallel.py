@@ -8,11 +8,13 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from flowrl.config import Config, ConfigError, load_config
 from flowrl.core.context_parallel import (
     ContextLayout,
-    accelerator_missing,
+    context_parallel_models,
+    device_refusal,
     has_context_plan,
     latent_tokens,
 )
@@ -71,6 +73,15 @@ def test_which_transformers_have_a_plan():
     assert not has_context_plan(SD3Transformer2DModel)
 
 
+def test_two_expert_wan_splits_both_experts():
+    from flowrl.models.wan_experts import WanExperts
+
+    experts = WanExperts(_tiny_wan(), _tiny_wan())
+    assert context_parallel_models(experts) == [experts.transformer, experts.transformer_2]
+    whole = _tiny_wan()
+    assert context_parallel_models(whole) == [whole]
+
+
 def _tiny_wan():
     from diffusers import WanTransformer3DModel
 
@@ -96,10 +107,17 @@ def test_start_up_checks_say_what_is_wrong_in_one_line():
     with pytest.raises(ConfigError, match="3 latent tokens per row do not split"):
         check_context_parallel(cfg, layout, odd, device_type="cpu")
     wan = SimpleNamespace(transformer=_tiny_wan(), latent_shape=lambda n: (n, 4, 2, 4, 4))
-    with pytest.raises(ConfigError, match="needs a GPU per process") as error:
-        check_context_parallel(cfg, layout, wan, device_type="cpu")
+    check_context_parallel(cfg, layout, wan, device_type="cpu")  # Ulysses runs on CPU processes (gloo)
+    ring = load_config(Config, SMOKE, ["parallel.context.ring=2"])
+    with pytest.raises(ConfigError, match="ring attention .* needs a GPU per process") as error:
+        check_context_parallel(ring, context_layout(ring, 2), wan, device_type="cpu")
     assert "\n" not in str(error.value)
-    assert accelerator_missing("cpu") is not None
+    assert device_refusal(ContextLayout(world=2, ring=2), "cuda", torch.bfloat16) is None
+    assert "set model.dtype bf16" in device_refusal(ContextLayout(world=2, ring=2), "cuda", torch.float32)
+    assert device_refusal(ContextLayout(world=2, ulysses=2), "cpu", torch.float32) is None
+    four = load_config(Config, SMOKE, ["parallel.context.ulysses=4"])
+    with pytest.raises(ConfigError, match="Ulysses degree 4 does not divide the 2 attention heads"):
+        check_context_parallel(four, context_layout(four, 4), wan, device_type="cpu")
     check_context_parallel(load_config(Config, SMOKE), context_layout(load_config(Config, SMOKE), 2), sd3,
                            device_type="cpu")  # off: nothing checked
 
