@@ -134,15 +134,19 @@ def test_export_loads_into_each_expert_in_plain_diffusers_and_back_into_flowrl(e
     torch.testing.assert_close(again, ours, rtol=0, atol=1e-5)
 
 
-def test_grpo_window_across_the_boundary_trains_both_experts(tmp_path, monkeypatch):
+@pytest.mark.parametrize("plan", [
+    ["sampling.window.size=2", "sampling.window.mode=fixed", "sampling.window.start_range=[1,1]"],
+    ["sampling.tree.branch_steps=[1,2]", "sampling.tree.branch_factor=2"],  # 4 leaves: the smoke group
+], ids=["window", "tree"])
+def test_grpo_window_and_tree_across_the_boundary_train_both_experts(tmp_path, monkeypatch, plan):
     captured = capture_training_policy(monkeypatch)
-    overrides = [f"run_dir={tmp_path}", "train.epochs=2", "log.progress=false", "log.eval_every=0",
-                 "sampling.window.size=2", "sampling.window.mode=fixed", "sampling.window.start_range=[1,1]"]
+    overrides = [f"run_dir={tmp_path}", "train.epochs=2", "log.progress=false", "log.eval_every=0", *plan]
     metrics = train(load_config(Config, "configs/smoke/wan22_t2v_tiny.yaml", overrides))
     assert math.isfinite(metrics["loss/total"]) and metrics["policy/onpolicy_ratio_maxdev"] < 1e-5
     lora_before, base_before = captured["before"]
     lora_after, base_after = lora_and_base(captured["policy"])
-    for expert in ("transformer.", "transformer_2."):  # step 1 is the high-noise expert's, step 2 the low's
+    for expert in ("transformer.", "transformer_2."):  # step 1 is the high-noise expert's, step 2 the low's;
+        # the tree branches at both, so its edges train both experts too
         assert any(not torch.equal(lora_before[n], lora_after[n]) for n in lora_before if n.startswith(expert))
     assert all(torch.equal(base_before[n], base_after[n]) for n in base_before)
     assert (tmp_path / "lora" / TRANSFORMER_2_WEIGHT_NAME).is_file()
