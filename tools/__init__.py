@@ -9,7 +9,7 @@ One-off measurements and benchmarks live in ``scripts/`` instead.
 - ``tools.family_parity``: the largest difference between flowrl's ODE rollout and each family's own pipeline.
 - ``tools.render_report``: render a ``flowrl eval`` report.html in headless Chromium and check what it shows.
 - ``tools.provenance_table``: the provenance tables of ``configs/README.md``.
-- ``tools.toy_four_prompts``: train on the four prompts of ``tests/toy/test_toy_rl.py``, count fixed and broken images.
+- ``tools.toy_short_rl``: train on the eight counting prompts of ``tests/toy/test_toy_rl.py`` (or another set), count fixed and broken images.
 - ``tools.behaviour_fingerprint``: a fingerprint of what flowrl computes, to compare before and after a refactor.
 
 Shared by these tools and by the tests, so kept here (tools never import ``tests``; tests import these):

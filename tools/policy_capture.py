@@ -1,6 +1,6 @@
 """Keep the policy a recipe builds, with a copy of its weights as built, so a test or a tool can inspect training.
 
-In tools/ because ``tools.toy_runs`` (and through it ``python -m tools.toy_four_prompts``) needs it, and tools must
+In tools/ because ``tools.toy_runs`` (and through it ``python -m tools.toy_short_rl``) needs it, and tools must
 not import the test suite; the tests import it from here."""
 
 import torch

@@ -18,11 +18,12 @@ from tools.toy_runs import ode_images, train_on_prompts
 
 PROMPTS = ("a red square", "a blue circle", "two green squares", "a yellow circle and a purple triangle")
 EVAL_SEEDS = list(range(7000, 7016))
+EPOCHS = 12  # enough for the drop asked: 18 epochs give no more, 30 about 0.29
 
 
 @pytest.mark.slow
 def test_proxy_grpo_collapses_background_diversity(tmp_path, monkeypatch):
-    policy, cfg, _ = train_on_prompts("configs/toy/grpo_proxy.yaml", PROMPTS, tmp_path, monkeypatch, epochs=30,
+    policy, cfg, _ = train_on_prompts("configs/toy/grpo_proxy.yaml", PROMPTS, tmp_path, monkeypatch, epochs=EPOCHS,
                                        overrides=["train.ema=false"])
     groups = torch.arange(len(PROMPTS)).repeat_interleave(len(EVAL_SEEDS))
 
@@ -33,6 +34,6 @@ def test_proxy_grpo_collapses_background_diversity(tmp_path, monkeypatch):
     with policy.reference():
         before = background_entropy()
     print(f"background entropy per prompt: {before:.3f} -> {after:.3f}")
-    # measured 0.696 -> 0.402 (30 epochs x 32 rollouts, ~110 s); the shipped 60-epoch config
-    # reaches 0.061 on 64 held-out prompts (scripts/toy_collapse.py)
+    # measured 0.686 -> 0.567 at 12 epochs x 32 rollouts (53 s, one thread), 0.565 at 18, 0.402 at 30; the
+    # shipped 60-epoch config reaches 0.061 on 64 held-out prompts (scripts/toy_collapse.py)
     assert after < before - 0.05, (before, after)

@@ -17,7 +17,7 @@ from flowrl.toy.detect import detect
 from rewards.toy_proxy import ToyProxy
 from rewards.toyeval import ToyEval
 from tests import REPO
-from tools.toy_runs import FOUR_PROMPTS
+from tools.toy_runs import COUNTING_PROMPTS, FOUR_PROMPTS
 
 RED_CIRCLE = {"task": "single_object", "objects": [{"shape": "circle", "color": "red", "count": 1}], "relation": None}
 
@@ -219,8 +219,8 @@ def test_default_split_holds_out_prompts_not_bindings():
     assert set(Counter(s for _, s in single).values()) == {4}  # each shape with four of eight colours
     counted = Counter(m["objects"][0]["count"] for _, m in held if m["task"] == "counting")
     assert counted == {2: 16, 3: 16}
-    for prompt in FOUR_PROMPTS:
-        assert prompt in dict(train)  # tests/toy/test_toy_rl.py trains on them
+    for prompt in (*COUNTING_PROMPTS, *FOUR_PROMPTS):
+        assert prompt in dict(train)  # tests/toy/test_toy_rl.py and the measured short runs train on them
     assert P.read_jsonl(REPO / "assets/prompts/toy/heldout.jsonl") == held
     assert P.read_jsonl(REPO / "assets/prompts/toy/train.jsonl") == train
 
