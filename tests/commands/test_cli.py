@@ -52,7 +52,8 @@ LOADING_BARS = ("Loading pipeline components", "Loading weights")  # diffusers' 
 @pytest.mark.slow  # a whole command in subprocesses, 10-20 s
 def test_train_without_a_config_runs_the_toy_world_with_its_own_bar_and_no_loading_bars(tmp_path):
     result = _flowrl("train", f"run_dir={tmp_path}", "train.epochs=1", "sampling.prompts_per_batch=2",
-                     "sampling.group_size=4", "log.eval_every=0", "log.report_prompts=2", "log.progress=true")
+                     "sampling.group_size=4", "log.eval_every=0", "log.report_prompts=2", "log.progress=true",
+                     "log.test_every=0", "log.eval_images_per_prompt=4")  # no held-out curve; a small report
     assert result.returncode == 0, result.stderr[-2000:]
     saved = (tmp_path / "config.yaml").read_text()
     assert "path: assets/toy" in saved and "toyeval" in saved
