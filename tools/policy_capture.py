@@ -38,8 +38,14 @@ def random_lora_policy(family: str, rank: int, alpha: float):
 
     policy = build_policy(family, "tiny", seed=0)
     policy.add_lora(rank=rank, alpha=alpha, init_seed=0)
-    generator = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for param in policy.trainable_parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    randomize_lora(policy, seed=3, scale=0.05)
     return policy
+
+
+@torch.no_grad()
+def randomize_lora(policy, seed: int = 1, scale: float = 0.1) -> None:
+    """Fill ``policy``'s trainable (LoRA) parameters with seeded normal values times ``scale``: an adapter far from
+    its zero init, so that it visibly changes the images an export check compares."""
+    generator = torch.Generator().manual_seed(seed)
+    for param in policy.trainable_parameters():
+        param.copy_(torch.randn(param.shape, generator=generator) * scale)

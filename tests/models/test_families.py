@@ -23,7 +23,7 @@ from flowrl.models import FAMILIES, build_policy, policy_class
 from flowrl.models.lora_io import load_lora_into, lora_config_dict, lora_state_dict, write_lora_files
 from flowrl.recipes.grpo import train
 from flowrl.sampling import RolloutSettings, rollout, sde_step
-from tools.policy_capture import capture_training_policy, lora_and_base
+from tools.policy_capture import capture_training_policy, lora_and_base, randomize_lora
 
 PROMPTS = ["a red circle", "two blue squares"]
 SEEDS = [11, 12, 13, 14]  # 2 prompts x group 2
@@ -107,10 +107,7 @@ def test_grpo_smoke_run_trains_the_lora_and_not_the_base(family, tmp_path, monke
 def test_exported_lora_gives_the_same_images_in_plain_diffusers(family, tmp_path):
     trained = build_policy(family, "tiny", seed=0)
     trained.add_lora(rank=4, alpha=8.0, init_seed=0)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # a LoRA far from its zero init, so that it visibly changes the images
-        for param in trained.trainable_parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    randomize_lora(trained)  # a LoRA far from its zero init, so that it visibly changes the images
     write_lora_files(tmp_path, lora_state_dict(trained.transformer), lora_config_dict(trained.transformer),
                      family=family, base_model="tiny", config_text=None, format="diffusers")
     plain = policy_class(family).tiny_pipeline(0)

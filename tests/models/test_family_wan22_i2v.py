@@ -20,6 +20,7 @@ from flowrl.models.lora_io import (
 from flowrl.models.wan22_i2v import Wan22I2VPolicy
 from flowrl.models.wan_i2v import WanI2VPolicy
 from flowrl.sampling import RolloutSettings, rollout
+from tools.policy_capture import randomize_lora
 
 PROMPTS = ["a red circle rolls", "a blue square spins"]
 SEEDS = [11, 12]
@@ -92,10 +93,7 @@ def test_export_of_the_low_noise_expert_loads_in_plain_diffusers_and_back(tmp_pa
     trained = build_policy("wan22_i2v", "tiny", seed=0)
     trained.add_lora(rank=4, alpha=8.0, init_seed=0, experts=["low"])
     assert all(n.startswith("transformer_2.") for n, _ in trained.named_trainable_parameters())
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in trained.trainable_parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    randomize_lora(trained)
     written = write_lora_files(tmp_path, lora_state_dict(trained.transformer), lora_config_dict(trained.transformer),
                                family="wan22_i2v", base_model="tiny", config_text=None, format="diffusers")
     assert {p.name for p in written} >= {TRANSFORMER_2_WEIGHT_NAME} and not (tmp_path / DIFFUSERS_WEIGHT_NAME).exists()

@@ -21,7 +21,7 @@ from flowrl.models.lora_io import (
 from flowrl.models.wan22_t2v import Wan22T2VPolicy
 from flowrl.recipes.grpo import train
 from flowrl.sampling import RolloutSettings, rollout
-from tools.policy_capture import capture_training_policy, lora_and_base
+from tools.policy_capture import capture_training_policy, lora_and_base, randomize_lora
 
 PROMPTS = ["a red circle", "two blue squares"]
 SEEDS = [11, 12]
@@ -105,10 +105,7 @@ def test_an_unknown_expert_is_a_one_line_config_error(tmp_path):
 def test_export_loads_into_each_expert_in_plain_diffusers_and_back_into_flowrl(experts, tmp_path):
     trained = build_policy("wan22_t2v", "tiny", seed=0)
     trained.add_lora(rank=4, alpha=8.0, init_seed=0, experts=experts)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in trained.trainable_parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    randomize_lora(trained)
     written = write_lora_files(tmp_path, lora_state_dict(trained.transformer), lora_config_dict(trained.transformer),
                                family="wan22_t2v", base_model="tiny", config_text=None, format="all")
     names = {p.name for p in written}
