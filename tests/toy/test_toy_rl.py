@@ -9,8 +9,8 @@ most often among its samples without being first. Two recipes are held to it:
 * DiffusionNFT, the main job's config (``configs/toy/nft.yaml``) at its own rate;
 * full-SDE GRPO at Flow-GRPO-like settings (``configs/toy/grpo.yaml`` as shipped: noise 0.7, KL 0.04, clip).
 
-Each asks a margin below every figure measured on seeds 0, 1, 2 at one torch thread (NFT 7.4-8.3, GRPO
-5.6-7.8 paired standard errors; assets/toy/README.md, "The learning tests").
+Each asks a margin below every figure measured on seeds 0, 1, 2 at one and two torch threads (NFT 7.4-8.3, GRPO
+4.4-8.3 paired standard errors; assets/toy/README.md, "The learning tests").
 
 Before and after are scored on the same seeds (common random numbers) with ODE sampling, so the comparison is
 paired: an image is "fixed" when it is wrong before and right after, "broken" the other way round. Under no
