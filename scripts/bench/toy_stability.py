@@ -24,23 +24,13 @@ import argparse
 import sys
 from pathlib import Path
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from main_job import KEY, change, run_seed  # noqa: E402  (a sibling script, not a package)
 
+from flowrl.config import Config, load_config  # noqa: E402
 from flowrl.training.metrics import read_metrics  # noqa: E402
 
 CURVE = "test/toyeval/task_mean"
-
-
-def setting(config: Path, section: str, key: str):
-    """``section.key`` of a config, following its ``base:`` chain (None when no config in the chain sets it)."""
-    data = yaml.safe_load(config.read_text()) or {}
-    value = (data.get(section) or {}).get(key)
-    if value is None and data.get("base"):
-        return setting(config.parent / data["base"], section, key)
-    return value
 
 
 def curve_at(run_dir: Path, epochs: list[int]) -> list[float]:
@@ -61,8 +51,8 @@ def main() -> None:
           "| 3x no lower |")
     print("|---|---|---|---|---|---|---|---|")
     for config in configs:
-        epochs = int(setting(config, "train", "epochs"))
-        own = setting(config, "log", "test_every") or 0
+        cfg = load_config(Config, config)  # the base: chain resolved, as flowrl train reads it
+        epochs, own = cfg.train.epochs, cfg.log.test_every
         test_every = own if own and epochs % own == 0 else epochs
         run_dir = Path("runs/bench_stability") / (f"{config.stem}-3x" + (f"-{args.tag}" if args.tag else ""))
         results, _ = run_seed(str(config), args.seed, run_dir,
