@@ -15,3 +15,12 @@ TWO_PROCESSES = [*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--num_mach
 def launch_with(*arguments: str) -> list[str]:
     """accelerate's launcher with ``arguments`` (e.g. ``--config_file FILE``) and a free port."""
     return [*ACCELERATE, *arguments]
+
+
+def launch_failure(stderr: str) -> str:
+    """What a failed launch's assertion shows: the lines where a rank said what went wrong (flowrl's one-line
+    ``error:``, an exception's last line), then the tail. torchrun's own traceback of the child that exited
+    fills the last 2000 characters otherwise, and hides which rank failed and why."""
+    said = [line for line in stderr.splitlines() if " error: " in line or line.startswith(("[rank", "Traceback"))
+            or line.split(":")[0].endswith(("Error", "Exception"))]
+    return "\n".join([*said[:20], "--- the last lines ---", stderr[-1500:]])

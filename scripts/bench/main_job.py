@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -40,8 +41,10 @@ def run_seed(config: str, seed: int, run_dir: Path, overrides: list[str]) -> tup
         return json.loads(report.read_text()), None
     command = [sys.executable, "-m", "flowrl", "train", config, f"seed={seed}", f"run_dir={run_dir}",
                "log.progress=false", *overrides]
-    if run_dir.exists():  # a run cut short: continue it rather than refuse
+    if any(run_dir.glob("checkpoints/step_*")):  # a run cut short: continue it rather than refuse
         command.append("train.resume=latest")
+    elif run_dir.exists():  # cut short before its first checkpoint: nothing to resume, start it again
+        shutil.rmtree(run_dir)
     start = time.perf_counter()
     subprocess.run(command, check=True)
     return json.loads(report.read_text()), time.perf_counter() - start

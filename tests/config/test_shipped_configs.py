@@ -19,7 +19,7 @@ from flowrl.commands.data import DATASETS
 from flowrl.config import Config, load_config
 from flowrl.data.prompts import load_prompts
 from tests import REPO
-from tests.two_processes import launch_with
+from tests.two_processes import launch_with, launch_failure
 
 ACCELERATE = sorted((REPO / "configs" / "accelerate").glob("*.yaml"))
 # training configs: not the accelerate launchers, provenance tables or reward service configs
@@ -251,6 +251,6 @@ def test_multi_cpu_file_starts_two_cpu_processes(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run([*launch_with("--config_file", str(REPO / "configs/accelerate/multi_cpu_2proc.yaml")),
                              str(script), str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.returncode == 0, launch_failure(result.stderr)
     for rank in (0, 1):
         assert (tmp_path / f"rank{rank}").read_text() == "2 MULTI_CPU cpu"

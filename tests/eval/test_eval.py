@@ -25,7 +25,7 @@ import torch
 import yaml
 
 from tests import REPO
-from tests.two_processes import TWO_PROCESSES
+from tests.two_processes import TWO_PROCESSES, launch_failure
 
 CONFIG = "configs/toy/nft.yaml"
 TOY_SUITE = REPO / "assets/benchmarks/toy_diversity.jsonl"
@@ -604,7 +604,7 @@ def test_two_processes_render_the_same_images_and_results_as_one(world, tmp_path
     proc = subprocess.run([*launcher, "-m", "flowrl", "eval", CONFIG, *_overrides(world), "--checkpoint",
                            f"trained={world.run}", "--out", str(tmp_path / "two")], cwd=REPO, capture_output=True,
                           text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == 0, launch_failure(proc.stderr)
     two = json.loads((tmp_path / "two" / "results.json").read_text())
     for label in ("base", "trained"):
         assert _pngs(tmp_path / "one" / "images" / label) == _pngs(tmp_path / "two" / "images" / label), label

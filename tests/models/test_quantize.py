@@ -27,7 +27,7 @@ from flowrl.models.quantize import check_quantize, is_quantized, quantized_tenso
 from flowrl.models.tiny import tiny_sd3_pipeline
 from flowrl.recipes.grpo import train
 from flowrl.training.metrics import read_metrics
-from tests.two_processes import TWO_PROCESSES
+from tests.two_processes import TWO_PROCESSES, launch_failure
 
 SMOKE = "configs/smoke/sd3_tiny.yaml"
 RUN = ["log.eval_every=0", "log.report_prompts=0", "log.progress=false", "train.epochs=2", "train.learning_rate=1e-2",
@@ -309,7 +309,7 @@ def test_two_ddp_processes_on_a_quantised_base_match_one(tmp_path):
         result = subprocess.run([*launcher, "-m", "flowrl", "train", *common, f"run_dir={tmp_path / run}",
                                  f"sampling.prompts_per_batch={batch}"], cwd=REPO, env=env, capture_output=True,
                                 text=True, timeout=600)
-        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.returncode == 0, launch_failure(result.stderr)
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     for a, b in zip(one, two, strict=True):
         for key in a:

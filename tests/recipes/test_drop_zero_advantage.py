@@ -19,7 +19,7 @@ from flowrl.recipes.grpo import train
 from flowrl.training.metrics import read_metrics
 from flowrl.training.stats import StatsAccumulator
 from tests import REPO
-from tests.two_processes import TWO_PROCESSES
+from tests.two_processes import TWO_PROCESSES, launch_failure
 from tools.policy_capture import capture_training_policy, lora_and_base
 
 REWARD = "rewards=[{name: 'tests.reward_fixtures:FlatOnSomePrompts'}]"
@@ -151,7 +151,7 @@ def test_two_processes_one_with_every_row_dropped_complete(tmp_path):
         os.killpg(launch.pid, signal.SIGKILL)
         launch.communicate()
         pytest.fail("the 2-process run hung: a process with no kept row left the all-reduce waiting")
-    assert launch.returncode == 0, stderr[-2000:]
+    assert launch.returncode == 0, launch_failure(stderr)
     (record,) = read_metrics(tmp_path / "run")
     assert record["policy/dropped_rows"] == 4  # rank 1's group; rank 0's trained
     assert math.isfinite(record["loss/total"]) and record["optim/grad_norm"] > 0

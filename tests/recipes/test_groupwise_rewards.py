@@ -13,7 +13,7 @@ from flowrl.config import Config, load_config
 from flowrl.recipes.grpo import train
 from tests import REPO
 from tests.advantage_capture import record_advantages
-from tests.two_processes import TWO_PROCESSES
+from tests.two_processes import TWO_PROCESSES, launch_failure
 
 GROUP_SIZE = 4
 COMMON = ["train.epochs=1", "log.progress=false", "log.eval_every=0", "log.report_prompts=0", "log.test_every=0",
@@ -68,7 +68,7 @@ def test_two_processes_score_whole_groups_where_they_were_sampled(tmp_path, poin
                f"run_dir={tmp_path / 'run'}", *COMMON, "sampling.prompts_per_batch=1", groupwise(seen)]
     result = subprocess.run(command, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
                             capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.returncode == 0, launch_failure(result.stderr)
     assert calls(seen) == [{"rows": GROUP_SIZE, "prompts": 1}] * 2  # a whole group on each process
     for rank in (0, 1):
         (record,) = torch.load(tmp_path / f"advantages_rank{rank}.pt", weights_only=True)

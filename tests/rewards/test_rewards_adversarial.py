@@ -27,7 +27,7 @@ from rewards.adversarial import (
     AdversarialReward, DiscriminatorHead, _decode, feature_tokens, patch_indices, per_prompt_similarity,
     seeded_generator, similarity,
 )
-from tests.two_processes import TWO_PROCESSES
+from tests.two_processes import TWO_PROCESSES, launch_failure
 
 SMOKE = "configs/smoke/sd3_tiny.yaml"
 
@@ -390,7 +390,7 @@ def test_two_processes_train_the_same_head_as_one(tmp_path):
                                   ([sys.executable], "one", "sampling.prompts_per_batch=4")):
         result = subprocess.run([*launcher, "-m", "flowrl", "train", *common, batch, f"run_dir={tmp_path / name}"],
                                 cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.returncode == 0, launch_failure(result.stderr)
     one, two_state = (trainer_state(tmp_path / n, 1)["reward_updates"]["adversarial"] for n in ("one", "two"))
     assert one["updates"] == two_state["updates"] == 2
     for name in one["head"]["params"]:

@@ -15,7 +15,7 @@ from flowrl.core.context_parallel import ContextLayout
 from flowrl.training.metrics import read_metrics
 from flowrl.training.row_shards import RowShards
 from tests import REPO
-from tests.two_processes import TWO_PROCESSES
+from tests.two_processes import TWO_PROCESSES, launch_failure
 
 
 class _Launch:
@@ -61,7 +61,7 @@ def _train(launcher: list[str], run_dir: Path, *overrides: str) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     result = subprocess.run([*launcher, "-m", "flowrl", "train", *COMMON, f"run_dir={run_dir}", *overrides], cwd=REPO,
                             env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, launch_failure(result.stderr)
 
 
 @pytest.mark.slow

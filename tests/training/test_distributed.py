@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from flowrl.training.metrics import read_metrics
 from tests import REPO
 from tests.checkpoint_asserts import assert_same_optimizer_state, assert_same_safetensors
-from tests.two_processes import TWO_PROCESSES, launch_with
+from tests.two_processes import TWO_PROCESSES, launch_with, launch_failure
 
 COMMON = ["configs/smoke/sd3_tiny.yaml", "train.epochs=2", "log.progress=false", "log.eval_every=0",
           "train.beta=0.04", "train.learning_rate=1e-2", "train.clip_range=0.2"]
@@ -21,7 +21,7 @@ def _run(launcher: list[str], run_dir: Path, *overrides: str) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     cmd = [*launcher, "-m", "flowrl", "train", *COMMON, f"run_dir={run_dir}", *overrides]
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.returncode == 0, launch_failure(result.stderr)
 
 
 @pytest.mark.slow
@@ -77,7 +77,7 @@ def test_fsdp2_two_processes_match_one_and_resume_exactly(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     result = subprocess.run([*FSDP2_CPU, "-m", "flowrl", "train", *COMMON, f"run_dir={two}", *overrides],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.returncode == 0, launch_failure(result.stderr)
     assert "FSDP2 over 2 processes: 30 of 30 LoRA tensors sharded" in result.stdout + result.stderr
     _run([sys.executable], one, *overrides)
 
@@ -116,7 +116,7 @@ def test_fsdp2_two_processes_match_one_and_resume_exactly(tmp_path):
     (resumed / "checkpoints" / "latest").write_text("step_000000\n")
     result = subprocess.run([*FSDP2_CPU, "-m", "flowrl", "train", *COMMON, f"run_dir={resumed}", *overrides,
                              "train.resume=latest"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.returncode == 0, launch_failure(result.stderr)
     assert _without_timings(read_metrics(resumed)) == _without_timings(metrics_two)
     assert_same_safetensors(two, resumed, ("checkpoints/step_000001/lora.safetensors",
                                            "checkpoints/step_000001/ema.safetensors",

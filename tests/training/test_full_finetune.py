@@ -15,7 +15,7 @@ from flowrl.cli import main
 from flowrl.training.metrics import read_metrics
 from tests import REPO
 from tests.checkpoint_asserts import assert_same_optimizer_state, assert_same_safetensors
-from tests.two_processes import launch_with
+from tests.two_processes import launch_with, launch_failure
 
 COMMON = ["configs/smoke/sd3_tiny.yaml", "log.progress=false", "log.eval_every=0", "train.beta=0.04",
           "train.learning_rate=1e-3", "model.trainable=full", "log.report_prompts=0"]
@@ -179,7 +179,7 @@ def test_two_processes_match_one(tmp_path, launcher):
     launch = [*launch_with(*LAUNCHERS[launcher]), "-m", "flowrl", "train"]
     result = subprocess.run([*launch, *COMMON, f"run_dir={tmp_path / 'two'}", *overrides], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.returncode == 0, launch_failure(result.stderr)
     if launcher == "fsdp2":
         assert "FSDP2 over 2 processes: 66 of 66 trained transformer tensors sharded" in result.stdout + result.stderr
     _train(tmp_path / "one", *overrides)
