@@ -15,6 +15,9 @@ once without guidance and once per ``--scales`` value, on the same seeds, and pr
 Run from the repository root:
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench/self_guidance_toy.py --prompts 16 --images 8
     (add ``--seeds 0 1 2`` for the 3-seed summary of docs/results.md)
+    ... --blocks 0 1 2 3 --steps 0,1 2,3 --scales 0.3        # which block and steps spread which attribute
+
+Each row is named by its blocks (``b``), guided steps (``s``) and scale (``x``).
 """
 
 from __future__ import annotations
@@ -56,8 +59,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16, help="held-out prompts drawn")
     parser.add_argument("--images", type=int, default=8, help="images per prompt (>= 2)")
     parser.add_argument("--scales", type=float, nargs="+", default=[0.1, 0.3], help="guidance scales to compare")
-    parser.add_argument("--blocks", type=int, nargs="+", default=[1])
-    parser.add_argument("--steps", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--blocks", type=_indices, nargs="+", default=[(1,)],
+                        help="the blocks whose features are spread, comma-separated; several sets: one row each")
+    parser.add_argument("--steps", type=_indices, nargs="+", default=[(0, 1)],
+                        help="the sampling steps guided, comma-separated; several sets: one row each")
     parser.add_argument("--iterations", type=int, default=30)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--manifold-mix", type=float, default=0.4)
@@ -69,9 +74,8 @@ def main() -> None:
         parser.error("self-guidance needs at least 2 images per prompt (--images >= 2)")
 
     held_out = load_prompts("assets/prompts/toy/heldout.jsonl")
-    print(f"{args.prompts} held-out prompts x {args.images} images per seed; blocks {args.blocks}, steps "
-          f"{args.steps}, {args.iterations} iterations, temperature {args.temperature:g}, "
-          f"manifold_mix {args.manifold_mix:g}")
+    print(f"{args.prompts} held-out prompts x {args.images} images per seed; {args.iterations} iterations, "
+          f"temperature {args.temperature:g}, manifold_mix {args.manifold_mix:g}")
     rows: dict[str, list[dict[str, float]]] = {}
     for seed in args.seeds:
         args.seed = seed
@@ -79,8 +83,9 @@ def main() -> None:
         prompts = held_out.subset(sorted(pick.tolist()))
         policy = build_policy("sd3", "assets/toy", max_sequence_length=1, seed=seed)
         settings = [("none", None)] + [
-            (f"scale {s:g}", SelfGuidance(s, tuple(args.blocks), tuple(args.steps), args.iterations,
-                                          args.temperature, args.manifold_mix)) for s in args.scales]
+            (f"b{_name(b)} s{_name(t)} x{s:g}", SelfGuidance(s, b, t, args.iterations, args.temperature,
+                                                             args.manifold_mix))
+            for b in args.blocks for t in args.steps for s in args.scales]
         print(f"seed {seed}")
         for name, guide in settings:
             rows.setdefault(name, []).append(measure(policy, prompts, args, guide))
@@ -88,14 +93,23 @@ def main() -> None:
     if len(args.seeds) > 1:
         print(f"mean +- s.e. over seeds {args.seeds}; change: paired with the same seed's 'none'")
         for name, runs in rows.items():
-            print(f"{name:<12}" + "".join(f"{k:>9} {mean_se([r[k] for r in runs])}" for k in runs[0]))
+            print(f"{name:<18}" + "".join(f"{k:>9} {mean_se([r[k] for r in runs])}" for k in runs[0]))
             if name != "none":
-                print(f"{'  change':<12}" + "".join(
+                print(f"{'  change':<18}" + "".join(
                     f"{k:>9} {mean_se([r[k] - b[k] for r, b in zip(runs, rows['none'])])}" for k in runs[0]))
 
 
+def _indices(text: str) -> tuple[int, ...]:
+    """``"0,1"`` -> ``(0, 1)``: one set of block or step indices."""
+    return tuple(int(i) for i in text.split(","))
+
+
+def _name(indices: tuple[int, ...]) -> str:
+    return ",".join(map(str, indices))
+
+
 def print_row(name: str, row: dict[str, float]) -> None:
-    print(f"{name:<12}" + "".join(f" {k}={row[k]:.4f}" for k in row))
+    print(f"{name:<18}" + "".join(f" {k}={row[k]:.4f}" for k in row))
 
 
 def mean_se(values: list[float]) -> str:
