@@ -23,4 +23,4 @@ def launch_failure(stderr: str) -> str:
     fills the last 2000 characters otherwise, and hides which rank failed and why."""
     said = [line for line in stderr.splitlines() if " error: " in line or line.startswith(("[rank", "Traceback"))
             or line.split(":")[0].endswith(("Error", "Exception"))]
-    return "\n".join([*said[:20], "--- the last lines ---", stderr[-1500:]])
+    return "\n".join([*said[-25:], "--- the last lines ---", stderr[-1500:]])

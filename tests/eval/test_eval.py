@@ -605,6 +605,9 @@ def test_two_processes_render_the_same_images_and_results_as_one(world, tmp_path
                            f"trained={world.run}", "--out", str(tmp_path / "two")], cwd=REPO, capture_output=True,
                           text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, launch_failure(proc.stderr)
+    # the processes joined one group and split the suite: the main one's bar counts its half of the 4 prompts
+    # (two processes that each rendered the whole suite would write the same files at once)
+    assert "eval trained (process 0's share, 2 processes)" in proc.stderr and "2/2" in proc.stderr, proc.stderr[-2000:]
     two = json.loads((tmp_path / "two" / "results.json").read_text())
     for label in ("base", "trained"):
         assert _pngs(tmp_path / "one" / "images" / label) == _pngs(tmp_path / "two" / "images" / label), label
