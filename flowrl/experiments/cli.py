@@ -33,7 +33,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("experiment", help="an experiment file, e.g. experiments/algorithms.yaml")
     p.add_argument("overrides", nargs="*", help="config overrides a.b=value for every run")
     p.add_argument("--seeds", type=parse_seeds, help="comma-separated run seeds (run directory NAME_sS)")
-    p.add_argument("--methods", "--combiners", nargs="+", help="the runs to train and tabulate (default: all)")
+    p.add_argument("--methods", "--combiners", nargs="+",
+                   help="the runs to train and tabulate, space- or comma-separated (default: all)")
     p.add_argument("--budget-s", "--budget", type=float, dest="budget_s", help="training time per run (s)")
     p.add_argument("--test-every", type=int, help="epochs between held-out points")
     p.add_argument("--test-prompts", type=int, help="held-out prompts")
@@ -67,6 +68,8 @@ def checked_overrides(overrides: Sequence[str]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_intermixed_args(argv)
+    if args.methods:  # "--methods a b" or "--methods a,b", as --seeds takes 0,1,2
+        args.methods = [name for item in args.methods for name in item.split(",") if name]
     try:
         experiment = load_experiment(args.experiment)
         flags = {k: v for k, v in vars(args).items()

@@ -149,6 +149,16 @@ def test_dry_run_lists_every_run_and_trains_nothing(tmp_path, monkeypatch, capsy
     assert "train.time_limit_s=180.0" in listed and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("methods", [["weighted", "gdpo"], ["weighted,gdpo"]])
+def test_methods_are_space_or_comma_separated(tmp_path, monkeypatch, capsys, methods):
+    monkeypatch.chdir(REPO)
+    assert main(["experiments/multi_reward.yaml", "--dry-run", "--seeds", "0", "--out", str(tmp_path),
+                 "--methods", *methods]) == 0
+    listed = capsys.readouterr().out
+    assert f"{tmp_path}/weighted_s0: to run" in listed and f"{tmp_path}/gdpo_s0: to run" in listed
+    assert "marble_s0" not in listed and "correlation_s0" not in listed
+
+
 def test_bad_flags_and_files_say_why_in_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(REPO)
     assert main(["experiments/guard.yaml", "--top", "2", "--dry-run"]) == 2
