@@ -78,8 +78,9 @@ def run_eval(config: str, overrides: list[str], checkpoints: list[str], out: str
 
     # under `accelerate launch` each process renders a share of the suite's batches; on a CPU machine accelerate
     # joins the processes into one gloo group only when asked for the CPU (as training's Accelerator is)
-    state = PartialState(cpu=resolve_device(cfg.device).type == "cpu")
-    device = state.device if state.num_processes > 1 else resolve_device(cfg.device)
+    configured = resolve_device(cfg.device)
+    state = PartialState(cpu=configured.type == "cpu")
+    device = state.device if state.num_processes > 1 else configured
     try:
         images = generate_all(cfg, suite, specs, out_dir, device, preference=slider,
                               shard=Shard(state.process_index, state.num_processes, state.wait_for_everyone))
@@ -183,7 +184,7 @@ def generate_all(cfg, suite, specs: list[EvalCheckpoint], out_dir: Path, device,
 
                     set_preference(policy, preference)
             _render_missing(policy, suite, todo, folder, cfg, base=checkpoint.is_base, label=checkpoint.label,
-                            settings=settings, rank=shard.rank if shard.world > 1 else None, processes=shard.world)
+                            settings=settings, shard=shard)
     shard.barrier()  # every process has written its images
     if shard.rank != 0:
         return {}
@@ -263,9 +264,9 @@ def cached_policy(cfg, suite, device):
 
 
 def _render_missing(policy, suite, todo: list[int], folder: Path, cfg, *, base: bool, label: str,
-                    settings: dict, rank: int | None = None, processes: int = 1) -> None:
+                    settings: dict, shard: Shard = Shard()) -> None:
     """Render the prompts ``todo`` (indices into the suite), ``eval.batch_prompts`` at a time, and write them;
-    ``rank``: one of ``processes``, whose manifest is ``manifest.<rank>.json`` (merged by the main one)."""
+    under several processes (``shard``) each writes ``manifest.<rank>.json``, merged by the main one."""
     import contextlib
 
     from safetensors.torch import save_file
@@ -278,13 +279,13 @@ def _render_missing(policy, suite, todo: list[int], folder: Path, cfg, *, base: 
     e, n = cfg.eval, cfg.eval.images_per_prompt
     folder.mkdir(parents=True, exist_ok=True)
     done = {k: v for k, v in _manifest_prompts(folder, settings).items() if int(k) not in todo}
-    manifest = folder / ("manifest.json" if rank is None else f"manifest.{rank}.json")
+    manifest = folder / ("manifest.json" if shard.world == 1 else f"manifest.{shard.rank}.json")
     steps = e.num_steps or cfg.sampling.num_steps
     guidance = cfg.sampling.guidance_scale if e.guidance_scale is None else e.guidance_scale
     guide = SelfGuidance.maybe(**cfg.sampling.self_guidance.settings())
     context = policy.reference() if base and policy.has_lora else contextlib.nullcontext()
-    share = f" (process 0's share, {processes} processes)" if processes > 1 else ""
-    bar = tqdm(total=len(todo), desc=f"eval {label}{share}", unit="prompt", disable=bool(rank))
+    share = f" (process 0's share, {shard.world} processes)" if shard.world > 1 else ""
+    bar = tqdm(total=len(todo), desc=f"eval {label}{share}", unit="prompt", disable=shard.rank > 0)
     with context, policy.sized(e.height, e.width, e.num_frames), bar:
         for chunk in _batches(todo, e.batch_prompts):  # consecutive suite indices: one rollout per batch
             images, latents = render(policy, suite.subset(chunk), images_per_prompt=n, num_steps=steps,
