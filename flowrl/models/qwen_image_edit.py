@@ -40,6 +40,7 @@ class QwenImageEditPolicy(QwenImagePolicy):
     default_guidance = 4.0  # QwenImageEditPipeline's true_cfg_scale default (the model card samples with 4.0)
     several_sources = False  # one source per prompt; Qwen-Image-Edit-Plus takes a list
     tiny_max_sequence_length = 128  # the tiny template's kept part, 4 vision tokens per source and the prompt
+    vae_area = VAE_IMAGE_SIZE  # px: the area a source is resized to before the VAE, the pipelines' 1024 x 1024
 
     @classmethod
     def tiny_pipeline(cls, seed: int = 0):
@@ -63,12 +64,12 @@ class QwenImageEditPolicy(QwenImagePolicy):
     def vae_input(self, image) -> torch.Tensor:
         """``[1, 3, H, W]`` in [-1, 1]: the source resized to the VAE area, then preprocessed (the Edit pipeline)."""
         processor = self.pipeline.image_processor
-        height, width = self.area_size(image, VAE_IMAGE_SIZE)
+        height, width = self.area_size(image, self.vae_area)
         return processor.preprocess(processor.resize(image, height, width), height, width)
 
     def condition_images(self, images: list):
         """What the text encoder's processor sees: the Edit pipeline hands it the source at the VAE size."""
-        height, width = self.area_size(images[0], VAE_IMAGE_SIZE)
+        height, width = self.area_size(images[0], self.vae_area)
         return self.pipeline.image_processor.resize(images[0], height, width)
 
     def pipeline_image(self, images: list):

@@ -10,7 +10,7 @@ The Plus pipeline is Qwen-Image-Edit's with two changes, and only those are here
 
 from __future__ import annotations
 
-from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import CONDITION_IMAGE_SIZE, VAE_IMAGE_SIZE
+from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import CONDITION_IMAGE_SIZE
 
 from flowrl.data.edit_sources import SOURCE_KEY
 from flowrl.models.qwen_image_edit import QwenImageEditPolicy
@@ -20,6 +20,7 @@ class QwenImageEditPlusPolicy(QwenImageEditPolicy):
     family = "qwen_image_edit_plus"
     pipeline_class_name = "QwenImageEditPlusPipeline"
     several_sources = True
+    condition_area = CONDITION_IMAGE_SIZE  # px: the area the text encoder sees each source at, 384 x 384
 
     @classmethod
     def tiny_pipeline(cls, seed: int = 0):
@@ -29,12 +30,12 @@ class QwenImageEditPlusPolicy(QwenImageEditPolicy):
 
     def vae_input(self, image):
         """``[1, 3, H, W]`` in [-1, 1]: the source preprocessed straight to the VAE area (the Plus pipeline)."""
-        height, width = self.area_size(image, VAE_IMAGE_SIZE)
+        height, width = self.area_size(image, self.vae_area)
         return self.pipeline.image_processor.preprocess(image, height, width)
 
     def condition_images(self, images: list) -> list:
         """Every source resized to the condition area (~384 x 384 px) for the text encoder, in order."""
-        return [self.pipeline.image_processor.resize(image, *self.area_size(image, CONDITION_IMAGE_SIZE))
+        return [self.pipeline.image_processor.resize(image, *self.area_size(image, self.condition_area))
                 for image in images]
 
     def pipeline_image(self, images: list) -> list:

@@ -2,6 +2,7 @@
 latents appended to the noisy tokens as the pipelines append them, the text read together with the sources,
 several sources for Plus, and the one-line errors of an editing prompt without its source."""
 
+import inspect
 import json
 import os
 
@@ -14,6 +15,7 @@ from flowrl.data.edit_sources import load_source_image
 from flowrl.data.prompts import load_prompts
 from flowrl.models import build_policy
 from flowrl.rewards_api import with_source_pixels
+from tests.models.conftest import SMALL_VAE_AREA
 
 
 @pytest.fixture(scope="module")
@@ -70,15 +72,31 @@ def test_plus_takes_several_sources_in_order(plus):
     meta = plus.example_metadata(1)
     images = [load_source_image(p) for p in meta[0]["source_image"]]
     cond = plus.encode(["put the circle in the square"], metadata=meta)
-    assert cond.image_latents.shape == (1, 2, 16, 32, 32)
-    theirs = _pipeline_source_tokens(plus, images, [(1024, 1024)] * 2)
-    ours = torch.cat([plus.pack(cond.image_latents[:, k]) for k in range(2)], dim=1)  # [1, 2 * 256, 64]
+    side = int(SMALL_VAE_AREA ** 0.5)  # px: the square sources at the suite's VAE area (tests/models/conftest.py)
+    assert cond.image_latents.shape == (1, 2, 16, side // 32, side // 32)
+    theirs = _pipeline_source_tokens(plus, images, [(side, side)] * 2)
+    ours = torch.cat([plus.pack(cond.image_latents[:, k]) for k in range(2)], dim=1)  # [1, 2 * Ss, 64]
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
     condition = [plus.pipeline.image_processor.resize(image, 384, 384) for image in images]
     text, _ = plus.pipeline.encode_prompt(prompt=["put the circle in the square"], image=condition, device="cpu")
     torch.testing.assert_close(cond.prompt_embeds[:, :text.shape[1]], text, rtol=0, atol=0)
     one = plus.encode(["put the circle in the square"], metadata=[{"source_image": meta[0]["source_image"][0]}])
     assert one.image_latents.shape[1] == 1 and one.prompt_mask.sum() < cond.prompt_mask.sum()  # "Picture 2: ..." too
+
+
+def test_the_source_areas_are_the_pipelines(monkeypatch):
+    """Outside the suite's small Plus area (tests/models/conftest.py, undone here) the policies resize sources as
+    the pipelines do: Edit to its inline 1024 x 1024, Plus to its module's VAE and condition areas."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
+
+    from flowrl.models.qwen_image_edit import QwenImageEditPolicy
+    from flowrl.models.qwen_image_edit_plus import QwenImageEditPlusPolicy
+
+    monkeypatch.undo()  # the conftest's fixture patched through this same monkeypatch
+    assert "calculate_dimensions(1024 * 1024," in inspect.getsource(pipeline_qwenimage_edit.QwenImageEditPipeline)
+    assert QwenImageEditPolicy.vae_area == 1024 * 1024
+    assert QwenImageEditPlusPolicy.vae_area == pipeline_qwenimage_edit_plus.VAE_IMAGE_SIZE == 1024 * 1024
+    assert QwenImageEditPlusPolicy.condition_area == pipeline_qwenimage_edit_plus.CONDITION_IMAGE_SIZE
 
 
 def test_an_edit_prompt_without_its_source_is_a_one_line_error(edit, plus):
