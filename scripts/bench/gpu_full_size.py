@@ -409,7 +409,7 @@ def bench_family(family: str, args, accelerator, clock: Clock, memory: Memory) -
             "with checkpointing on")
     policy.transformer.disable_gradient_checkpointing()
     zero_grad()
-    del traj, step_calls, one_step
+    traj = step_calls = one_step = None  # freed before the next stage (closures above hold these names)
     free_memory()
 
     # 4. Attention: one no-grad forward of the rollout batch, SDPA and xformers.
@@ -422,7 +422,7 @@ def bench_family(family: str, args, accelerator, clock: Clock, memory: Memory) -
                                                 memory))
     if flops_note:
         rows[0]["note"] += f"; {flops_note}"
-    del policy, bare, rollout_calls
+    policy = bare = rollout_calls = None  # freed before the next family (closures above hold these names)
     free_memory()
     return rows
 
@@ -447,7 +447,7 @@ def meta_flops(families, resolution: int | None) -> list[str]:
         lines.append(f"{LABELS[family]}: {params:,} params; {size} px; {call_rows(calls)} rows/trajectory/step; "
                      + ("flop count failed" if per_row is None else f"{per_row / 1e12:.3f} TFLOP per row forward"))
         print(lines[-1], flush=True)
-        del policy, tiny
+        policy = tiny = None  # freed before the next family (the flop-count closure holds the name)
     return lines
 
 
