@@ -5,6 +5,7 @@ each method's, every shipped experiment file names valid configs, and one tiny e
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 
@@ -252,6 +253,24 @@ def test_the_pareto_front_experiment_dry_runs(capsys):
     assert TABLES[exp.table](exp) is None
     out = capsys.readouterr().out
     assert out.count("python -m flowrl train") == 18 and "--preference w1,1-w1" in out
+
+
+def test_the_short_slider_experiment_reuses_the_fixed_runs_and_names_its_own_figure(capsys):
+    from flowrl.experiments.spec import load_experiment
+    from flowrl.experiments.tables import TABLES, front
+
+    long, short = load_experiment("experiments/pareto_front.yaml"), load_experiment("experiments/pareto_front_short.yaml")
+    assert short.params["slider"] == "slider_14" and short.params["figure"] == "results_front_14.png"
+    assert short.out == long.out  # the fixed-weight runs are found trained, not trained again
+    assert {name: run for name, run in short.runs.items() if name.startswith("fixed_")} == {
+        name: run for name, run in long.runs.items() if name.startswith("fixed_")}
+    assert front.is_slider_run(Path("out/slider_14_s2"), "slider_14")
+    assert not front.is_slider_run(Path("out/slider_14_s2"), "slider")
+    assert not front.is_slider_run(Path("out/slider_short_s0"), "slider")  # "slider_s" begins it: not the run
+    assert not front.is_slider_run(Path("out/slider_s2"), "slider_14")
+    short.dry_run = True
+    assert TABLES[short.table](short) is None
+    assert capsys.readouterr().out.count("python -m flowrl train") == 18
 
 
 def test_table_only_over_runs_never_trained_is_one_line(tmp_path, capsys):

@@ -9,9 +9,10 @@ config: ``w1 = weight of rewards[0] / (sum of both weights)``). All evaluations 
 ``eval_images`` images per prompt and the eval seeds, so every point is scored on the same images' seeds.
 
 Parameters: ``slider`` (the slider run's name; every other run is a fixed-weight one), ``points`` (the w1 values),
-``rewards`` (the two reward names, w1 weighing the first), ``eval_config``, ``eval_suite``, ``eval_images``.
+``rewards`` (the two reward names, w1 weighing the first), ``eval_config``, ``eval_suite``, ``eval_images``, and
+optionally ``figure`` (the plot's file name beside the results file; ``results_front.png`` by default).
 Columns: per w1, each reward's held-out task mean for the slider and for the fixed model of that weight; the plot
-puts both fronts in the plane of the two rewards (``results_front.png`` beside the results file).
+puts both fronts in the plane of the two rewards.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ SECTION = "ParetoSlider: one slider model against fixed-weight models"
 
 
 # The experiment-file keys this table reads, besides every table's (flowrl.experiments.tables.COMMON_KEYS).
-FILE_KEYS = frozenset({"compute", "eval_config", "eval_images", "eval_suite", "points", "rewards", "slider"})
+FILE_KEYS = frozenset({"compute", "eval_config", "eval_images", "eval_suite", "figure", "points", "rewards", "slider"})
 
 
 def trained_w1(run_dir: Path, rewards: list[str]) -> float:
@@ -69,10 +70,16 @@ def evaluate(p: dict, run_dir: Path, out: Path, w1: float | None) -> dict[str, f
     return {name: score(name) for name in p["rewards"]}
 
 
+def is_slider_run(run_dir: Path, slider: str) -> bool:
+    """Whether ``run_dir`` (``NAME_sSEED``) is a seed of the run named ``slider``: the whole name, so a slider
+    ``slider`` does not claim ``slider_14_s0``."""
+    return Path(run_dir).name.rsplit("_s", 1)[0] == slider
+
+
 def reader(p: dict):
     """``read(run_dir) -> {w1: {reward: score}}``: every point of a slider run, the one point of a fixed run."""
     def read(run_dir: Path) -> dict[float, dict[str, float]]:
-        if Path(run_dir).name.startswith(f"{p['slider']}_s"):
+        if is_slider_run(run_dir, p["slider"]):
             return {float(w1): evaluate(p, run_dir, Path(run_dir) / "front" / f"w{float(w1):.2f}", float(w1))
                     for w1 in p["points"]}
         w1 = trained_w1(run_dir, p["rewards"])
@@ -146,7 +153,7 @@ def make(exp: Experiment) -> str | None:
     found = fronts(results, p)
     text = table(found, p, exp.command)
     results_file = Path(p["results"])
-    image = results_file.parent / "results_front.png"
+    image = results_file.parent / p.get("figure", "results_front.png")
     plot(found, p, image)
     text = text + f"\nFronts: `{image}`.\n"
     replace_section(results_file, text, text.splitlines()[0])
