@@ -101,7 +101,7 @@ def fronts(results: dict[str, dict[int, dict]], p: dict) -> dict[str, dict[float
 def table(found: dict, p: dict, command: str) -> str:
     a, b = p["rewards"]
     prose = (f"One `{p['slider']}` model, trained with w drawn per prompt group, against one model per fixed "
-             f"weight, at equal total compute ({p['compute']}); every point scored on the held-out prompts of "
+             f"weight ({p['compute']}); every point scored on the held-out prompts of "
              f"`{p['eval_suite']}` x {p['eval_images']} ODE images with `flowrl eval` (the slider at "
              f"`--preference w1,1-w1`). w1 weighs {a}, 1 - w1 weighs {b}. {CELL_NOTE}")
     lines = table_head(f"## {p['section'] or SECTION}", command, prose,
