@@ -271,6 +271,10 @@ def test_the_short_slider_experiment_reuses_the_fixed_runs_and_names_its_own_fig
     short.dry_run = True
     assert TABLES[short.table](short) is None
     assert capsys.readouterr().out.count("python -m flowrl train") == 18
+    gdpo = load_experiment("experiments/pareto_front_gdpo.yaml")  # the same slider, fixed models on z-scores
+    assert gdpo.runs["slider_14"] == short.runs["slider_14"] and gdpo.out == long.out
+    fixed = [run for name, run in gdpo.runs.items() if name != "slider_14"]
+    assert len(fixed) == 5 and all("train.combine=gdpo" in run.overrides for run in fixed)
 
 
 def test_table_only_over_runs_never_trained_is_one_line(tmp_path, capsys):
