@@ -17,11 +17,13 @@ COMMON = ["configs/smoke/sd3_tiny.yaml", "train.epochs=2", "log.progress=false",
           "train.beta=0.04", "train.learning_rate=1e-2", "train.clip_range=0.2"]
 
 
-def _run(launcher: list[str], run_dir: Path, *overrides: str) -> None:
+def _run(launcher: list[str], run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """``flowrl train`` of the COMMON config under ``launcher``, asserted to succeed."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     cmd = [*launcher, "-m", "flowrl", "train", *COMMON, f"run_dir={run_dir}", *overrides]
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, launch_failure(result.stderr)
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +83,7 @@ def test_fsdp2_two_processes_match_one_and_resume_exactly(tmp_path, one_process_
 
     overrides = ["sampling.groups_per_epoch=4", "train.checkpoint_every=1"]
     two, one, resumed = tmp_path / "two", one_process_run, tmp_path / "resumed"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([*FSDP2_CPU, "-m", "flowrl", "train", *COMMON, f"run_dir={two}", *overrides],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, launch_failure(result.stderr)
+    result = _run(FSDP2_CPU, two, *overrides)
     assert "FSDP2 over 2 processes: 30 of 30 LoRA tensors sharded" in result.stdout + result.stderr
 
     # 1. Metrics: as the DDP test compares them (sums over two shards reorder float additions).
@@ -120,9 +119,7 @@ def test_fsdp2_two_processes_match_one_and_resume_exactly(tmp_path, one_process_
     shutil.rmtree(resumed / "checkpoints" / "step_000001")
     shutil.rmtree(resumed / "lora")
     (resumed / "checkpoints" / "latest").write_text("step_000000\n")
-    result = subprocess.run([*FSDP2_CPU, "-m", "flowrl", "train", *COMMON, f"run_dir={resumed}", *overrides,
-                             "train.resume=latest"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, launch_failure(result.stderr)
+    _run(FSDP2_CPU, resumed, *overrides, "train.resume=latest")
     assert _without_timings(read_metrics(resumed)) == _without_timings(metrics_two)
     assert_same_safetensors(two, resumed, ("checkpoints/step_000001/lora.safetensors",
                                            "checkpoints/step_000001/ema.safetensors",
