@@ -16,6 +16,12 @@ Two things are kept exact because the pipeline hard-codes them:
   split differently under the two, and a saved and reloaded pipeline must tokenize as the original;
 * the transformer's input has ``2 C + 1`` channels: the noisy latents, the conditioning latents and the mask.
 
+One thing is shrunk outside the components: the glyph length. The transformer's byT5 projection has a hidden width
+of 2048 whatever its input (diffusers writes the number in), so each glyph token costs about 8 MFLOP; at the
+pipeline's 256 tokens that was most of the tiny model's work. The builders set the pipeline's own
+``tokenizer_2_max_length`` to ``GLYPH_TOKENS``, so the pipeline's calls and flowrl's (which go through its
+``encode_prompt``) read the same length; a saved and reloaded pipeline is back at 256, still self-consistent.
+
 Weights are a pure function of ``seed`` (:func:`flowrl.models.tiny._seeded`); float32, eval mode, CPU.
 """
 
@@ -49,6 +55,7 @@ from flowrl.models.tiny_qwen import _CORPUS, QWEN_CHAT_TEMPLATE, QWEN_SPECIAL_TO
 TINY_HUNYUAN_VIDEO15_SIZE = 32  # px: 2x2 latents (x16 VAE), patch 1: 4 tokens a latent frame
 LATENT_CHANNELS = 8  # the released VAE has 32; the transformer takes 2 C + 1 = 17 channels
 TEXT_DIM, GLYPH_DIM, IMAGE_DIM = 32, 24, 16  # Qwen2.5-VL hidden, byT5 d_model, SigLIP hidden
+GLYPH_TOKENS = 32  # byT5 tokens a prompt; the pipeline's 256 (``tokenizer_2_max_length``), shortened: see below
 SHIFT = 5.0  # the 480p checkpoints' flow shift (UniRL's HunyuanVideo-1.5 recipe samples with shift 5.0)
 GUIDANCE = 6.0  # the released guider's guidance_scale
 TOKENIZER_VOCAB = 1024  # above the corpus' 708 entries: every merge (see the module docstring)
@@ -128,6 +135,7 @@ def _components(seed: int, task_type: str) -> dict:
 def tiny_hunyuan_video15_pipeline(seed: int = 0) -> HunyuanVideo15Pipeline:
     """HunyuanVideo-1.5 text-to-video layout with tiny random weights."""
     pipeline = HunyuanVideo15Pipeline(**_components(seed, "t2v"))
+    pipeline.tokenizer_2_max_length = GLYPH_TOKENS
     pipeline.set_progress_bar_config(disable=True)
     return pipeline
 
@@ -142,5 +150,6 @@ def tiny_hunyuan_video15_i2v_pipeline(seed: int = 0) -> HunyuanVideo15ImageToVid
         **_components(seed, "i2v"), image_encoder=image_encoder,
         feature_extractor=SiglipImageProcessor(size={"height": 28, "width": 28}),
     )
+    pipeline.tokenizer_2_max_length = GLYPH_TOKENS
     pipeline.set_progress_bar_config(disable=True)
     return pipeline

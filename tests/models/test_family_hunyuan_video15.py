@@ -65,7 +65,7 @@ def test_glyph_text_rides_in_the_pooled_slot_as_the_pipeline_encodes_it(t2v):
     cond = t2v.encode(['a sign that reads "OPEN"', "a red circle"], negative=False)
     _, mask, glyph, glyph_mask = t2v.pipeline.encode_prompt(['a sign that reads "OPEN"', "a red circle"],
                                                             device="cpu", batch_size=2)
-    stored = cond.pooled_prompt_embeds.unflatten(1, (256, -1))  # [B, 256, D2]
+    stored = cond.pooled_prompt_embeds.unflatten(1, (t2v.pipeline.tokenizer_2_max_length, -1))  # [B, 32, D2]
     assert glyph_mask[0].sum() > 0 and glyph_mask[1].sum() == 0  # only quoted text reaches byT5
     # to GEMM rounding: flowrl encodes in chunks of TEXT_CHUNK prompts, this call two
     torch.testing.assert_close(stored[0][glyph_mask[0].bool()], glyph[0][glyph_mask[0].bool()], rtol=0, atol=1e-6)
