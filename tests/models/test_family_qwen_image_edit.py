@@ -42,9 +42,10 @@ def test_edit_source_latents_and_text_are_the_pipelines(edit):
     meta = edit.example_metadata(1)
     image = load_source_image(meta[0]["source_image"])
     cond = edit.encode(["make it blue"], metadata=meta)
-    assert cond.image_latents.shape == (1, 1, 16, 32, 32)  # a 64 px square source goes to 1024 px: 32 x 32 latents (x32)
-    resized = edit.pipeline.image_processor.resize(image, 1024, 1024)
-    theirs = _pipeline_source_tokens(edit, [resized], [(1024, 1024)])
+    # a 64 px square source goes to the VAE area's square (128 px in the suite, conftest.py): 4 x 4 latents (x32)
+    assert edit.area_size(image, edit.vae_area) == (128, 128) and cond.image_latents.shape == (1, 1, 16, 4, 4)
+    resized = edit.pipeline.image_processor.resize(image, 128, 128)
+    theirs = _pipeline_source_tokens(edit, [resized], [(128, 128)])
     torch.testing.assert_close(edit.pack(cond.image_latents[:, 0]), theirs, rtol=0, atol=1e-6)
     text, _ = edit.pipeline.encode_prompt(prompt=["make it blue"], image=resized, device="cpu")
     torch.testing.assert_close(cond.prompt_embeds[:, :text.shape[1]], text, rtol=0, atol=0)
@@ -65,7 +66,8 @@ def test_the_velocity_runs_noisy_then_source_tokens_with_one_grid_each(edit, mon
     monkeypatch.setattr(edit.transformer, "forward", spy)
     v = edit.velocity(edit.init_noise(1, torch.Generator().manual_seed(0)), 0.5, cond, 1.0)
     assert v.shape == edit.latent_shape(1)
-    assert seen["tokens"] == (1, 1 + 16 * 16, 64) and seen["shapes"] == [[(1, 1, 1), (1, 16, 16)]]
+    # one noisy token (32 px), then the 128 px source's 4 x 4 latents in 2 x 2 patches
+    assert seen["tokens"] == (1, 1 + 2 * 2, 64) and seen["shapes"] == [[(1, 1, 1), (1, 2, 2)]]
 
 
 def test_plus_takes_several_sources_in_order(plus):
@@ -85,7 +87,7 @@ def test_plus_takes_several_sources_in_order(plus):
 
 
 def test_the_source_areas_are_the_pipelines(monkeypatch):
-    """Outside the suite's small Plus area (tests/models/conftest.py, undone here) the policies resize sources as
+    """Outside the suite's small Edit and Plus areas (tests/models/conftest.py, undone here) the policies resize sources as
     the pipelines do: Edit to its inline 1024 x 1024, Plus to its module's VAE and condition areas."""
     from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
 
