@@ -186,3 +186,32 @@ def load_adapter(policy, checkpoint: EvalCheckpoint) -> None:
         install_preference(policy, *slider)
     else:
         remove_preference(policy)
+
+
+def trained_reward_states(specs: list[EvalCheckpoint]) -> tuple[dict[str, dict], Path | None]:
+    """The state of each reward that trained during a run (Adv-GRPO's discriminator), as its checkpoint saved it:
+    ``({reward name: state}, the checkpoint it came from)``, or ``({}, None)``.
+
+    A trained reward built from the config alone is its untrained head, whose scores mean nothing; the run's own
+    reward is in the ``reward_updates`` entry of a checkpoint's trainer state. The last checkpoint listed that holds
+    one gives it (a run directory or its ``lora/`` export: that run's latest checkpoint), so every checkpoint
+    evaluated, the base too, is scored by one and the same head."""
+    import json
+
+    from flowrl.training.checkpoint import is_checkpoint, resolve_checkpoint
+
+    for checkpoint in reversed(specs):
+        if checkpoint.is_base:
+            continue
+        path = checkpoint.path if is_checkpoint(checkpoint.path) else None
+        if path is None and checkpoint.path.name == "lora":  # RUN_DIR/lora: the run's latest checkpoint
+            try:
+                path = resolve_checkpoint(checkpoint.path.parent)
+            except FileNotFoundError:
+                continue
+        if path is None:
+            continue
+        states = json.loads((path / "trainer_state.json").read_text()).get("reward_updates")
+        if states:
+            return states, path
+    return {}, None

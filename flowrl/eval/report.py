@@ -220,6 +220,10 @@ def write_eval_report(out_dir: Path, results: dict, suite: PromptSet, images: di
     if results.get("not_measured"):
         notes.append(f"Not measured (no model configured): {', '.join(results['not_measured'])} "
                      "(set eval.style_model / eval.identity_features).")
+    for name, source in results.get("trained_reward_states", {}).items():
+        notes.append(f"{name} trains during a run: scored for every checkpoint by the state saved in {source}."
+                     if source else f"{name} trains during a run and no checkpoint evaluated holds its state: "
+                     "left out (evaluate a checkpoint directory, or a run directory with checkpoints).")
     if results.get("unreliable"):
         notes.append(f"Unreliable: {', '.join(results['unreliable'])} (fewer images than feature dimensions).")
     sections.append(("Reading the metrics", f"<ul>{reading}</ul>" + "".join(f"<p class='note'>{html.escape(t)}</p>"

@@ -361,6 +361,7 @@ def score_all(cfg, suite, specs: list[EvalCheckpoint], images: dict[str, tuple],
 
     e, n = cfg.eval, cfg.eval.images_per_prompt
     rewards, weights = build_rewards(cfg.rewards, device) if cfg.rewards else ([], {})
+    rewards, reward_states = with_trained_states(rewards, specs)
     trained = {k for k, w in weights.items() if w != 0}
     features = build_feature_network(e.features, **e.feature_kwargs)
     fid_network = (build_feature_network(e.fid_features or e.features, **(e.fid_feature_kwargs or e.feature_kwargs))
@@ -411,7 +412,34 @@ def score_all(cfg, suite, specs: list[EvalCheckpoint], images: dict[str, tuple],
         "paired": {label: paired_reward_changes(per_image[base], scores, trained, row_task)
                    for label, scores in per_image.items() if label != base},
         "not_measured": sorted(not_measured), "unreliable": sorted(unreliable),
+        "trained_reward_states": reward_states,
     }
+
+
+def with_trained_states(rewards: list, specs: list[EvalCheckpoint]) -> tuple[list, dict[str, str | None]]:
+    """``rewards`` with each reward that trains during a run (:class:`~flowrl.rewards_api.TrainableReward`) given
+    the state its run saved (:func:`~flowrl.eval.checkpoints.trained_reward_states`), or left out where no
+    checkpoint evaluated holds one: its fresh head would score at random. -> (rewards, {name: the checkpoint whose
+    state scores it, or None where it was left out}); one line says which."""
+    from flowrl.eval.checkpoints import trained_reward_states
+    from flowrl.rewards_api import TrainableReward
+
+    if not any(isinstance(r, TrainableReward) for r in rewards):
+        return rewards, {}
+    states, source = trained_reward_states(specs)
+    kept, used = [], {}
+    for reward in rewards:
+        if isinstance(reward, TrainableReward):
+            if reward.name not in states:
+                used[reward.name] = None
+                tqdm.write(f"reward {reward.name}: left out, it trains during a run and no checkpoint evaluated "
+                           "holds its state (evaluate a checkpoint directory or a run directory with checkpoints)")
+                continue
+            reward.load_state_dict(states[reward.name])
+            used[reward.name] = str(source)
+            tqdm.write(f"reward {reward.name}: scored by the state saved in {source}, for every checkpoint")
+        kept.append(reward)
+    return kept, used
 
 
 def paired_reward_changes(base: dict[str, torch.Tensor], other: dict[str, torch.Tensor], trained: set[str],
