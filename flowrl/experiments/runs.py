@@ -5,7 +5,9 @@ Why one module: every experiment must agree on what a finished run is (else a re
 or, worse, reuse half a run).
 
 A run is finished when its ``done.json`` exists: written only after the training process exited cleanly,
-holding the training arguments it ran with. A directory without it was interrupted (or ran with other
+holding the training arguments it ran with and a digest of the config they resolved to (the file, its ``base:``
+chain and the overrides), so a run whose config file was edited since is trained again, not tabulated with its
+old settings (the weights a config names are not digested). A directory without it was interrupted (or ran with other
 arguments) and is started again: resumed with ``train.resume=latest`` where the experiment says its runs
 resume exactly (``resume: exact``: no wall-clock budget) and the directory holds a checkpoint, removed
 otherwise (``resume: restart``: a wall-clock budget resumed from a checkpoint would not be the uninterrupted
@@ -15,6 +17,7 @@ run's). Tables are built from the run directories alone, so a rerun's tables are
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -47,19 +50,39 @@ def seed_dir(out: Path, name: str, seed: int) -> Path:
     return Path(out) / f"{name}_s{seed}"
 
 
+def settings_digest(arguments: list[str]) -> str | None:
+    """A digest of the config ``arguments`` (the config file, then its overrides) resolve to, its ``run_dir``
+    left out; None where they do not load (the training run says why in its own log)."""
+    from flowrl.config import Config, load_config, to_dict
+
+    if not arguments:
+        return None
+    try:
+        data = to_dict(load_config(Config, arguments[0], arguments[1:]))
+    except (ValueError, OSError):
+        return None
+    data.pop("run_dir", None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def is_finished(run_dir: Path, arguments: list[str] | None = None) -> bool:
-    """Whether ``run_dir`` holds a run that ended cleanly (with ``arguments``, when given)."""
+    """Whether ``run_dir`` holds a run that ended cleanly (with ``arguments``, when given, and the config they
+    resolve to now, where its ``done.json`` recorded one)."""
     marker = Path(run_dir) / DONE
     if not marker.is_file():
         return False
-    return arguments is None or json.loads(marker.read_text()).get("arguments") == arguments
+    if arguments is None:
+        return True
+    done = json.loads(marker.read_text())  # a marker from before digests, or of a config that did not load: None
+    return done.get("arguments") == arguments and done.get("settings") in (None, settings_digest(arguments))
 
 
 def mark_finished(run_dir: Path, arguments: list[str], seconds: float) -> None:
     """Write ``done.json`` atomically (a kill mid-write leaves no marker, so the run counts as unfinished)."""
     marker = Path(run_dir) / DONE
     partial = marker.with_suffix(".tmp")
-    partial.write_text(json.dumps({"arguments": arguments, "seconds": round(seconds, 1)}, indent=1))
+    partial.write_text(json.dumps({"arguments": arguments, "settings": settings_digest(arguments),
+                                   "seconds": round(seconds, 1)}, indent=1))
     partial.replace(marker)
 
 

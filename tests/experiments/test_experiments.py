@@ -62,6 +62,23 @@ def test_finished_runs_are_skipped_and_interrupted_ones_cleared(tmp_path):
     assert found == {"done": {1: "done_s1"}}
 
 
+def test_a_run_whose_config_file_changed_since_is_trained_again(tmp_path):
+    """done.json holds a digest of the resolved config: the same arguments over an edited file (here the learning
+    rate it sets) no longer count as finished; an edit that resolves to the same settings (a comment) does."""
+    grpo = REPO / "configs/toy/grpo.yaml"
+    config = tmp_path / "child.yaml"
+    config.write_text(f"base: {grpo}\ntrain:\n  learning_rate: 0.001\n")
+    arguments, run_dir = [str(config), "seed=0"], seed_dir(tmp_path, "run", 0)
+    run_dir.mkdir()
+    mark_finished(run_dir, arguments, 1.0)
+    assert is_finished(run_dir, arguments)
+    config.write_text(f"# a comment\nbase: {grpo}\ntrain:\n  learning_rate: 0.001\n")
+    assert is_finished(run_dir, arguments)
+    config.write_text(f"base: {grpo}\ntrain:\n  learning_rate: 0.002\n")
+    assert not is_finished(run_dir, arguments) and is_finished(run_dir)  # finished, with other settings
+    assert prepare_run(run_dir, arguments, exact_resume=False) == [] and not run_dir.exists()
+
+
 def _curve(walls_means, base=0.3):
     """A held-out curve as the algorithms table reads one: the base point, then (wall-clock, task mean)s."""
     rest = {"diversity": 0.4, **dict.fromkeys(algorithms.TASKS, 0.5)}
