@@ -203,13 +203,14 @@ def trained_reward_states(specs: list[EvalCheckpoint]) -> tuple[dict[str, dict],
     for checkpoint in reversed(specs):
         if checkpoint.is_base:
             continue
-        path = checkpoint.path if is_checkpoint(checkpoint.path) else None
-        if path is None and checkpoint.path.name == "lora":  # RUN_DIR/lora: the run's latest checkpoint
+        if is_checkpoint(checkpoint.path):
+            path = checkpoint.path
+        elif checkpoint.path.name == "lora":  # RUN_DIR/lora: the run's latest checkpoint
             try:
                 path = resolve_checkpoint(checkpoint.path.parent)
             except FileNotFoundError:
                 continue
-        if path is None:
+        else:  # a LoRA file or adapter directory holds no trainer state
             continue
         states = json.loads((path / "trainer_state.json").read_text()).get("reward_updates")
         if states:
