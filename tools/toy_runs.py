@@ -10,7 +10,7 @@ import torch
 
 from flowrl.commands.train import recipe_train
 from flowrl.config import Config, load_config
-from flowrl.sampling import RolloutSettings, rollout
+from flowrl.sampling import RolloutSettings, chunked_rollout
 from flowrl.toy.prompts import train_prompts
 from tools.policy_capture import capture_training_policy
 
@@ -44,11 +44,28 @@ def train_on_prompts(config: str, prompts, tmp_path, monkeypatch, epochs: int, o
     return captured["policy"], cfg, [meta[p] for p in prompts]
 
 
+# Images per model call when sampling many seeds: on a CPU the toy transformer's activations for one 768-image call
+# (1536 rows with guidance) overflow the caches, and a call of 32 images is about twice as fast per image
+# (scripts/bench/toy_batch_size.py).
+EVAL_CHUNK = 32
+
+
+def eval_chunk(seeds_per_prompt: int) -> int:
+    """The rollout chunk nearest :data:`EVAL_CHUNK` that :func:`flowrl.sampling.chunked_rollout` accepts for groups of
+    ``seeds_per_prompt``: whole groups when they are smaller, else the largest divisor of the group not above it."""
+    if seeds_per_prompt <= EVAL_CHUNK:
+        return seeds_per_prompt * (EVAL_CHUNK // seeds_per_prompt)
+    return max(d for d in range(1, EVAL_CHUNK + 1) if seeds_per_prompt % d == 0)
+
+
 @torch.no_grad()
 def ode_images(policy, cfg, prompts, seeds) -> torch.Tensor:
-    """[len(prompts) * len(seeds), 3, H, W]: each prompt sampled on the same seeds, prompt-major."""
+    """[len(prompts) * len(seeds), 3, H, W]: each prompt sampled on the same seeds, prompt-major, in model calls of
+    about :data:`EVAL_CHUNK` images (each row's noise comes from its seed, so the chunking changes no image beyond
+    kernels' float rounding)."""
     ode = RolloutSettings(num_steps=cfg.sampling.num_steps, guidance_scale=cfg.sampling.guidance_scale, noise_level=0.0)
-    traj = rollout(policy, list(prompts), ode, group_size=len(seeds), seeds=list(seeds) * len(prompts))
+    traj = chunked_rollout(policy, list(prompts), ode, group_size=len(seeds), seeds=list(seeds) * len(prompts),
+                           chunk=eval_chunk(len(seeds)))
     return traj.images
 
 
