@@ -298,18 +298,16 @@ def test_two_ddp_processes_on_a_quantised_base_match_one(tmp_path):
     that): 2 gloo CPU processes under int8 give 1 process's metrics and LoRA on the same global batch, to the
     tolerance of tests/training/test_distributed.py."""
     import subprocess
-    import sys
 
     from tests import REPO
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     common = [SMOKE, *RUN, "model.quantize=int8", "train.beta=0.04", "train.clip_range=0.2"]
-    accelerate = TWO_PROCESSES
-    for launcher, run, batch in ((accelerate, "two", 2), ([sys.executable], "one", 4)):
-        result = subprocess.run([*launcher, "-m", "flowrl", "train", *common, f"run_dir={tmp_path / run}",
-                                 f"sampling.prompts_per_batch={batch}"], cwd=REPO, env=env, capture_output=True,
-                                text=True, timeout=600)
-        assert result.returncode == 0, launch_failure(result.stderr)
+    result = subprocess.run([*TWO_PROCESSES, "-m", "flowrl", "train", *common, f"run_dir={tmp_path / 'two'}",
+                             "sampling.prompts_per_batch=2"], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, launch_failure(result.stderr)
+    assert main(["train", *common, f"run_dir={tmp_path / 'one'}", "sampling.prompts_per_batch=4"]) == 0
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     for a, b in zip(one, two, strict=True):
         for key in a:

@@ -4,7 +4,6 @@ as the same config on one process does."""
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from flowrl.core.context_parallel import ContextLayout
+from flowrl.cli import main
 from flowrl.training.metrics import read_metrics
 from flowrl.training.row_shards import RowShards
 from tests import REPO
@@ -80,7 +80,7 @@ def test_ulysses_on_two_processes_trains_as_one_process(tmp_path, recipe):
     the gradient norm. Adam divides that factor out of the LoRA update, so the gradient norm is the check on it."""
     overrides = RECIPES[recipe]
     _train(TWO_PROCESSES, tmp_path / "context", "parallel.context.ulysses=2", *overrides)
-    _train([sys.executable], tmp_path / "one", *overrides)
+    assert main(["train", *COMMON, f"run_dir={tmp_path / 'one'}", *overrides]) == 0  # in this process
     one, context = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "context")
     assert len(one) == len(context) == 2
     for a, b in zip(one, context):

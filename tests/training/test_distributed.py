@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from flowrl.cli import main
 from flowrl.training.metrics import read_metrics
 from tests import REPO
 from tests.checkpoint_asserts import assert_same_optimizer_state, assert_same_safetensors
@@ -29,9 +30,11 @@ def _run(launcher: list[str], run_dir: Path, *overrides: str) -> subprocess.Comp
 @pytest.fixture(scope="module")
 def one_process_run(tmp_path_factory) -> Path:
     """One process sampling 4 prompts a batch, the global batch every two-process run below makes, with a
-    checkpoint each epoch for the FSDP2 test's comparison of checkpoint files (saving changes no number)."""
+    checkpoint each epoch for the FSDP2 test's comparison of checkpoint files (saving changes no number). It runs
+    in the test process: a launch would only add the imports' seconds."""
     run_dir = tmp_path_factory.mktemp("one") / "run"
-    _run([sys.executable], run_dir, "sampling.prompts_per_batch=4", "train.checkpoint_every=1")
+    assert main(["train", *COMMON, f"run_dir={run_dir}", "sampling.prompts_per_batch=4",
+                 "train.checkpoint_every=1"]) == 0
     return run_dir
 
 
