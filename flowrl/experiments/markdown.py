@@ -20,12 +20,13 @@ def table_head(title: str, command: str, prose: str, columns: list[str]) -> list
 
 
 def replace_section(path: Path, text: str, section: str) -> None:
-    """``text`` in place of the section titled ``section`` (to the next ``## `` heading), or appended."""
+    """``text`` in place of the section titled ``section`` (to the next ``## `` heading), or appended. A blank line
+    always follows the section, so a table that ends it does not run into the next heading."""
     path = Path(path)
     old = path.read_text() if path.exists() else ""
     pattern = re.compile(rf"^{re.escape(section)}\n.*?(?=^## |\Z)", re.S | re.M)
     if pattern.search(old):
-        new = pattern.sub(lambda _: text, old)
+        new = pattern.sub(lambda _: text.rstrip("\n") + "\n\n", old)
     else:
         new = (old.rstrip("\n") + "\n\n" if old.strip() else "") + text
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -301,3 +301,14 @@ def test_table_only_over_runs_never_trained_is_one_line(tmp_path, capsys):
     assert code == 2 and len(err.splitlines()) == 1
     assert "has no metrics.jsonl" in err and "--table-only" in err and "--tune-budget-s 0" in err
     assert not (tmp_path / "results.md").exists()
+
+
+def test_a_rewritten_section_keeps_a_blank_line_before_the_next_heading(tmp_path):
+    from flowrl.experiments.markdown import replace_section
+
+    path = tmp_path / "results.md"
+    path.write_text("## A\n\nold\n\n## B\n\nkept\n")
+    replace_section(path, "## A\n\n| x |\n|---|\n| 1 |\n", "## A")
+    assert path.read_text() == "## A\n\n| x |\n|---|\n| 1 |\n\n## B\n\nkept\n"
+    replace_section(path, "## B\n\nnew\n", "## B")  # the last section
+    assert path.read_text().endswith("| 1 |\n\n## B\n\nnew\n\n")
