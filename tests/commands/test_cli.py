@@ -7,6 +7,7 @@ import sys
 import pytest
 from PIL import Image
 
+from flowrl.cli import main
 from tests import REPO
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -25,16 +26,15 @@ def test_help_lists_the_planned_subcommands():
 
 
 def test_sample_writes_a_grid(tmp_path):
+    """In this process: the command's own lines are tested through subprocesses below."""
     out_file = tmp_path / "grid.png"
-    result = _flowrl("sample", "configs/smoke/sd3_tiny.yaml", "sampling.num_steps=2", "--prompt", "a cat",
-                     "--prompt", "a dog", "--num-per-prompt", "3", "--out", str(out_file))
-    assert result.returncode == 0, result.stderr
+    assert main(["sample", "configs/smoke/sd3_tiny.yaml", "sampling.num_steps=2", "--prompt", "a cat", "--prompt",
+                 "a dog", "--num-per-prompt", "3", "--out", str(out_file)]) == 0
     labelled = Image.open(out_file)  # rows labelled with their prompt, 64 px images enlarged to 128
     assert labelled.width > 3 * 128 and labelled.height > 2 * 128
     assert (tmp_path / "grid.txt").read_text() == "a cat\na dog\n"
-    result = _flowrl("sample", "configs/smoke/sd3_tiny.yaml", "sampling.num_steps=2", "--prompt", "a cat",
-                     "--prompt", "a dog", "--num-per-prompt", "3", "--out", str(out_file), "--raw")
-    assert result.returncode == 0, result.stderr
+    assert main(["sample", "configs/smoke/sd3_tiny.yaml", "sampling.num_steps=2", "--prompt", "a cat", "--prompt",
+                 "a dog", "--num-per-prompt", "3", "--out", str(out_file), "--raw"]) == 0
     # --raw: 2 rows x 3 columns of 64 px images with 2 px padding
     assert Image.open(out_file).size == (3 * 64 + 4 * 2, 2 * 64 + 3 * 2)
 
