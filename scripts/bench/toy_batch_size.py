@@ -28,7 +28,8 @@ from flowrl.toy.prompts import train_prompts
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, default=96, help="images per prompt (8 prompts); 96 is the toy learning tests' number")
+    parser.add_argument("--seeds", type=int, default=96,
+                        help="images per prompt (8 prompts); 96 is the toy learning tests' number")
     parser.add_argument("--chunks", type=int, nargs="+", default=[768, 192, 96, 48, 32, 16, 8])
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
