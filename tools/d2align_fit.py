@@ -29,7 +29,7 @@ from flowrl.rewards_api import build_reward
 from rewards.directional import fit_direction, save_direction
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*", help="config overrides a.b=value")
@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=8, help="images per prompt")
     parser.add_argument("--ridge", type=float, default=1e-3)
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     cfg = load_config(Config, args.config, args.overrides)
     reward = build_reward(args.reward, **json.loads(args.reward_kwargs))
     if not hasattr(reward, "embed_images"):

@@ -2,9 +2,6 @@
 correction's arithmetic and errors, and the fit finding ToyClip's built-in background bias."""
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,6 +12,7 @@ from flowrl.toy.world import Obj, Scene, render, to_tensor
 from rewards.directional import DirectionalCorrection, fit_direction, load_direction, save_direction
 from rewards.toy_clip import SLOTS, ToyClip
 from tests import REPO
+from tools import d2align_fit
 
 
 def scene_image(background: str, objects: list[tuple[str, str]]) -> torch.Tensor:
@@ -89,18 +87,17 @@ def background_contrast(direction: torch.Tensor) -> float:
 
 
 def fit_toy_clip(tmp_path, bias: float) -> tuple[torch.Tensor, dict]:
-    """tools.d2align_fit's direction for ToyClip with ``bias`` on 16 prompts x 4 images of the toy base."""
+    """tools.d2align_fit's direction for ToyClip with ``bias`` on 16 prompts x 4 images of the toy base, run in this
+    process (the command's own argument parsing; a launch would add seconds of imports)."""
     out = tmp_path / f"toy_clip_{bias}.safetensors"
-    result = subprocess.run([sys.executable, "-m", "tools.d2align_fit", "configs/toy/grpo_clip.yaml", "--reward",
-                             "toy_clip", "--reward-kwargs", json.dumps({"bias": bias}), "--prompts", "16", "--images",
-                             "4", "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stderr[-2000:]
+    d2align_fit.main(["configs/toy/grpo_clip.yaml", "--reward", "toy_clip", "--reward-kwargs",
+                      json.dumps({"bias": bias}), "--prompts", "16", "--images", "4", "--out", str(out)])
     return load_direction(out)
 
 
-@pytest.mark.slow  # two whole commands in subprocesses, 10-20 s each
-def test_the_fit_finds_toy_clips_background_bias_and_only_it(tmp_path):
+@pytest.mark.slow  # two fits, each sampling 64 images of the toy base
+def test_the_fit_finds_toy_clips_background_bias_and_only_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)  # the config's relative paths, as the command run from the repository root
     biased, meta = fit_toy_clip(tmp_path, 1.0)
     unbiased, _ = fit_toy_clip(tmp_path, 0.0)
     # The same base images, scored with and without the bias: the black background's fitted weight rises by
